@@ -1,0 +1,157 @@
+"""The `jaxinfer` command: parses flags, calls the library, hands output to `cli.render`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from cli import render
+
+app = typer.Typer(
+    help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_CONTEXT = 4096
+
+_debug = False
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    compile_cache: Optional[str] = typer.Option(
+        None,
+        "--compile-cache",
+        metavar="DIR",
+        help="Persistent XLA compilation cache (default: $JAXINFER_CACHE_DIR or ~/.cache/jaxinfer/xla; '' turns it off).",
+    ),
+) -> None:
+    global _debug
+    _debug = debug
+    from jaxinfer.runtime import enable_compilation_cache
+
+    enable_compilation_cache(compile_cache)
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        raise click.UsageError("give a prompt, or '-' to read it from stdin")
+    return prompt
+
+
+def _load(model: Path, dtype: str):
+    from jaxinfer.loading import load_model
+
+    with render.progress("loading weights") as progress:
+        return load_model(model, dtype, progress)
+
+
+@app.command()
+def run(
+    prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
+    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face model directory or a converted one."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Tokens to generate at most [default: generation_config.json's, else {DEFAULT_MAX_TOKENS}]."),
+    temp: Optional[float] = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy [default: the model's]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whose probability reaches p."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one."),
+    repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported]."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})]."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
+    show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings on stderr."),
+) -> None:
+    """Generate a continuation of PROMPT, streamed to stdout."""
+    from dataclasses import replace
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.generate import Generation
+
+    text = _read_prompt(prompt)
+    if not text.strip():
+        raise JaxinferError("the prompt is empty: give some text to continue")
+    for name, value in (("--max-tokens", max_tokens), ("--max-context", max_context)):
+        if value is not None and value < 1:
+            raise JaxinferError(f"{name} must be at least 1")
+    loaded = _load(model, dtype)
+    overrides = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    sampling = replace(loaded.sampling, **{k: v for k, v in overrides.items() if v is not None})
+    context = max_context or min(loaded.max_positions, DEFAULT_MAX_CONTEXT)
+    prompt_ids = loaded.tokenizer.encode(text)
+    if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
+        max_tokens = max(1, min(loaded.max_new_tokens or DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop))
+    try:
+        if json_output:
+            for _ in gen:
+                pass
+        else:
+            render.stream(gen)
+    except KeyboardInterrupt:
+        gen.interrupt()
+    result = gen.result()
+    if json_output:
+        render.print_json(json.dumps(result, ensure_ascii=False))
+    else:
+        render.end_stream()
+    if show_stats:
+        render.stats(result)
+    if result["finish_reason"] == "interrupted":
+        raise typer.Exit(130)
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="Hugging Face model directory."),
+    destination: Path = typer.Argument(..., help="New directory for the converted model."),
+    dtype: str = typer.Option("auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+) -> None:
+    """Convert a Hugging Face checkpoint to an orbax checkpoint (with its config and tokenizer)."""
+    import time
+
+    from jaxinfer.checkpoint import convert as convert_model
+
+    start = time.perf_counter()
+    with render.progress("converting") as progress:
+        out = convert_model(source, destination, dtype, progress)
+    render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
+
+
+def main() -> None:
+    """Console entry point: every failure is one line on stderr and a non-zero exit code."""
+    from jaxinfer.errors import JaxinferError
+
+    try:
+        code = app(standalone_mode=False)
+    except JaxinferError as e:
+        if _debug:
+            raise
+        render.error(str(e))
+        code = 1
+    except click.ClickException as e:
+        render.error(e.format_message())
+        code = e.exit_code
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        code = 130
+    except Exception as e:  # a bug, not bad input: still one line unless --debug
+        if _debug:
+            raise
+        render.error(f"unexpected {type(e).__name__}: {e} (run with --debug for the traceback)")
+        code = 1
+    sys.exit(code or 0)

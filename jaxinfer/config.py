@@ -1,0 +1,142 @@
+"""The model's static shape and behaviour, and the single translator from a Hugging Face config.json.
+
+`ModelConfig` is frozen and hashable: it is passed to jit as a static argument, so everything in it
+must be something that changes the compiled program.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxinfer.errors import JaxinferError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    # ("default",) | ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
+    rope_scaling: tuple = ("default",)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
+
+
+def _rope(d: dict) -> tuple[float, tuple]:
+    """(theta, scaling) from either the transformers-5 `rope_parameters` or the older keys."""
+    params = dict(d.get("rope_parameters") or {})
+    legacy = d.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, ("default",)
+    if kind == "linear":
+        return theta, ("linear", float(params["factor"]))
+    if kind == "llama3":
+        return theta, (
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+    raise JaxinferError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def _sliding_windows(d: dict, num_layers: int) -> tuple:
+    window = d.get("sliding_window")
+    if d.get("model_type") in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if d.get("model_type") in ("qwen2", "qwen3") and window is not None:
+            first = d.get("max_window_layers", num_layers)
+            layer_types = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise JaxinferError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """Translate a Hugging Face config.json dict; reject anything this runtime cannot honour."""
+    archs = d.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise JaxinferError(
+            f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise JaxinferError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    try:
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        layers = int(d["num_hidden_layers"])
+        theta, scaling = _rope(d)
+        attention_bias = bool(d.get("attention_bias", False))
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(d, layers),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise JaxinferError(f"config.json is missing or has a bad value for {e}") from None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with the checkpoint's scaling applied (as transformers does)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    kind = cfg.rope_scaling[0]
+    if kind == "linear":
+        return inv_freq / cfg.rope_scaling[1]
+    if kind == "llama3":
+        factor, low, high, old_len = cfg.rope_scaling[1:]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq

@@ -1,0 +1,183 @@
+"""The host side of generation: owns the device state, drives the two compiled phases, times them.
+
+Streaming is done by running the decode `while_loop` in chunks: each dispatch runs as many steps as
+fit in about `STREAM_INTERVAL_S` (measured on the previous chunk, passed as a traced value, so it never
+recompiles), then the new tokens come back to the host. This keeps host round-trips out of the loop
+body, puts tokens on screen within a fraction of a second, and lets Ctrl-C land between chunks
+(a running `while_loop` cannot be interrupted). scripts/bench_streaming.py measures its cost
+against one whole-request loop.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.decode import DecodeState, decode, prefill
+from jaxinfer.errors import JaxinferError
+from jaxinfer.kvcache import KVCache
+from jaxinfer.runtime import CompileReport, watch_compiles
+from jaxinfer.sampling import SamplerArrays, Sampling
+
+STREAM_INTERVAL_S = 0.05
+MIN_BUCKET = 16
+
+
+def prompt_bucket(n: int, max_context: int) -> int:
+    """Padded prompt length: the next power of two (≥ 16), capped by the cache, so prompts of
+    many lengths share one compiled prefill."""
+    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(max(n, 1)))), max_context)
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # prefill dispatch → first token on the host, compile excluded
+    decode_s: float = 0.0  # wall time of the decode loop after the first token, compile excluded
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    compile: CompileReport = field(default_factory=CompileReport)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s else 0.0
+
+    def itl_ms(self) -> dict[str, float]:
+        if not self.itl_s:
+            return {"mean": 0.0, "p50": 0.0, "p90": 0.0}
+        ms = sorted(1000 * s for s in self.itl_s)
+        return {"mean": statistics.fmean(ms), "p50": ms[len(ms) // 2], "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))]}
+
+    def as_dict(self) -> dict:
+        return {
+            "ttft_s": round(self.ttft_s, 6),
+            "prefill_tok_s": round(self.prefill_tok_s, 2),
+            "decode_tok_s": round(self.decode_tok_s, 2),
+            "itl_ms": {k: round(v, 4) for k, v in self.itl_ms().items()},
+            "compile_s": round(self.compile.seconds, 4),
+            "compile_cache": self.compile.cache,
+        }
+
+
+@dataclass
+class TokenStream:
+    """Iterate to get the new token ids chunk by chunk; stopping early is just not iterating on.
+    Once it is exhausted, `finish_reason` is 'eos' or 'length' and `timings` is complete."""
+
+    seed: int
+    timings: Timings
+    finish_reason: str | None = None
+    chunks: Iterator[list[int]] = iter(())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.chunks
+
+
+class Engine:
+    """One model, one fixed-shape cache of `max_context` positions, batch 1."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...]):
+        self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
+        self._programs: dict[tuple, object] = {}  # compiled prefill per bucket, and decode
+        dtype = jax.tree.leaves(params)[0].dtype
+        self._state = DecodeState(
+            cache=KVCache.zeros(cfg, 1, max_context, dtype),
+            tokens=jnp.zeros((1, max_context), jnp.int32),
+            length=jnp.zeros((1,), jnp.int32),
+            limit=jnp.zeros((1,), jnp.int32),
+            done=jnp.ones((1,), bool),
+            seen=jnp.zeros((1, cfg.vocab_size), bool),
+            seeds=jnp.zeros((1,), jnp.int32),
+            sampler=SamplerArrays.from_settings([Sampling()]),
+            eos=jnp.asarray(eos_ids or (-1,), jnp.int32),
+        )
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens < 1:
+            raise JaxinferError("the prompt is empty: give some text to continue")
+        if max_tokens < 1:
+            raise JaxinferError("--max-tokens must be at least 1")
+        if prompt_tokens + max_tokens > self.max_context:
+            raise JaxinferError(
+                f"prompt ({prompt_tokens} tokens) + --max-tokens ({max_tokens}) exceeds the context of "
+                f"{self.max_context}; shorten the prompt, lower --max-tokens or raise --max-context"
+            )
+
+    def generate(
+        self, prompt: list[int], sampling: Sampling, max_tokens: int, seed: int | None = None, stream: bool = True
+    ) -> TokenStream:
+        """Start generating after `prompt`. `stream=False` runs the whole decode as one loop."""
+        self.check_fits(len(prompt), max_tokens)
+        seed = secrets.randbits(31) if seed is None else seed
+        result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)))
+        result.chunks = self._run(prompt, sampling, max_tokens, stream, result)
+        return result
+
+    def _run(self, prompt, sampling, max_tokens, stream, result: TokenStream) -> Iterator[list[int]]:
+        timings = result.timings
+        n = len(prompt)
+        bucket = prompt_bucket(n, self.max_context)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n] = prompt
+        padded = jnp.asarray(padded)
+        self._state = replace(
+            self._state,
+            limit=jnp.asarray([n + max_tokens], jnp.int32),
+            seeds=jnp.asarray([result.seed], jnp.int32),
+            sampler=SamplerArrays.from_settings([sampling]),
+        )
+        prompt_len = jnp.asarray([n], jnp.int32)
+        run_prefill = self._compiled(timings, ("prefill", bucket), prefill, self.params, self._state, padded, prompt_len, cfg=self.cfg, kv_len=bucket)
+        start = time.perf_counter()
+        self._state = run_prefill(self.params, self._state, padded, prompt_len)
+        tokens, length, done = self._fetch()
+        timings.ttft_s = time.perf_counter() - start
+        timings.generated_tokens = 1
+        yield [int(tokens[n])]
+
+        steps = jnp.int32(1 if stream else max_tokens)
+        run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, cfg=self.cfg)
+        while not done:
+            start = time.perf_counter()
+            self._state = run_decode(self.params, self._state, steps)
+            tokens, new_length, done = self._fetch()
+            elapsed = time.perf_counter() - start
+            made = new_length - length
+            timings.decode_s += elapsed
+            timings.itl_s += [elapsed / made] * made
+            timings.generated_tokens += made
+            if stream:  # size the next chunk to take about STREAM_INTERVAL_S
+                steps = jnp.int32(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))
+            yield [int(t) for t in tokens[length:new_length]]
+            length = new_length
+        result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids else "length"
+
+    def _compiled(self, timings: Timings, key: tuple, fn, *args, **static):
+        """The compiled program for `key`, built ahead of its first call so that compile time is
+        measured apart from TTFT and decode time (and read back from the persistent cache if there)."""
+        if key not in self._programs:
+            with watch_compiles() as report:
+                start = time.perf_counter()
+                self._programs[key] = fn.lower(*args, **static).compile()
+                report.seconds = time.perf_counter() - start
+            timings.compile.add(report)
+        return self._programs[key]
+
+    def _fetch(self) -> tuple[np.ndarray, int, bool]:
+        """Row 0's tokens, length and done flag (whole arrays: slicing on the device would dispatch
+        programs of its own)."""
+        tokens, length, done = jax.device_get((self._state.tokens, self._state.length, self._state.done))
+        return tokens[0], int(length[0]), bool(done[0])

@@ -1,0 +1,98 @@
+"""Text-level generation: prompt in, text pieces out, stop strings honoured, result and stats kept.
+
+Layered on `Engine` (token ids) the way the CLI, chat and batch all use it:
+    gen = Generation(model, engine, "The capital of France is", max_tokens=32)
+    for piece in gen: print(piece, end="")
+    gen.result()  # text, token ids, finish reason, seed, timings
+If iteration is cut short (Ctrl-C), `gen.interrupt()` records it; everything produced so far is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from jaxinfer.engine import Engine
+from jaxinfer.loading import LoadedModel
+from jaxinfer.sampling import Sampling
+from jaxinfer.tokenizer import StreamDecoder
+
+
+class StopStrings:
+    """Cuts the text stream at the first stop string. Text that could still become a stop string is
+    held back, so no stop string, nor a prefix of one split across tokens, ever reaches the output."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found)."""
+        self._held += text
+        hits = [i for i in (self._held.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            out, self._held = self._held[: min(hits)], ""
+            return out, True
+        keep = max((n for s in self._stops for n in range(1, len(s)) if self._held.endswith(s[:n])), default=0)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
+
+
+class Generation:
+    def __init__(
+        self,
+        model: LoadedModel,
+        engine: Engine,
+        prompt: str | list[int],
+        sampling: Sampling | None = None,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        stream: bool = True,
+    ):
+        self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._tokens = engine.generate(self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream)
+        self._decoder = StreamDecoder(model.tokenizer, self.prompt_ids)
+        self._stops = StopStrings(stop)
+
+    def __iter__(self) -> Iterator[str]:
+        for chunk in self._tokens:
+            for token in chunk:
+                self.token_ids.append(token)
+                piece, stopped = self._stops.feed(self._decoder.push([token]))
+                if piece:
+                    self.text += piece
+                    yield piece
+                if stopped:
+                    self.finish_reason = "stop"
+                    return
+        piece, stopped = self._stops.feed(self._decoder.flush())
+        piece = piece if stopped else piece + self._stops.flush()
+        if piece:
+            self.text += piece
+            yield piece
+        self.finish_reason = "stop" if stopped else self._tokens.finish_reason
+
+    def interrupt(self) -> None:
+        self.finish_reason = "interrupted"
+
+    @property
+    def timings(self):
+        return self._tokens.timings
+
+    def result(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "seed": self._tokens.seed,
+            "timings": self.timings.as_dict(),
+        }

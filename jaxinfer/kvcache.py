@@ -1,0 +1,47 @@
+"""The preallocated, fixed-shape KV cache: one stacked array per K and V, passed in and returned.
+
+Its shape never changes, so decode compiles once per cache size; every jit that returns it donates it,
+so XLA updates it in place instead of copying gigabytes per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, KV, hd]
+    v: jax.Array  # [L, B, S, KV, hd]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
+        """Store k, v [B, T, KV, hd] at `positions` [B, T] of `layer`; positions ≥ S are dropped.
+
+        A scatter into the whole stacked array (not `cache[layer]` then `.at[layer].set`), so XLA
+        keeps the update in place.
+        """
+        rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
+        return KVCache(
+            k=self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+        )
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes one position takes across all layers (one sequence)."""
+        _, _, _, kv, hd = self.k.shape
+        return 2 * self.k.shape[0] * kv * hd * self.k.dtype.itemsize

@@ -1,0 +1,101 @@
+"""Open a model directory (Hugging Face safetensors or our orbax-converted form) into a ready model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from jaxinfer import weights
+from jaxinfer.config import ModelConfig, config_from_hf
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import Sampling
+from jaxinfer.tokenizer import Tokenizer
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    dtype: str  # storage (and compute) dtype of the weights
+    sampling: Sampling  # defaults from generation_config.json
+    eos_ids: tuple[int, ...]
+    max_new_tokens: int | None  # generation_config.json's, if it sets one
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise JaxinferError(f"{path} not found: is {path.parent} a model directory?")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JaxinferError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise JaxinferError(f"{path}: expected a JSON object")
+    return data
+
+
+def resolve_dtype(requested: str, config_json: dict) -> str:
+    """`auto` is the checkpoint's dtype, except that XLA CPU gets float32: bf16/fp16 weights at
+    batch 1 are converted to f32 on every call there, slower than storing f32 in the first place."""
+    if requested not in DTYPES:
+        raise JaxinferError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
+    if requested != "auto":
+        return requested
+    stored = weights.checkpoint_dtype(config_json) or "float32"
+    if stored not in DTYPES[1:] or jax.default_backend() == "cpu":
+        return "float32"
+    return stored
+
+
+def _eos_ids(config_json: dict, generation: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """As transformers' generate: generation_config.json first, then config.json, then the tokenizer."""
+    for source in (generation.get("eos_token_id"), config_json.get("eos_token_id"), tokenizer.eos_id):
+        if source is not None:
+            return tuple(source) if isinstance(source, list) else (int(source),)
+    return ()
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / ORBAX_DIR).is_dir()
+
+
+def load_model(path: str | Path, dtype: str = "auto", progress: weights.ProgressFn | None = None) -> LoadedModel:
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise JaxinferError(f"model directory {model_dir} does not exist")
+    config_json = read_json(model_dir / "config.json")
+    cfg = config_from_hf(config_json)
+    generation = read_json(model_dir / "generation_config.json", required=False)
+    tokenizer = Tokenizer(model_dir)
+    chosen = resolve_dtype(dtype, config_json)
+    if is_converted(model_dir):
+        from jaxinfer.checkpoint import restore_params
+
+        params = restore_params(model_dir / ORBAX_DIR, weights.abstract_params(cfg, weights.np_dtype(chosen)))
+    else:
+        files = weights.safetensors_files(model_dir)
+        params = weights.read_safetensors(cfg, files, weights.np_dtype(chosen), progress)
+    return LoadedModel(
+        path=model_dir,
+        config=cfg,
+        params=params,
+        tokenizer=tokenizer,
+        dtype=chosen,
+        sampling=Sampling.from_generation_config(generation),
+        eos_ids=_eos_ids(config_json, generation, tokenizer),
+        max_new_tokens=generation.get("max_new_tokens"),
+    )

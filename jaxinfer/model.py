@@ -1,0 +1,106 @@
+"""The Llama-family transformer as pure functions over a parameter pytree.
+
+Covers Llama 2/3, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): they differ only in flags of
+`ModelConfig`. Weights keep the Hugging Face [out, in] layout (`x @ w.T`): the layout made no speed
+difference on XLA CPU, and keeping it makes loading a copy-free lookup.
+
+A Python loop over layers (not `lax.scan` over stacked weights): on XLA CPU a scan copies every
+layer's weights out of the stack before each matmul, which halves decode speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig, rope_inv_freq
+from jaxinfer.kvcache import KVCache
+
+Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """As transformers: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
+    """x [..., in] @ w [out, in].T (+ bias, when the checkpoint has one)."""
+    y = jnp.einsum("...i,oi->...o", x, layer[f"w{name}"])
+    bias = layer.get(f"b{name}")
+    return y if bias is None else y + bias
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers)."""
+    freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]  # [B, T, 1, hd]
+    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def attention_mask(q_pos: jax.Array, kv_len: int, window: int | None) -> jax.Array:
+    """[B, T, S]: a query sees keys at positions ≤ its own (and within the sliding window)."""
+    k_pos = jnp.arange(kv_len)[None, None, :]
+    mask = k_pos <= q_pos[:, :, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, :, None] - window
+    return mask
+
+
+def attention(
+    layer: dict, x: jax.Array, positions: jax.Array, cache: KVCache, i: int, cfg: ModelConfig, kv_len: int
+) -> tuple[jax.Array, KVCache]:
+    B, T, _ = x.shape
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, layer, "q").reshape(B, T, H, hd)
+    k = linear(x, layer, "k").reshape(B, T, KV, hd)
+    v = linear(x, layer, "v").reshape(B, T, KV, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+    cache = cache.write(i, k, v, positions)
+    keys = cache.k[i, :, :kv_len]  # [B, S, KV, hd]
+    values = cache.v[i, :, :kv_len]
+
+    q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * hd**-0.5
+    mask = attention_mask(positions, kv_len, cfg.sliding_windows[i])  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(B, T, H * hd)
+    return linear(out, layer, "o"), cache
+
+
+def mlp(layer: dict, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, layer, "gate")) * linear(x, layer, "up"), layer, "down")
+
+
+def forward(
+    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_len: int
+) -> tuple[jax.Array, KVCache]:
+    """Run tokens [B, T] at positions [B, T]; returns final hidden states [B, T, D] and the cache.
+
+    K/V of the new tokens are written into the cache first; queries attend over the first `kv_len`
+    cache positions (static: the prompt bucket for a fresh prefill, the whole cache in decode).
+    """
+    x = params["embed"][tokens]  # [B, T, D]
+    for i, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), positions, cache, i, cfg, kv_len)
+            x = x + h
+            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache
+
+
+def logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] → float32 logits [..., V] (tied embeddings when there is no lm_head)."""
+    head = params.get("lm_head", params["embed"])
+    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)

@@ -1,0 +1,86 @@
+"""Process-wide JAX settings: the persistent compilation cache, and measuring what compiling costs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+CACHE_ENV = "JAXINFER_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxinfer" / "xla"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Persist compiled programs so a second identical run does not compile again.
+
+    `path` (or $JAXINFER_CACHE_DIR) overrides the default; an empty string turns the cache off.
+    """
+    chosen = os.environ.get(CACHE_ENV, default_cache_dir()) if path is None else path
+    if not str(chosen):
+        return None
+    directory = Path(chosen).expanduser().resolve()  # jax wants an absolute path
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # Cache everything: our small programs compile in well under JAX's default 1 s threshold.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return directory
+
+
+@dataclass
+class CompileReport:
+    seconds: float = 0.0  # tracing + lowering + compiling (or reading the cache), set by the caller
+    programs: int = 0  # programs XLA produced: compiled, or read back from the persistent cache
+    cache_hits: int = 0  # of those, read back from the persistent cache
+
+    def add(self, other: CompileReport) -> None:
+        self.seconds += other.seconds
+        self.programs += other.programs
+        self.cache_hits += other.cache_hits
+
+    @property
+    def cache(self) -> str:
+        """'hit' (all read back), 'miss' (some compiled), or 'none' (nothing needed building)."""
+        if self.programs > self.cache_hits:
+            return "miss"
+        return "hit" if self.cache_hits else "none"
+
+
+_local = threading.local()
+_listening = False
+
+
+def _on_duration(name: str, seconds: float, **_) -> None:
+    report = getattr(_local, "report", None)
+    if report is not None and name == "/jax/core/compile/backend_compile_duration":  # also on a cache hit
+        report.programs += 1
+
+
+def _on_event(name: str, **_) -> None:
+    report = getattr(_local, "report", None)
+    if report is not None and name == "/jax/compilation_cache/cache_hits":
+        report.cache_hits += 1
+
+
+@contextmanager
+def watch_compiles():
+    """Count the programs compiled, or read from the persistent cache, in this block (this thread only)."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
+    report = CompileReport()
+    _local.report = report
+    try:
+        yield report
+    finally:
+        _local.report = None

@@ -1,0 +1,110 @@
+"""Text ⇄ token ids for a model directory, and exact streaming detokenisation.
+
+Two backends behind one small interface: `tokenizer.json` through the `tokenizers` library (what
+transformers' fast tokenizers run), else `tokenizer.model` through sentencepiece. BOS/EOS follow
+tokenizer_config.json as transformers reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxinfer.errors import JaxinferError
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        config_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if (model_dir / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                self._hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+            except Exception as e:  # the library raises plain Exception for a bad file
+                raise JaxinferError(f"{model_dir / 'tokenizer.json'}: cannot be read ({e})") from None
+            self._sp = None
+            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+            self._special = {t.content for t in self._hf.get_added_tokens_decoder().values() if t.special}
+        elif (model_dir / "tokenizer.model").is_file():
+            import sentencepiece
+
+            self._hf = None
+            try:
+                self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+            except (OSError, RuntimeError) as e:
+                raise JaxinferError(f"{model_dir / 'tokenizer.model'}: cannot be read ({e})") from None
+            self.vocab_size = self._sp.get_piece_size()
+        else:
+            raise JaxinferError(f"{model_dir}: no tokenizer.json or tokenizer.model found")
+        self.bos_id = self.token_id(_token_text(self.config.get("bos_token")))
+        self.eos_id = self.token_id(_token_text(self.config.get("eos_token")))
+        if self._sp is not None:  # sentencepiece defaults, as transformers' LlamaTokenizer
+            self.bos_id = self.bos_id if self.bos_id is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
+            self.eos_id = self.eos_id if self.eos_id is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
+
+    def token_id(self, text: str | None) -> int | None:
+        if text is None:
+            return None
+        if self._hf is not None:
+            return self._hf.token_to_id(text)
+        i = self._sp.piece_to_id(text)
+        return None if i == self._sp.unk_id() and text != self._sp.id_to_piece(i) else i
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._hf is not None:
+            # tokenizer.json's post-processor adds BOS/EOS the way the model was trained.
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._sp.encode(text)
+        if add_special_tokens:
+            if self.config.get("add_bos_token", True) and self.bos_id is not None:
+                ids = [self.bos_id] + ids
+            if self.config.get("add_eos_token", False) and self.eos_id is not None:
+                ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, special tokens left out."""
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=True)
+        return self._sp.decode([i for i in ids if not self._sp.is_control(i)])
+
+
+class StreamDecoder:
+    """Turns token ids arriving in pieces into text pieces whose concatenation is exactly the text of
+    all the ids (context excluded).
+
+    Each push decodes a short window that starts a little before the new ids, and emits what the new
+    ids added to it. Windowing keeps the cost per token constant; starting the window a token back
+    keeps tokenizer effects that depend on the left neighbour (sentencepiece's leading space) right.
+    Text ending in U+FFFD is held back: the ids so far end inside a multi-byte character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context: list[int] = ()):
+        self._tok = tokenizer
+        self._ids = list(context)
+        self._prefix = max(0, len(self._ids) - 1)  # window start
+        self._read = len(self._ids)  # ids before this are already emitted
+
+    def push(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        done_text = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(self._ids) == self._read or (text.endswith("\ufffd") and not final):
+            return ""
+        if not text.startswith(done_text) and not final:  # the new ids rewrote the window: widen it
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done_text) :]

@@ -1,0 +1,150 @@
+"""The map between Hugging Face tensor names and our parameter tree, and reading safetensors through it.
+
+One table (`weight_table`) drives both directions: loading checks every checkpoint tensor against it
+(each mapped exactly once, shape checked), and `abstract_params` builds the restore target for orbax
+from it, so the two forms can never disagree about the tree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+
+Path_ = tuple  # ("layers", 3, "wq") or ("embed",)
+ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
+
+# Buffers some exporters save that are not weights: recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_table(cfg: ModelConfig) -> dict[str, tuple[Path_, tuple[int, ...]]]:
+    """HF tensor name → (path in our tree, expected shape)."""
+    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    table = {
+        "model.embed_tokens.weight": (("embed",), (V, D)),
+        "model.norm.weight": (("norm",), (D,)),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), (V, D))
+    for i in range(cfg.num_layers):
+
+        def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
+            table[f"model.layers.{i}.{hf_name}"] = (("layers", i, name), shape)
+
+        add("input_layernorm.weight", "attn_norm", (D,))
+        add("post_attention_layernorm.weight", "mlp_norm", (D,))
+        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D))
+            if cfg.qkv_bias:
+                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,))
+        add("self_attn.o_proj.weight", "wo", (D, q_out))
+        if cfg.o_bias:
+            add("self_attn.o_proj.bias", "bo", (D,))
+        if cfg.qk_norm:
+            add("self_attn.q_norm.weight", "q_norm", (hd,))
+            add("self_attn.k_norm.weight", "k_norm", (hd,))
+        for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            add(f"mlp.{proj}_proj.weight", f"w{proj}", shape)
+            if cfg.mlp_bias:
+                add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],))
+    return table
+
+
+def _tree_from_leaves(cfg: ModelConfig, leaves: dict[Path_, object]) -> dict:
+    tree: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
+    for path, leaf in leaves.items():
+        node = tree
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = leaf
+    return tree
+
+
+def abstract_params(cfg: ModelConfig, dtype) -> dict:
+    """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation)."""
+    return _tree_from_leaves(
+        cfg, {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape in weight_table(cfg).values()}
+    )
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards listed by model.safetensors.index.json."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise JaxinferError(f"{index}: not a valid safetensors index ({e})") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise JaxinferError(f"{model_dir}: shard {missing[0]} listed in the index is missing")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise JaxinferError(
+        f"{model_dir}: no model.safetensors (or sharded index) found; pytorch .bin checkpoints are not read"
+    )
+
+
+def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None) -> dict:
+    """Load every tensor through the table into a tree of jax arrays of `dtype`."""
+    from safetensors import SafetensorError, safe_open
+
+    table = weight_table(cfg)
+    leaves: dict[Path_, jax.Array] = {}
+    seen: set[str] = set()
+    try:
+        handles = [safe_open(str(f), framework="np") for f in files]
+    except (SafetensorError, OSError) as e:
+        raise JaxinferError(f"cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+    names = [(h, name) for h in handles for name in h.keys()]
+    for done, (handle, name) in enumerate(names, 1):
+        if name in seen:
+            raise JaxinferError(f"tensor {name} appears in more than one shard")
+        seen.add(name)
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # tied head: the checkpoint repeats the embedding
+        if name not in table:
+            raise JaxinferError(f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json")
+        path, shape = table[name]
+        try:
+            array = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise JaxinferError(f"cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
+        if tuple(array.shape) != shape:
+            raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
+        leaves[path] = jnp.asarray(array, dtype=dtype)
+        del array
+        if progress:
+            progress(done, len(names))
+    missing = sorted(set(table) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise JaxinferError(f"checkpoint is missing tensor {missing[0]}{more}")
+    return _tree_from_leaves(cfg, leaves)
+
+
+def checkpoint_dtype(config_json: dict) -> str | None:
+    """The dtype the checkpoint was saved in, as config.json states it (transformers 5 says `dtype`)."""
+    return config_json.get("dtype") or config_json.get("torch_dtype")
+
+
+def np_dtype(name: str):
+    try:
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+    except KeyError:
+        raise JaxinferError(f"unsupported dtype {name!r} (use float32, bfloat16 or float16)") from None
+
+
+def param_bytes(params: dict) -> int:
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

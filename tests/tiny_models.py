@@ -1,0 +1,119 @@
+"""Tiny Hugging Face checkpoints made on the spot by transformers (random, seeded weights), with a
+real tokenizer trained on a few paragraphs, so every test compares against code we did not write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = (
+    "The capital of France is Paris. The capital of Italy is Rome. Def fibonacci(n): return n if n < 2 "
+    "else fibonacci(n - 1) + fibonacci(n - 2). 東京は日本の首都です。 Emoji 🙂🚀 and ünïcödé text. "
+) * 20
+
+# Per architecture: the config keys that make it what it is.
+ARCHITECTURES = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "llama3-scaled": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=True,
+        head_dim=24,
+    ),
+    "llama-linear": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+}
+
+
+def bpe_tokenizer(directory: Path, vocab_size: int = 384) -> None:
+    """A byte-level BPE tokenizer.json (the Llama 3 / Qwen kind) with BOS added by its post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+
+
+def sentencepiece_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+    """A sentencepiece tokenizer.model with byte fallback (the Llama 2 / Mistral kind)."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.split(". ")),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        minloglevel=2,
+    )
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"})
+    )
+
+
+def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dtype: str = "float32", **overrides) -> Path:
+    """Save a random-weight model of `arch` with a tokenizer into `directory`; returns it."""
+    import torch
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer)(directory)
+    settings = dict(
+        vocab_size=384 if tokenizer == "bpe" else 300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0 if tokenizer == "bpe" else 1,
+        eos_token_id=1 if tokenizer == "bpe" else 2,
+        rms_norm_eps=1e-5,
+    )
+    settings.update({k: v for k, v in ARCHITECTURES[arch].items() if k not in ("model_type", "architectures")})
+    settings.update(overrides)
+    config = transformers.AutoConfig.for_model(ARCHITECTURES[arch]["model_type"], **settings)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is decisive
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
