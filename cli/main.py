@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from cli import render
@@ -47,7 +46,9 @@ def _read_prompt(prompt: Optional[str]) -> str:
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         return sys.stdin.read()
     if prompt is None:
-        raise click.UsageError("give a prompt, or '-' to read it from stdin")
+        from jaxinfer.errors import JaxinferError
+
+        raise JaxinferError("give a prompt, or '-' to read it from stdin")
     return prompt
 
 
@@ -144,10 +145,10 @@ def main() -> None:
             raise
         render.error(str(e))
         code = 1
-    except click.ClickException as e:
+    except typer.TyperException as e:  # typer's (vendored click) usage errors: bad flags and values
         render.error(e.format_message())
         code = e.exit_code
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         code = 130
     except Exception as e:  # a bug, not bad input: still one line unless --debug
         if _debug:

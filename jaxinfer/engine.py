@@ -132,14 +132,9 @@ class Engine:
         bucket = prompt_bucket(n, self.max_context)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = prompt
-        padded = jnp.asarray(padded)
-        self._state = replace(
-            self._state,
-            limit=jnp.asarray([n + max_tokens], jnp.int32),
-            seeds=jnp.asarray([result.seed], jnp.int32),
-            sampler=SamplerArrays.from_settings([sampling]),
-        )
-        prompt_len = jnp.asarray([n], jnp.int32)
+        # Host values go over with device_put: jnp.asarray would compile a conversion program.
+        padded, prompt_len, limit, seeds = jax.device_put((padded, np.int32([n]), np.int32([n + max_tokens]), np.int32([result.seed])))
+        self._state = replace(self._state, limit=limit, seeds=seeds, sampler=SamplerArrays.from_settings([sampling]))
         run_prefill = self._compiled(timings, ("prefill", bucket), prefill, self.params, self._state, padded, prompt_len, cfg=self.cfg, kv_len=bucket)
         start = time.perf_counter()
         self._state = run_prefill(self.params, self._state, padded, prompt_len)
@@ -148,7 +143,7 @@ class Engine:
         timings.generated_tokens = 1
         yield [int(tokens[n])]
 
-        steps = jnp.int32(1 if stream else max_tokens)
+        steps = jax.device_put(np.int32(1 if stream else max_tokens))
         run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, cfg=self.cfg)
         while not done:
             start = time.perf_counter()
@@ -160,7 +155,7 @@ class Engine:
             timings.itl_s += [elapsed / made] * made
             timings.generated_tokens += made
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
-                steps = jnp.int32(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))
+                steps = jax.device_put(np.int32(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6))))))
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids else "length"

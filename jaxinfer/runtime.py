@@ -54,33 +54,34 @@ class CompileReport:
         return "hit" if self.cache_hits else "none"
 
 
-_local = threading.local()
+_local = threading.local()  # .reports: the reports of the watch blocks open in this thread
 _listening = False
 
 
 def _on_duration(name: str, seconds: float, **_) -> None:
-    report = getattr(_local, "report", None)
-    if report is not None and name == "/jax/core/compile/backend_compile_duration":  # also on a cache hit
-        report.programs += 1
+    if name == "/jax/core/compile/backend_compile_duration":  # also recorded on a cache hit
+        for report in getattr(_local, "reports", ()):
+            report.programs += 1
 
 
 def _on_event(name: str, **_) -> None:
-    report = getattr(_local, "report", None)
-    if report is not None and name == "/jax/compilation_cache/cache_hits":
-        report.cache_hits += 1
+    if name == "/jax/compilation_cache/cache_hits":
+        for report in getattr(_local, "reports", ()):
+            report.cache_hits += 1
 
 
 @contextmanager
 def watch_compiles():
-    """Count the programs compiled, or read from the persistent cache, in this block (this thread only)."""
+    """Count the programs compiled, or read from the persistent cache, in this block (this thread
+    only; blocks may nest)."""
     global _listening
     if not _listening:
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
         jax.monitoring.register_event_listener(_on_event)
         _listening = True
     report = CompileReport()
-    _local.report = report
+    _local.reports = [*getattr(_local, "reports", ()), report]
     try:
         yield report
     finally:
-        _local.report = None
+        _local.reports.remove(report)

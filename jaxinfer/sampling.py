@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.errors import JaxinferError
 
@@ -66,12 +67,10 @@ class SamplerArrays:
 
     @classmethod
     def from_settings(cls, rows: list[Sampling]) -> SamplerArrays:
-        dtypes = {"top_k": jnp.int32}
-        return cls(
-            **{
-                f.name: jnp.asarray([getattr(r, f.name) for r in rows], dtypes.get(f.name, jnp.float32))
-                for f in fields(Sampling)
-            }
+        dtypes = {"top_k": np.int32}
+        # numpy, then one device_put: building on the device would dispatch a conversion program
+        return jax.device_put(
+            cls(**{f.name: np.asarray([getattr(r, f.name) for r in rows], dtypes.get(f.name, np.float32)) for f in fields(Sampling)})
         )
 
 

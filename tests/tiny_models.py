@@ -61,7 +61,7 @@ def bpe_tokenizer(directory: Path, vocab_size: int = 384) -> None:
     )
 
 
-def sentencepiece_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
     """A sentencepiece tokenizer.model with byte fallback (the Llama 2 / Mistral kind)."""
     import io
 
@@ -94,7 +94,7 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     directory.mkdir(parents=True, exist_ok=True)
     (bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer)(directory)
     settings = dict(
-        vocab_size=384 if tokenizer == "bpe" else 300,
+        vocab_size=384 if tokenizer == "bpe" else 400,
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,

@@ -1,0 +1,118 @@
+"""The real `jaxinfer` command: output contracts, and every kind of bad input is one line + exit ≠ 0."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+
+def jaxinfer(*args, stdin=None, cache=""):
+    env_cache = {"JAXINFER_CACHE_DIR": str(cache)}
+    import os
+
+    return subprocess.run(
+        ["jaxinfer", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300, env={**os.environ, **env_cache}
+    )
+
+
+def assert_one_line_error(proc, *words):
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny("llama")
+
+
+def test_json_output_and_stdin_prompt(model):
+    proc = jaxinfer("run", "-m", model, "-", "--json", "-n", "12", "--seed", "5", "--temp", "0.8", stdin="The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"text", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "seed", "timings"}
+    assert result["seed"] == 5 and result["finish_reason"] in ("eos", "length")
+    assert set(result["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "itl_ms", "compile_s"}
+    assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp_path):
+    args = ("run", "-m", model, "The capital of France is", "-n", "24", "--temp", "0")
+    streamed = jaxinfer(*args, cache=tmp_path)
+    as_json = jaxinfer(*args, "--json", cache=tmp_path)
+    assert streamed.returncode == 0 and as_json.returncode == 0
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    assert "(compiled)" in streamed.stderr
+    assert json.loads(as_json.stdout)["timings"]["compile_cache"] == "hit"
+
+
+def test_convert_then_run_the_converted_model(model, tmp_path):
+    out = tmp_path / "converted"
+    proc = jaxinfer("convert", model, out)
+    assert proc.returncode == 0, proc.stderr
+    original = json.loads(jaxinfer("run", "-m", model, "Paris", "-n", "8", "--temp", "0", "--json").stdout)
+    converted = json.loads(jaxinfer("run", "-m", out, "Paris", "-n", "8", "--temp", "0", "--json").stdout)
+    assert converted["token_ids"] == original["token_ids"]
+    assert_one_line_error(jaxinfer("convert", model, out), "not empty")
+
+
+@pytest.fixture
+def broken(model, tmp_path):
+    """A copy of the model directory to damage."""
+
+    def copy():
+        target = tmp_path / "broken"
+        shutil.copytree(model, target)
+        return target
+
+    return copy
+
+
+def test_missing_and_empty_model_directories(tmp_path):
+    assert_one_line_error(jaxinfer("run", "-m", tmp_path / "nope", "hi"), "does not exist")
+    assert_one_line_error(jaxinfer("run", "-m", tmp_path, "hi"), "config.json")
+
+
+def test_truncated_safetensors(broken):
+    path = broken()
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "corrupt")
+
+
+def test_garbage_safetensors(broken):
+    path = broken()
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "corrupt")
+
+
+def test_config_weights_mismatch(broken):
+    path = broken()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "mlp", "shape")
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "missing tensor model.layers.2")
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "model.layers.1")
+
+
+def test_unknown_architecture_lists_the_supported_ones(broken):
+    path = broken()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
+    assert_one_line_error(jaxinfer("run", "-m", model, "The capital of France is", "-n", "100", "-c", "64"), "exceeds the context")
+    assert_one_line_error(jaxinfer("run", "-m", model, "   "), "empty")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--temp", "-1"), "--temp")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--top-p", "0"), "--top-p")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--dtype", "int4"), "--dtype")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")

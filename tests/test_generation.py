@@ -1,0 +1,119 @@
+"""Engine behaviour: compile counts, sampling determinism, stop strings, streaming."""
+
+import pytest
+
+from jaxinfer.engine import Engine, prompt_bucket
+from jaxinfer.generate import Generation, StopStrings
+from jaxinfer.loading import load_model
+from jaxinfer.runtime import watch_compiles
+from jaxinfer.sampling import Sampling
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_model(tiny("llama"))
+
+
+def generate(model, engine, prompt, **kw):
+    gen = Generation(model, engine, prompt, **kw)
+    pieces = list(gen)
+    return gen, pieces
+
+
+def test_one_prefill_program_per_bucket_and_sampling_never_recompiles(model):
+    engine = Engine(model.config, model.params, 128, model.eos_ids)
+    short, longer = model.tokenizer.encode("The capital"), model.tokenizer.encode("The capital of France is")
+    assert len(short) != len(longer) and prompt_bucket(len(short), 128) == prompt_bucket(len(longer), 128)
+    with watch_compiles() as first:
+        generate(model, engine, short, sampling=Sampling(), max_tokens=8)
+    assert first.programs == 2  # one prefill, one decode
+    with watch_compiles() as later:
+        generate(model, engine, longer, sampling=Sampling(), max_tokens=8)
+        generate(model, engine, longer, sampling=Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.3), max_tokens=12, seed=1)
+        generate(model, engine, longer, sampling=Sampling(temperature=1.3), max_tokens=20, seed=2)
+    assert later.programs == 0
+    with watch_compiles() as new_bucket:
+        generate(model, engine, list(range(2, 40)), sampling=Sampling(), max_tokens=4)
+    assert new_bucket.programs == 1  # a new bucket: prefill only
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters(model):
+    engine = Engine(model.config, model.params, 128, ())
+    hot = Sampling(temperature=1.0, top_p=0.95)
+    runs = [generate(model, engine, "The capital", sampling=hot, max_tokens=24, seed=s)[0] for s in (7, 7, 8)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].token_ids != runs[2].token_ids
+    assert runs[0].result()["seed"] == 7
+
+
+def test_sampling_filters_restrict_the_choice(model):
+    engine = Engine(model.config, model.params, 128, ())
+    greedy, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=16)
+    for strict in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6), Sampling(temperature=1.5, min_p=0.999)):
+        gen, _ = generate(model, engine, "The capital", sampling=strict, max_tokens=16, seed=3)
+        assert gen.token_ids == greedy.token_ids, strict
+
+
+def test_repeat_penalty_changes_greedy_output(model):
+    engine = Engine(model.config, model.params, 128, ())
+    plain, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=32)
+    penalised, _ = generate(model, engine, "The capital", sampling=Sampling(repeat_penalty=5.0), max_tokens=32)
+    assert plain.token_ids != penalised.token_ids
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+
+
+def test_streamed_pieces_make_the_final_text_whatever_the_chunking(model):
+    engine = Engine(model.config, model.params, 128, ())
+    streamed, pieces = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=40)
+    whole, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=40, stream=False)
+    assert "".join(pieces) == streamed.text == whole.text
+    assert streamed.token_ids == whole.token_ids
+    assert streamed.result()["finish_reason"] == "length"
+
+
+def test_stop_string_ends_generation_and_never_leaks(model):
+    engine = Engine(model.config, model.params, 128, ())
+    full, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=40)
+    assert len(full.text) > 12
+    stop = full.text[6:12]  # a stop string that spans several tokens
+    gen, pieces = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=40, stop=(stop, "never"))
+    assert gen.finish_reason == "stop"
+    assert gen.text == full.text[: full.text.index(stop)] == "".join(pieces)
+    assert len(gen.token_ids) < len(full.token_ids)
+
+
+@pytest.mark.parametrize(
+    "pieces, expected_out",
+    [
+        (["ab", "c<", "/st", "op>tail"], "abc"),  # split across pieces
+        (["ab<", "x"], "ab<x"),  # a false start is released
+        (["<", "/", "s"], ""),  # a prefix is held until the end
+    ],
+)
+def test_stop_strings_hold_back_prefixes(pieces, expected_out):
+    stops = StopStrings(("</stop>",))
+    out, stopped = "", False
+    for p in pieces:
+        text, stopped = stops.feed(p)
+        out += text
+        if stopped:
+            break
+    assert out == expected_out
+    assert stops.flush() == ("" if stopped or expected_out == "ab<x" else "</s")
+
+
+def test_eos_ends_generation(model):
+    engine = Engine(model.config, model.params, 128, ())
+    free, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=12)
+    eos = free.token_ids[5]
+    engine = Engine(model.config, model.params, 128, (eos,))
+    gen, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=12)
+    assert gen.finish_reason == "eos"
+    assert gen.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+
+
+def test_cache_full_is_a_length_finish(model):
+    engine = Engine(model.config, model.params, 32, ())
+    prompt = model.tokenizer.encode("The capital")
+    gen, _ = generate(model, engine, prompt, sampling=Sampling(), max_tokens=32 - len(prompt))
+    assert gen.finish_reason == "length" and len(prompt) + len(gen.token_ids) == 32

@@ -1,0 +1,103 @@
+"""Every architecture against transformers on the same weights: prefill logits, each decode step's
+logits, and greedy generation token for token, from safetensors and from the orbax-converted copy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxinfer import model as M
+from jaxinfer.checkpoint import convert
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
+from jaxinfer.kvcache import KVCache
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+from tiny_models import ARCHITECTURES
+
+PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
+
+
+def reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def assert_close(ours, ref):
+    bound = 1e-4 * np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), bound)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
+    path = tiny(arch)
+    hf, ours = reference(path), load_model(path)
+    ids = ours.tokenizer.encode(PROMPT)
+    n, steps, S = len(ids), 24, 64  # steps go past mistral's sliding window of 24
+    cache = KVCache.zeros(ours.config, 1, S, jnp.float32)
+    hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([ids]), jnp.arange(n)[None], cache, S)
+    assert_close(np.asarray(M.logits(ours.params, hidden))[0], hf_logits(hf, ids))
+
+    for _ in range(steps):  # feed greedy tokens one at a time through the cache
+        ref = hf_logits(hf, ids)[-1]
+        ids.append(int(ref.argmax()))
+        pos = jnp.asarray([[len(ids) - 1]])
+        hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([[ids[-1]]]), pos, cache, S)
+        assert_close(np.asarray(M.logits(ours.params, hidden))[0, 0], hf_logits(hf, ids)[-1])
+
+
+def greedy_reference(hf, ids, n):
+    """transformers' greedy continuation with EOS switched off, so it always runs n tokens."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_generation_matches_transformers(tiny, arch, tmp_path):
+    path = tiny(arch)
+    hf = reference(path)
+    converted = convert(path, tmp_path / "converted")
+    for source in (path, converted):
+        model = load_model(source)
+        ids = model.tokenizer.encode(PROMPT)
+        expected = greedy_reference(hf, ids, 32)
+        engine = Engine(model.config, model.params, 128, eos_ids=())  # no EOS: always 32 tokens
+        gen = Generation(model, engine, ids, Sampling(), max_tokens=32)
+        text = "".join(gen)
+        assert gen.token_ids == expected
+        assert text == model.tokenizer.decode(expected)
+
+
+def test_sentencepiece_model_matches_transformers(tiny):
+    path = tiny("llama", tokenizer="sentencepiece")
+    hf, model = reference(path), load_model(path)
+    ids = model.tokenizer.encode(PROMPT)
+    assert ids == transformers.AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
+    engine = Engine(model.config, model.params, 128, eos_ids=())
+    gen = Generation(model, engine, ids, Sampling(), max_tokens=16)
+    list(gen)
+    assert gen.token_ids == greedy_reference(hf, ids, 16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
+    """A checkpoint stored in 16 bits, run in float32 (auto on CPU): same logits as transformers
+    running the same 16-bit weights in float32."""
+    path = tiny("llama", dtype=dtype)
+    model = load_model(path)
+    assert model.dtype == "float32"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = model.tokenizer.encode(PROMPT)
+    S = 64
+    hidden, _ = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], KVCache.zeros(model.config, 1, S, jnp.float32), S)
+    assert_close(np.asarray(M.logits(model.params, hidden))[0], hf_logits(hf, ids))
+    stored = load_model(path, dtype)  # kept in 16 bits: runs, and stays near
+    hidden, _ = M.forward(stored.params, stored.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], KVCache.zeros(stored.config, 1, S, stored.params["embed"].dtype), S)
+    assert np.abs(np.asarray(M.logits(stored.params, hidden))[0] - hf_logits(hf, ids)).max() < 0.1 * np.abs(hf_logits(hf, ids)).max()
