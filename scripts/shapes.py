@@ -1,0 +1,29 @@
+"""Random-weight models of real checkpoints' shapes, for benchmarks (no download needed)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.weights import abstract_params
+
+SHAPES = {
+    "smollm-135m": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, sliding_windows=(None,) * 30,
+    ),
+    "tinyllama-1.1b": ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+        num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=2048, rope_theta=10000.0, sliding_windows=(None,) * 22,
+    ),
+}
+
+
+def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
+    abstract = abstract_params(cfg, dtype)
+    leaves, tree = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
