@@ -14,7 +14,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True) if err.is_terminal else print(f"error: {message}", file=sys.stderr)
+    if err.is_terminal:
+        err.print(f"[bold red]error:[/] {message}", markup=True)
+    else:
+        print(f"error: {message}", file=sys.stderr)
 
 
 def notice(message: str) -> None:

@@ -25,10 +25,6 @@ class KVCache:
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    @property
-    def length(self) -> int:
-        return self.k.shape[2]
-
     def write(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
         """Store k, v [B, T, KV, hd] at `positions` [B, T] of `layer`; positions ≥ S are dropped.
 
@@ -40,8 +36,3 @@ class KVCache:
             k=self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
             v=self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
         )
-
-    def bytes_per_token(self) -> int:
-        """K and V bytes one position takes across all layers (one sequence)."""
-        _, _, _, kv, hd = self.k.shape
-        return 2 * self.k.shape[0] * kv * hd * self.k.dtype.itemsize

@@ -85,10 +85,10 @@ def load_model(path: str | Path, dtype: str = "auto", progress: weights.Progress
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params
 
-        params = restore_params(model_dir / ORBAX_DIR, weights.abstract_params(cfg, weights.np_dtype(chosen)))
+        params = restore_params(model_dir / ORBAX_DIR, weights.abstract_params(cfg, weights.dtype_from_name(chosen)))
     else:
         files = weights.safetensors_files(model_dir)
-        params = weights.read_safetensors(cfg, files, weights.np_dtype(chosen), progress)
+        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress)
     return LoadedModel(
         path=model_dir,
         config=cfg,

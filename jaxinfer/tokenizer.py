@@ -31,7 +31,6 @@ class Tokenizer:
                 raise JaxinferError(f"{model_dir / 'tokenizer.json'}: cannot be read ({e})") from None
             self._sp = None
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
-            self._special = {t.content for t in self._hf.get_added_tokens_decoder().values() if t.special}
         elif (model_dir / "tokenizer.model").is_file():
             import sentencepiece
 

@@ -13,19 +13,18 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 
-Path_ = tuple  # ("layers", 3, "wq") or ("embed",)
+TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 
 # Buffers some exporters save that are not weights: recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, tuple[Path_, tuple[int, ...]]]:
+def weight_table(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
     """HF tensor name → (path in our tree, expected shape)."""
     D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -59,7 +58,7 @@ def weight_table(cfg: ModelConfig) -> dict[str, tuple[Path_, tuple[int, ...]]]:
     return table
 
 
-def _tree_from_leaves(cfg: ModelConfig, leaves: dict[Path_, object]) -> dict:
+def _tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     tree: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     for path, leaf in leaves.items():
         node = tree
@@ -101,7 +100,7 @@ def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: Progr
     from safetensors import SafetensorError, safe_open
 
     table = weight_table(cfg)
-    leaves: dict[Path_, jax.Array] = {}
+    leaves: dict[TreePath, jax.Array] = {}
     seen: set[str] = set()
     try:
         handles = [safe_open(str(f), framework="np") for f in files]
@@ -139,12 +138,8 @@ def checkpoint_dtype(config_json: dict) -> str | None:
     return config_json.get("dtype") or config_json.get("torch_dtype")
 
 
-def np_dtype(name: str):
+def dtype_from_name(name: str):
     try:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
     except KeyError:
         raise JaxinferError(f"unsupported dtype {name!r} (use float32, bfloat16 or float16)") from None
-
-
-def param_bytes(params: dict) -> int:
-    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
