@@ -1,0 +1,43 @@
+"""Loading details: sharded checkpoints, generation defaults, EOS ids, dtype choice."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+from jaxinfer.loading import load_model, resolve_dtype
+from jaxinfer.sampling import Sampling
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny, tmp_path):
+    path = tiny("qwen2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    whole, sharded = load_model(path), load_model(tmp_path)
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(sharded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generation_config_sets_defaults_and_eos_ids(tiny, tmp_path):
+    model = load_model(tiny("llama"))
+    assert model.sampling == Sampling() and model.eos_ids == (1,)  # no do_sample: greedy
+    path = shutil.copytree(tiny("llama"), tmp_path / "model")
+    (path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 7], "max_new_tokens": 50})
+    )
+    model = load_model(path)
+    assert model.sampling == Sampling(temperature=0.6, top_k=50, top_p=0.9)  # transformers' top_k default
+    assert model.eos_ids == (1, 7) and model.max_new_tokens == 50
+
+
+def test_auto_dtype_never_stores_half_precision_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == "float32"
+    assert resolve_dtype("auto", {"dtype": "float16"}) == "float32"
+    assert resolve_dtype("bfloat16", {"dtype": "float32"}) == "bfloat16"
