@@ -71,6 +71,7 @@ def run(
     repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported]."),
     stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})]."),
     dtype: str = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
@@ -96,7 +97,7 @@ def run(
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    engine = Engine(loaded.config, loaded.params, context, () if ignore_eos else loaded.eos_ids)
     gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop))
     try:
         if json_output:

@@ -1,18 +1,23 @@
 """The real `jaxinfer` command: output contracts, and every kind of bad input is one line + exit ≠ 0."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 
 
 def jaxinfer(*args, stdin=None, cache=""):
-    env_cache = {"JAXINFER_CACHE_DIR": str(cache)}
-    import os
-
     return subprocess.run(
-        ["jaxinfer", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300, env={**os.environ, **env_cache}
+        ["jaxinfer", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAXINFER_CACHE_DIR": str(cache)},
     )
 
 
@@ -116,3 +121,21 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--dtype", "int4"), "--dtype")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
+
+
+def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny):
+    slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192)
+    proc = subprocess.Popen(
+        ["jaxinfer", "run", "-m", slow, "The capital", "-c", "8192", "-n", "8000", "--temp", "0", "--ignore-eos"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "JAXINFER_CACHE_DIR": ""},
+    )
+    first = proc.stdout.read(1)  # generation has started
+    proc.send_signal(signal.SIGINT)
+    interrupted = time.perf_counter()
+    rest, err = proc.communicate(timeout=60)
+    assert time.perf_counter() - interrupted < 2.0
+    assert proc.returncode == 130, err
+    assert first and "finish: interrupted" in err.decode() and "Traceback" not in err.decode()
+    assert len(first + rest) > 1
