@@ -28,6 +28,13 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
+def our_prompt_logits(model, ids, S=64):
+    """Logits [T, V] of one fresh prefill, and the cache it filled."""
+    cache = KVCache.zeros(model.config, 1, S, model.params["embed"].dtype)
+    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
+    return np.asarray(M.logits(model.params, hidden))[0], cache
+
+
 def assert_close(ours, ref):
     bound = 1e-4 * np.abs(ref).max()
     assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), bound)
@@ -38,10 +45,9 @@ def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
     path = tiny(arch)
     hf, ours = reference(path), load_model(path)
     ids = ours.tokenizer.encode(PROMPT)
-    n, steps, S = len(ids), 24, 64  # steps go past mistral's sliding window of 24
-    cache = KVCache.zeros(ours.config, 1, S, jnp.float32)
-    hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([ids]), jnp.arange(n)[None], cache, S)
-    assert_close(np.asarray(M.logits(ours.params, hidden))[0], hf_logits(hf, ids))
+    steps, S = 24, 64  # steps go past mistral's sliding window of 24
+    logits, cache = our_prompt_logits(ours, ids, S)
+    assert_close(logits, hf_logits(hf, ids))
 
     for _ in range(steps):  # feed greedy tokens one at a time through the cache
         ref = hf_logits(hf, ids)[-1]
@@ -95,9 +101,7 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
     assert model.dtype == "float32"
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = model.tokenizer.encode(PROMPT)
-    S = 64
-    hidden, _ = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], KVCache.zeros(model.config, 1, S, jnp.float32), S)
-    assert_close(np.asarray(M.logits(model.params, hidden))[0], hf_logits(hf, ids))
+    assert_close(our_prompt_logits(model, ids)[0], hf_logits(hf, ids))
     stored = load_model(path, dtype)  # kept in 16 bits: runs, and stays near
-    hidden, _ = M.forward(stored.params, stored.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], KVCache.zeros(stored.config, 1, S, stored.params["embed"].dtype), S)
-    assert np.abs(np.asarray(M.logits(stored.params, hidden))[0] - hf_logits(hf, ids)).max() < 0.1 * np.abs(hf_logits(hf, ids)).max()
+    ref = hf_logits(hf, ids)
+    assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
