@@ -53,8 +53,8 @@ def attention_mask(q_pos: jax.Array, kv_len: int, window: int | None) -> jax.Arr
 
 
 def attention(
-    layer: dict, x: jax.Array, positions: jax.Array, cache: KVCache, i: int, cfg: ModelConfig, kv_len: int
-) -> tuple[jax.Array, KVCache]:
+    layer: dict, x: jax.Array, positions: jax.Array, cache: KVCache | None, i: int, cfg: ModelConfig, kv_len: int
+) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = linear(x, layer, "q").reshape(B, T, H, hd)
@@ -66,9 +66,12 @@ def attention(
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-    cache = cache.write(i, k, v, positions)
-    keys = cache.k[i, :, :kv_len]  # [B, S, KV, hd]
-    values = cache.v[i, :, :kv_len]
+    if cache is None:  # a whole sequence from position 0 (training): attend over its own keys
+        keys, values, kv_len = k, v, T
+    else:
+        cache = cache.write(i, k, v, positions)
+        keys = cache.k[i, :, :kv_len]  # [B, S, KV, hd]
+        values = cache.v[i, :, :kv_len]
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     scores = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * hd**-0.5
@@ -84,12 +87,13 @@ def mlp(layer: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache, kv_len: int
-) -> tuple[jax.Array, KVCache]:
+    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache | None, kv_len: int
+) -> tuple[jax.Array, KVCache | None]:
     """Run tokens [B, T] at positions [B, T]; returns final hidden states [B, T, D] and the cache.
 
     K/V of the new tokens are written into the cache first; queries attend over the first `kv_len`
     cache positions (static: the prompt bucket for a fresh prefill, the whole cache in decode).
+    With no cache (training), tokens are a whole sequence at positions 0..T-1 and see only each other.
     """
     x = params["embed"][tokens]  # [B, T, D]
     for i, layer in enumerate(params["layers"]):

@@ -58,7 +58,7 @@ def weight_table(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]
     return table
 
 
-def _tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
+def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     tree: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     for path, leaf in leaves.items():
         node = tree
@@ -70,7 +70,7 @@ def _tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
 
 def abstract_params(cfg: ModelConfig, dtype) -> dict:
     """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation)."""
-    return _tree_from_leaves(
+    return tree_from_leaves(
         cfg, {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape in weight_table(cfg).values()}
     )
 
@@ -130,7 +130,7 @@ def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: Progr
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise JaxinferError(f"checkpoint is missing tensor {missing[0]}{more}")
-    return _tree_from_leaves(cfg, leaves)
+    return tree_from_leaves(cfg, leaves)
 
 
 def checkpoint_dtype(config_json: dict) -> str | None:

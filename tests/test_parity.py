@@ -11,33 +11,12 @@ from jaxinfer import model as M
 from jaxinfer.checkpoint import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
-from jaxinfer.kvcache import KVCache
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
+from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 from tiny_models import ARCHITECTURES
 
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
-
-
-def reference(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
-
-
-def our_prompt_logits(model, ids, S=64):
-    """Logits [T, V] of one fresh prefill, and the cache it filled."""
-    cache = KVCache.zeros(model.config, 1, S, model.params["embed"].dtype)
-    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
-    return np.asarray(M.logits(model.params, hidden))[0], cache
-
-
-def assert_close(ours, ref):
-    bound = 1e-4 * np.abs(ref).max()
-    assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), bound)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -55,14 +34,6 @@ def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
         pos = jnp.asarray([[len(ids) - 1]])
         hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([[ids[-1]]]), pos, cache, S)
         assert_close(np.asarray(M.logits(ours.params, hidden))[0, 0], hf_logits(hf, ids)[-1])
-
-
-def greedy_reference(hf, ids, n):
-    """transformers' greedy continuation with EOS switched off, so it always runs n tokens."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -105,3 +76,14 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
     stored = load_model(path, dtype)  # kept in 16 bits: runs, and stays near
     ref = hf_logits(hf, ids)
     assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_forward_without_cache_equals_cached_prefill(tiny, arch):
+    """Training runs `forward` with no cache; it must be the model `run` executes (mistral: its
+    sliding window of 24 is shorter than the sequence)."""
+    model = load_model(tiny(arch))
+    ids = model.tokenizer.encode(PROMPT * 2)
+    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
+    assert cache is None
+    np.testing.assert_allclose(np.asarray(M.logits(model.params, hidden))[0], our_prompt_logits(model, ids)[0], atol=1e-5)

@@ -1,0 +1,38 @@
+"""transformers as the reference: its logits and greedy output, and ours to compare with them."""
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from jaxinfer import model as M
+from jaxinfer.kvcache import KVCache
+
+
+def reference(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def our_prompt_logits(model, ids, S=64):
+    """Logits [T, V] of one fresh prefill, and the cache it filled."""
+    cache = KVCache.zeros(model.config, 1, S, model.params["embed"].dtype)
+    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
+    return np.asarray(M.logits(model.params, hidden))[0], cache
+
+
+def assert_close(ours, ref):
+    bound = 1e-4 * np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), bound)
+
+
+def greedy_reference(hf, ids, n):
+    """transformers' greedy continuation with EOS switched off, so it always runs n tokens."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
