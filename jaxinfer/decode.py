@@ -1,7 +1,7 @@
 """The two compiled phases over one documented loop state.
 
-`prefill` runs the whole (bucket-padded) prompt in one pass and samples the first token: compute-bound,
-it sets TTFT. `decode` is a `lax.while_loop` of single-token steps, each re-reading every weight and
+`prefill` runs the (bucket-padded) prompt, or its part the cache does not hold yet, in one pass and
+samples the first token: compute-bound, it sets TTFT. `decode` is a `lax.while_loop` of single-token steps, each re-reading every weight and
 the whole cache: bandwidth-bound, it sets the inter-token latency. Both take the state donated and
 return it, so the cache is updated in place. The decode loop runs at most `steps` iterations, a traced
 value: the host picks the chunk length (for live streaming and prompt Ctrl-C) without recompiling,
@@ -60,24 +60,37 @@ def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeSt
 
 @partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("state",))
 def prefill(
-    params: model.Params, state: DecodeState, prompt: jax.Array, prompt_len: jax.Array, cfg: ModelConfig, kv_len: int
+    params: model.Params,
+    state: DecodeState,
+    chunk: jax.Array,
+    start: jax.Array,
+    chunk_len: jax.Array,
+    cfg: ModelConfig,
+    kv_len: int,
 ) -> DecodeState:
-    """Fill the cache from prompt [B, T] (padded to a bucket; true lengths [B]) and sample the first token."""
-    B, T = prompt.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, cache = model.forward(params, cfg, prompt, positions, state.cache, kv_len)
-    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    valid = positions < prompt_len[:, None]  # [B, T]
+    """Prefill the prompt's tokens from position `start` [B] on (chunk [B, T], padded to a bucket;
+    true lengths [B]) on top of the first `start` cached positions, and sample the first new token.
+
+    `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the cache already holds (a
+    chat's earlier turns). `kv_len` (static) covers start + T, so attention reads no further.
+    """
+    B, T = chunk.shape
     rows = jnp.arange(B)[:, None]
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len)
+    last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    length = start + chunk_len
+    tokens = state.tokens.at[rows, positions].set(chunk, mode="drop")  # padding lands past `length`
+    in_sequence = jnp.arange(tokens.shape[1])[None, :] < length[:, None]  # [B, S]
     state = replace(
         state,
         cache=cache,
-        tokens=jax.lax.dynamic_update_slice(state.tokens, prompt, (0, 0)),
-        length=prompt_len,
+        tokens=tokens,
+        length=length,
         done=jnp.zeros_like(state.done),
-        seen=jnp.zeros_like(state.seen).at[rows, prompt].max(valid),
+        seen=jnp.zeros_like(state.seen).at[rows, tokens].max(in_sequence),
     )
-    token = _sample_at(state, model.logits(params, last), prompt_len)
+    token = _sample_at(state, model.logits(params, last), length)
     return _append(state, token, jnp.ones_like(state.done))
 
 

@@ -30,6 +30,7 @@ from jaxinfer.sampling import SamplerArrays, Sampling
 
 STREAM_INTERVAL_S = 0.05
 MIN_BUCKET = 16
+MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
 
 
 def prompt_bucket(n: int, max_context: int) -> int:
@@ -41,6 +42,7 @@ def prompt_bucket(n: int, max_context: int) -> int:
 @dataclass
 class Timings:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, already in the KV cache from an earlier request: not prefilled
     generated_tokens: int = 0
     ttft_s: float = 0.0  # prefill dispatch → first token on the host, compile excluded
     decode_s: float = 0.0  # wall time of the decode loop after the first token, compile excluded
@@ -48,8 +50,12 @@ class Timings:
     compile: CompileReport = field(default_factory=CompileReport)
 
     @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s else 0.0
+        return self.prefilled_tokens / self.ttft_s if self.ttft_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -63,6 +69,8 @@ class Timings:
 
     def as_dict(self) -> dict:
         return {
+            "prefilled_tokens": self.prefilled_tokens,
+            "cached_tokens": self.cached_tokens,
             "ttft_s": round(self.ttft_s, 6),
             "prefill_tok_s": round(self.prefill_tok_s, 2),
             "decode_tok_s": round(self.decode_tok_s, 2),
@@ -87,23 +95,40 @@ class TokenStream:
 
 
 class Engine:
-    """One model, one fixed-shape cache of `max_context` positions, batch 1."""
+    """One model, one fixed-shape cache of `max_context` positions, batch 1.
+
+    The cache outlives a request: a prompt that starts with tokens the cache already holds (a chat's
+    earlier turns, or the same prompt again) prefills only the rest.
+    """
 
     def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...]):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self._programs: dict[tuple, object] = {}  # compiled prefill per bucket, and decode
-        dtype = jax.tree.leaves(params)[0].dtype
-        self._state = DecodeState(
-            cache=KVCache.zeros(cfg, 1, max_context, dtype),
-            tokens=jnp.zeros((1, max_context), jnp.int32),
+        self._programs: dict[tuple, object] = {}  # compiled prefill per (bucket, kv_len), and decode
+        self._state = self._fresh_state()
+        self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
+
+    def _fresh_state(self) -> DecodeState:
+        S = self.max_context
+        return DecodeState(
+            cache=KVCache.zeros(self.cfg, 1, S, jax.tree.leaves(self.params)[0].dtype),
+            tokens=jnp.zeros((1, S), jnp.int32),
             length=jnp.zeros((1,), jnp.int32),
             limit=jnp.zeros((1,), jnp.int32),
             done=jnp.ones((1,), bool),
-            seen=jnp.zeros((1, cfg.vocab_size), bool),
+            seen=jnp.zeros((1, self.cfg.vocab_size), bool),
             seeds=jnp.zeros((1,), jnp.int32),
             sampler=SamplerArrays.from_settings([Sampling()]),
-            eos=jnp.asarray(eos_ids or (-1,), jnp.int32),
+            eos=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
         )
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """How many leading prompt tokens to take from the cache instead of prefilling them: the
+        common prefix with what it holds (all but the prompt's last token at most, whose logits
+        prefill must compute), or 0 if that is under MIN_REUSE."""
+        n = min(len(prompt) - 1, len(self._cached))
+        differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != self._cached[:n])
+        common = int(differ[0]) if len(differ) else max(n, 0)
+        return common if common >= MIN_REUSE else 0
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens < 1:
@@ -128,28 +153,39 @@ class Engine:
 
     def _run(self, prompt, sampling, max_tokens, stream, result: TokenStream) -> Iterator[list[int]]:
         timings = result.timings
+        if self._state.cache.k.is_deleted():  # a previous call was interrupted while it held the state
+            self._state, self._cached = self._fresh_state(), self._cached[:0]
         n = len(prompt)
-        bucket = prompt_bucket(n, self.max_context)
+        start = timings.cached_tokens = self.cached_prefix(prompt)
+        self._cached = self._cached[:start]  # prefill overwrites what follows
+        bucket = prompt_bucket(n - start, self.max_context)
+        # A fresh prompt attends over its bucket; a continuation over the whole cache, as decode does
+        # (one program per bucket rather than per bucket and prefix length).
+        kv_len = self.max_context if start else bucket
         padded = np.zeros((1, bucket), np.int32)
-        padded[0, :n] = prompt
+        padded[0, : n - start] = prompt[start:]
         # Host values go over with device_put: jnp.asarray would compile a conversion program.
-        padded, prompt_len, limit, seeds = jax.device_put((padded, np.int32([n]), np.int32([n + max_tokens]), np.int32([result.seed])))
+        padded, starts, lengths, limit, seeds = jax.device_put(
+            (padded, np.int32([start]), np.int32([n - start]), np.int32([n + max_tokens]), np.int32([result.seed]))
+        )
         self._state = replace(self._state, limit=limit, seeds=seeds, sampler=SamplerArrays.from_settings([sampling]))
-        run_prefill = self._compiled(timings, ("prefill", bucket), prefill, self.params, self._state, padded, prompt_len, cfg=self.cfg, kv_len=bucket)
-        start = time.perf_counter()
-        self._state = run_prefill(self.params, self._state, padded, prompt_len)
+        run_prefill = self._compiled(
+            timings, ("prefill", bucket, kv_len), prefill, self.params, self._state, padded, starts, lengths, cfg=self.cfg, kv_len=kv_len
+        )
+        started = time.perf_counter()
+        self._state = run_prefill(self.params, self._state, padded, starts, lengths)
         tokens, length, done = self._fetch()
-        timings.ttft_s = time.perf_counter() - start
+        timings.ttft_s = time.perf_counter() - started
         timings.generated_tokens = 1
         yield [int(tokens[n])]
 
         steps = jax.device_put(np.int32(1 if stream else max_tokens))
         run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, cfg=self.cfg)
         while not done:
-            start = time.perf_counter()
+            started = time.perf_counter()
             self._state = run_decode(self.params, self._state, steps)
             tokens, new_length, done = self._fetch()
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - started
             made = new_length - length
             timings.decode_s += elapsed
             timings.itl_s += [elapsed / made] * made
@@ -173,6 +209,7 @@ class Engine:
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
         """Row 0's tokens, length and done flag (whole arrays: slicing on the device would dispatch
-        programs of its own)."""
+        programs of its own). Also records what the cache now holds: K/V of every token but the last."""
         tokens, length, done = jax.device_get((self._state.tokens, self._state.length, self._state.done))
+        self._cached = tokens[0, : int(length[0]) - 1].copy()
         return tokens[0], int(length[0]), bool(done[0])

@@ -117,3 +117,18 @@ def test_cache_full_is_a_length_finish(model):
     prompt = model.tokenizer.encode("The capital")
     gen, _ = generate(model, engine, prompt, sampling=Sampling(), max_tokens=32 - len(prompt))
     assert gen.finish_reason == "length" and len(prompt) + len(gen.token_ids) == 32
+
+
+def test_a_prompt_extending_the_cached_sequence_prefills_only_its_new_tokens(model):
+    engine = Engine(model.config, model.params, 256, ())
+    first, _ = generate(model, engine, "The capital of France is Paris, and the capital of Italy is", sampling=Sampling(), max_tokens=8)
+    follow_up = first.prompt_ids + first.token_ids + model.tokenizer.encode(" and Spain?", add_special_tokens=False)
+    second, _ = generate(model, engine, follow_up, sampling=Sampling(), max_tokens=12)
+    # every token but the last generated one has its K/V in the cache (the last was never fed back)
+    assert second.timings.cached_tokens == len(first.prompt_ids) + len(first.token_ids) - 1
+    assert second.result()["timings"]["prefilled_tokens"] == len(follow_up) - second.timings.cached_tokens
+    fresh, _ = generate(model, Engine(model.config, model.params, 256, ()), follow_up, sampling=Sampling(), max_tokens=12)
+    assert fresh.timings.cached_tokens == 0
+    assert second.token_ids == fresh.token_ids
+    other, _ = generate(model, engine, "Something else entirely, from its first token on.", sampling=Sampling(), max_tokens=4)
+    assert other.timings.cached_tokens == 0  # only the BOS in common: prefilled from scratch
