@@ -8,6 +8,7 @@ tokenizer_config.json as transformers reads it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
@@ -47,6 +48,18 @@ class Tokenizer:
         if self._sp is not None:  # sentencepiece defaults, as transformers' LlamaTokenizer
             self.bos_id = self.bos_id if self.bos_id is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
             self.eos_id = self.eos_id if self.eos_id is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
+        self.special_tokens = self._special_tokens()  # what chat templates see
+        specials = sorted({t for t in self.special_tokens.values() if t}, key=len, reverse=True)
+        self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+    def _special_tokens(self) -> dict[str, str | None]:
+        """bos_token, eos_token, unk_token, pad_token as text."""
+        found = {f"{name}_token": _token_text(self.config.get(f"{name}_token")) for name in ("bos", "eos", "unk", "pad")}
+        if self._sp is not None:  # sentencepiece's own BOS/EOS when tokenizer_config.json names none
+            for name, i in (("bos", self.bos_id), ("eos", self.eos_id)):
+                if found[f"{name}_token"] is None and i is not None:
+                    found[f"{name}_token"] = self._sp.id_to_piece(i)
+        return found
 
     def token_id(self, text: str | None) -> int | None:
         if text is None:
@@ -60,12 +73,25 @@ class Tokenizer:
         if self._hf is not None:
             # tokenizer.json's post-processor adds BOS/EOS the way the model was trained.
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._sp.encode(text)
+        ids = self._sp_encode(text)
         if add_special_tokens:
             if self.config.get("add_bos_token", True) and self.bos_id is not None:
                 ids = [self.bos_id] + ids
             if self.config.get("add_eos_token", False) and self.eos_id is not None:
                 ids = ids + [self.eos_id]
+        return ids
+
+    def _sp_encode(self, text: str) -> list[int]:
+        """sentencepiece encodes "<s>" as three characters; special tokens written in the text (as
+        chat templates write them) must become their ids, as in transformers."""
+        if self._specials is None:
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(self._specials.split(text)):
+            if i % 2:
+                ids.append(self.token_id(part))
+            elif part:
+                ids += self._sp.encode(part)
         return ids
 
     def decode(self, ids: list[int]) -> str:
