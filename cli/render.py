@@ -59,13 +59,41 @@ def progress(description: str) -> Iterator:
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+def ask(prompt: str) -> str:
+    """One line from the user, with line editing and history where readline exists."""
+    try:
+        import readline  # noqa: F401  (input() uses it once imported)
+    except ImportError:
+        pass
+    return input(prompt)
+
+
+def _prefilled(result: dict) -> str:
+    t = result["timings"]
+    cached = f" (+{t['cached_tokens']} cached)" if t["cached_tokens"] else ""
+    return f"{t['prefilled_tokens']} tokens{cached}"
+
+
+def turn_stats(result: dict, context_used: int, context_size: int) -> None:
+    """The one-line footer of a chat turn, on stderr."""
+    t = result["timings"]
+    compiled = f" · compile {t['compile_s']:.2f} s" if t["compile_cache"] != "none" else ""
+    err.print(
+        f"prefill {_prefilled(result)}, TTFT {t['ttft_s'] * 1000:.0f} ms · decode {result['generated_tokens']} tokens, "
+        f"{t['decode_tok_s']:.1f} tok/s · context {context_used}/{context_size}{compiled}"
+        + (" · interrupted" if result["finish_reason"] == "interrupted" else ""),
+        style="dim",
+        markup=False,
+    )
+
+
 def stats(result: dict) -> None:
     """The per-phase figures of one generation, on stderr."""
     t = result["timings"]
     itl = t["itl_ms"]
     cache = {"hit": "cache hit", "miss": "compiled", "none": "already compiled"}[t["compile_cache"]]
     err.print(
-        f"prefill: {result['prompt_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.1f} ms, "
+        f"prefill: {_prefilled(result)}, TTFT {t['ttft_s'] * 1000:.1f} ms, "
         f"{t['prefill_tok_s']:.1f} tok/s\n"
         f"decode:  {result['generated_tokens']} tokens, {t['decode_tok_s']:.1f} tok/s, "
         f"ITL mean {itl['mean']:.2f} / p50 {itl['p50']:.2f} / p90 {itl['p90']:.2f} ms\n"

@@ -25,7 +25,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.decode import DecodeState, decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import KVCache
-from jaxinfer.runtime import CompileReport, watch_compiles
+from jaxinfer.runtime import CompileReport, interrupts_held, watch_compiles
 from jaxinfer.sampling import SamplerArrays, Sampling
 
 STREAM_INTERVAL_S = 0.05
@@ -200,7 +200,7 @@ class Engine:
         """The compiled program for `key`, built ahead of its first call so that compile time is
         measured apart from TTFT and decode time (and read back from the persistent cache if there)."""
         if key not in self._programs:
-            with watch_compiles() as report:
+            with interrupts_held(), watch_compiles() as report:
                 start = time.perf_counter()
                 self._programs[key] = fn.lower(*args, **static).compile()
                 report.seconds = time.perf_counter() - start

@@ -85,3 +85,23 @@ def watch_compiles():
         yield report
     finally:
         _local.reports.remove(report)
+
+
+@contextmanager
+def interrupts_held():
+    """Hold Ctrl-C until the block ends, then raise it. A KeyboardInterrupt raised inside JAX's
+    lowering or compiling leaves the process to crash (SIGSEGV) at exit; a compile takes seconds at
+    most, so the user still gets their interrupt within a moment. Main thread only (signals are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import signal
+
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pending.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt

@@ -1,0 +1,132 @@
+"""`jaxinfer chat`: the interactive loop. Turns, cache reuse and transcripts live in jaxinfer.chat;
+this module reads lines, runs commands and hands output to `cli.render`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli import options, render
+
+HELP = """commands:
+  /help               this list
+  /reset, /clear      forget the conversation (the system prompt stays)
+  /system TEXT        set the system prompt (empty: none)
+  /stats              context used and the last turn's figures
+  /save FILE          write the conversation as JSON
+  /load FILE          read a conversation saved by /save
+  /exit, /bye         leave (Ctrl-D does too)
+a line of \"\"\" opens a multi-line message, and another closes it; Ctrl-C stops a reply"""
+
+
+def chat(
+    model: Optional[Path] = options.MODEL,
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Tokens per reply at most [default: generation_config.json's, else 512; at most half the context]."),
+    temp: Optional[float] = options.TEMP,
+    top_k: Optional[int] = options.TOP_K,
+    top_p: Optional[float] = options.TOP_P,
+    min_p: Optional[float] = options.MIN_P,
+    repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
+    seed: Optional[int] = options.SEED,
+    max_context: Optional[int] = options.MAX_CONTEXT,
+    dtype: str = options.DTYPE,
+    on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
+) -> None:
+    """Chat with the model in the terminal; each turn prefills only what is new since the last."""
+    from jaxinfer.chat import ChatSession
+    from jaxinfer.engine import Engine
+
+    options.check_positive(max_tokens=max_tokens, max_context=max_context)
+    loaded = options.load(model, dtype)
+    context = options.context_length(loaded, max_context)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
+    session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed)
+    if session.template.is_fallback:
+        render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
+    render.notice(f"chatting with {loaded.path.name} (context {context} tokens); /help for commands, Ctrl-D to leave")
+    last: dict | None = None
+    while True:
+        try:
+            line = _read_message()
+        except (EOFError, KeyboardInterrupt):
+            render.end_stream()
+            return
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if not _command(session, line, last):
+                return
+            continue
+        last = _turn(session, line) or last
+
+
+def _read_message() -> str:
+    line = render.ask(">>> ")
+    if line.strip() != '"""':
+        return line
+    lines = []
+    while (line := render.ask("... ")).strip() != '"""':
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _turn(session, text: str) -> dict | None:
+    from jaxinfer.errors import JaxinferError
+
+    try:
+        gen, notices = session.ask(text)
+    except JaxinferError as e:
+        render.error(str(e))
+        return None
+    for notice in notices:
+        render.notice(notice)
+    try:
+        render.stream(gen)
+    except KeyboardInterrupt:
+        gen.interrupt()
+    render.end_stream()
+    session.record(gen)
+    result = gen.result()
+    render.turn_stats(result, session.context_used, session.engine.max_context)
+    return result
+
+
+def _command(session, line: str, last: dict | None) -> bool:
+    """Run one /command; False means leave."""
+    from jaxinfer.errors import JaxinferError
+
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/exit", "/bye"):
+            return False
+        elif name == "/help":
+            render.notice(HELP)
+        elif name in ("/reset", "/clear"):
+            session.reset()
+            render.notice("conversation cleared")
+        elif name == "/system":
+            session.system = arg or None
+            render.notice(f"system prompt {'set' if arg else 'removed'}")
+        elif name == "/stats":
+            render.notice(f"{len(session.messages)} messages, context {session.context_used} / {session.engine.max_context} tokens")
+            if last:
+                render.turn_stats(last, session.context_used, session.engine.max_context)
+        elif name in ("/save", "/load") and not arg:
+            render.error(f"{name} needs a file name")
+        elif name == "/save":
+            session.save(Path(arg))
+            render.notice(f"saved {len(session.messages)} messages to {arg}")
+        elif name == "/load":
+            session.load(Path(arg))
+            render.notice(f"loaded {len(session.messages)} messages from {arg}")
+        else:
+            render.error(f"unknown command {name}; /help lists them")
+    except JaxinferError as e:
+        render.error(str(e))
+    return True

@@ -1,0 +1,50 @@
+"""Flags shared by the commands that generate (`run`, `chat`), so each reads and behaves the same."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli import render
+from jaxinfer.models import DEFAULT as DEFAULT_MODEL
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_CONTEXT = 4096
+
+MODEL = typer.Option(None, "--model", "-m", help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].")
+TEMP = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy [default: the model's].")
+TOP_K = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off.")
+TOP_P = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whose probability reaches p.")
+MIN_P = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one.")
+REPEAT_PENALTY = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off).")
+SEED = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported].")
+MAX_CONTEXT = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
+DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
+
+
+def check_positive(**flags: Optional[int]) -> None:
+    """Before loading weights, so a bad flag fails before a multi-GB load."""
+    from jaxinfer.errors import JaxinferError
+
+    for name, value in flags.items():
+        if value is not None and value < 1:
+            raise JaxinferError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def load(model: Optional[Path], dtype: str):
+    from jaxinfer.loading import load_model
+
+    with render.progress("loading weights") as progress:
+        return load_model(model, dtype, progress)
+
+
+def sampling(loaded, **flags):
+    """The model's generation_config.json defaults, with the flags that were given on top."""
+    return replace(loaded.sampling, **{name: value for name, value in flags.items() if value is not None})
+
+
+def context_length(loaded, max_context: Optional[int]) -> int:
+    return max_context or min(loaded.max_positions, DEFAULT_MAX_CONTEXT)

@@ -1,0 +1,112 @@
+"""A multi-turn conversation over one Engine.
+
+Each turn renders the whole conversation with the model's chat template and hands the token ids to
+the engine, which prefills only what its KV cache does not hold yet (the longest common prefix with
+the previous turn's prompt and reply is reused). The decode path is the one `run` uses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxinfer.chat_template import ChatTemplate, read_template
+from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import Generation
+from jaxinfer.loading import LoadedModel
+from jaxinfer.sampling import Sampling
+
+ON_FULL = ("drop-oldest", "error")
+
+
+class ChatSession:
+    def __init__(
+        self,
+        model: LoadedModel,
+        engine: Engine,
+        sampling: Sampling,
+        max_tokens: int,
+        system: str | None = None,
+        on_full: str = "drop-oldest",
+        seed: int | None = None,
+    ):
+        if on_full not in ON_FULL:
+            raise JaxinferError(f"--on-full must be one of {', '.join(ON_FULL)}, not {on_full!r}")
+        self.model, self.engine, self.sampling = model, engine, sampling
+        self.max_tokens, self.on_full, self.seed = max_tokens, on_full, seed
+        self.system = system
+        self.messages: list[dict] = []  # user and assistant turns, oldest first
+        self.template = ChatTemplate(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
+        self.context_used = 0  # tokens of the last turn's prompt and reply
+
+    def conversation(self) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def prompt_ids(self) -> list[int]:
+        """The conversation rendered, ready for the assistant's reply. The template writes the
+        special tokens itself, so none are added here (as transformers' apply_chat_template)."""
+        text = self.template.render(self.conversation(), add_generation_prompt=True)
+        return self.model.tokenizer.encode(text, add_special_tokens=False)
+
+    def ask(self, text: str) -> tuple[Generation, list[str]]:
+        """Start the reply to a user message: the generation to stream, and notices for the user
+        (turns dropped to make room). If it cannot fit, the message is not kept and this raises."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids, notices = self._fit()
+        except JaxinferError:
+            self.messages.pop()
+            raise
+        budget = min(self.max_tokens, self.engine.max_context - len(ids))
+        seed = None if self.seed is None else self.seed + len(self.messages)  # reproducible, not repeated
+        gen = Generation(self.model, self.engine, ids, self.sampling, budget, seed, self.template.stop)
+        return gen, notices
+
+    def record(self, gen: Generation) -> None:
+        """Keep the reply (also a partial, interrupted one) in the conversation."""
+        self.messages.append({"role": "assistant", "content": gen.text})
+        self.context_used = len(gen.prompt_ids) + len(gen.token_ids)
+
+    def _fit(self) -> tuple[list[int], list[str]]:
+        """Prompt ids leaving room for a reply of max_tokens (or, with nothing left to drop, at
+        least one token), dropping the oldest turns if --on-full allows it."""
+        context, notices = self.engine.max_context, []
+        ids = self.prompt_ids()
+        while len(ids) + self.max_tokens > context and len(self.messages) > 1:
+            if self.on_full == "error":
+                raise JaxinferError(
+                    f"the conversation ({len(ids)} tokens) and a reply of up to {self.max_tokens} tokens exceed the "
+                    f"context of {context}: /reset, or start with --on-full drop-oldest or a larger --max-context"
+                )
+            dropped = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
+            del self.messages[:dropped]
+            ids = self.prompt_ids()
+            notices.append(f"context full: dropped the oldest turn ({len(ids)} tokens now)")
+        if len(ids) >= context:
+            raise JaxinferError(f"the message is too long: {len(ids)} tokens with the chat template, context is {context}")
+        return ids, notices
+
+    def reset(self) -> None:
+        self.messages = []
+        self.context_used = 0
+
+    def save(self, path: Path) -> None:
+        data = {"system": self.system, "messages": self.messages}
+        try:
+            path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+        except OSError as e:
+            raise JaxinferError(f"cannot write {path}: {e.strerror}") from None
+
+    def load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            system, messages = data.get("system"), data["messages"]
+            if not all(m["role"] in ("user", "assistant") and isinstance(m["content"], str) for m in messages):
+                raise ValueError("messages must be user/assistant turns with text content")
+        except OSError as e:
+            raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise JaxinferError(f"{path} is not a saved chat ({e})") from None
+        self.system, self.messages = system, [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -1,0 +1,209 @@
+"""Chat: KV-cache reuse across turns (library), and the real `jaxinfer chat` driven in a pseudo-terminal."""
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pexpect
+import pytest
+
+from jaxinfer.chat import ChatSession
+from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+
+# Mistral's: compact enough for the tiny models' 256 positions, and it refuses a system prompt
+TEMPLATE = (Path(__file__).parent / "chat_templates" / "mistral.jinja").read_text()
+FOOTER = re.compile(r"prefill (\d+) tokens(?: \(\+(\d+) cached\))?, TTFT")
+
+
+def with_template(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    (destination / "chat_template.jinja").write_text(TEMPLATE)
+    return destination
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny, tmp_path_factory):
+    return with_template(tiny("llama"), tmp_path_factory.mktemp("chat") / "model")
+
+
+def common_prefix(a, b):
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def test_each_turn_prefills_only_what_the_cache_does_not_hold(chat_model):
+    model = load_model(chat_model)
+    engine = Engine(model.config, model.params, 256, model.eos_ids)
+    session = ChatSession(model, engine, Sampling(), max_tokens=12)
+    previous = None  # the token sequence whose K/V the cache holds after the last turn
+    for text in ("What is the capital of France?", "And of Italy?", "Thanks, and Spain?"):
+        gen, notices = session.ask(text)
+        list(gen)
+        session.record(gen)
+        ids = gen.prompt_ids
+        cached = gen.timings.cached_tokens
+        if previous is None:
+            assert cached == 0
+        else:  # exactly the common prefix with what the cache holds (never the last prompt token)
+            expected = min(common_prefix(ids, previous), len(ids) - 1)
+            assert cached == expected > 0
+        assert gen.result()["timings"]["prefilled_tokens"] == len(ids) - cached
+        # the reply is what a fresh engine gives for the same rendered prompt
+        fresh = Generation(model, Engine(model.config, model.params, 256, model.eos_ids), ids, Sampling(), 12)
+        list(fresh)
+        assert fresh.token_ids == gen.token_ids
+        previous = ids + gen.token_ids[:-1]
+        assert notices == []
+
+
+def test_context_full_drops_oldest_turns_or_refuses(chat_model):
+    model = load_model(chat_model)
+    engine = Engine(model.config, model.params, 128, model.eos_ids)
+    dropping = ChatSession(model, engine, Sampling(), max_tokens=24)
+    all_notices = []
+    for i in range(6):
+        gen, notices = dropping.ask(f"Question number {i}: what is the capital of France?")
+        list(gen)
+        dropping.record(gen)
+        all_notices += notices
+        assert len(gen.prompt_ids) + 24 <= 128
+    assert any("context full" in n for n in all_notices)
+    assert dropping.messages[0]["content"] != "Question number 0: what is the capital of France?"
+
+    strict = ChatSession(model, Engine(model.config, model.params, 128, model.eos_ids), Sampling(), 24, on_full="error")
+    with pytest.raises(JaxinferError, match="exceed the context"):
+        for i in range(6):
+            gen, _ = strict.ask(f"Question number {i}: what is the capital of France?")
+            list(gen)
+            strict.record(gen)
+    assert strict.messages[-1]["role"] == "assistant"  # the refused message is not kept
+    with pytest.raises(JaxinferError, match="too long"):
+        strict.reset()
+        strict.ask("Paris " * 200)
+
+
+def test_save_and_load_round_trip_and_bad_files(chat_model, tmp_path):
+    model = load_model(chat_model)
+    session = ChatSession(model, Engine(model.config, model.params, 256, model.eos_ids), Sampling(), 8)
+    gen, _ = session.ask("Hello")
+    list(gen)
+    session.record(gen)
+    session.save(tmp_path / "chat.json")
+    other = ChatSession(model, session.engine, Sampling(), 8)
+    other.load(tmp_path / "chat.json")
+    assert other.conversation() == session.conversation()
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard", "content": "x"}]}')
+    for path, words in ((tmp_path / "bad.json", "not a saved chat"), (tmp_path / "missing.json", "cannot read")):
+        with pytest.raises(JaxinferError, match=words):
+            other.load(path)
+
+
+# --- the real command in a pseudo-terminal -------------------------------------------------------
+
+
+def spawn(model, *args):
+    child = pexpect.spawn(
+        "jaxinfer",
+        ["chat", "-m", str(model), *map(str, args)],
+        encoding="utf-8",
+        timeout=120,
+        env={**os.environ, "JAXINFER_CACHE_DIR": "", "TERM": "dumb", "COLUMNS": "200"},
+    )
+    child.expect_exact(">>> ")
+    return child
+
+
+def say(child, text) -> tuple[int, int]:
+    """Send a message; (prefilled, cached) tokens from the turn's footer."""
+    child.sendline(text)
+    child.expect(FOOTER)
+    prefilled, cached = int(child.match.group(1)), int(child.match.group(2) or 0)
+    child.expect_exact(">>> ")
+    return prefilled, cached
+
+
+def leave(child, how="eof"):
+    """Leave by Ctrl-D ("eof"), Ctrl-C ("ctrl-c") or a command; the exit must be clean."""
+    if how == "eof":
+        child.sendeof()
+    elif how == "ctrl-c":
+        child.sendintr()
+    else:
+        child.sendline(how)
+    child.expect(pexpect.EOF)
+    assert child.wait() == 0 and "Traceback" not in child.before
+
+
+def test_three_turns_commands_and_transcripts(chat_model, tmp_path):
+    child = spawn(chat_model, "-n", "8", "--temp", "0", "--system", "Be brief.")
+    child.sendline("Hi")  # this template takes no system prompt: a one-line error, and the session goes on
+    child.expect_exact("error: chat template: Conversation roles must alternate")
+    child.sendline("/system")
+    child.expect_exact("system prompt removed")
+    first = say(child, "What is the capital of France?")
+    second = say(child, "And of Italy?")
+    third = say(child, '"""\nOn two\nlines\n"""'.replace("\n", os.linesep))
+    assert first[1] == 0 and 0 < second[1] < third[1]  # the exact counts: test_each_turn_prefills_only...
+    child.sendline("/wat")
+    child.expect_exact("unknown command /wat")
+    child.sendline(f"/save {tmp_path / 'chat.json'}")
+    child.expect_exact("saved 6 messages")
+    child.sendline("/reset")
+    child.expect_exact("conversation cleared")
+    assert say(child, "Hello again")[1] == 0  # a cleared conversation starts from scratch
+    child.sendline(f"/load {tmp_path / 'chat.json'}")
+    child.expect_exact("loaded 6 messages")
+    child.sendline("/stats")
+    child.expect_exact("6 messages")
+    leave(child, "/bye")
+    saved = json.loads((tmp_path / "chat.json").read_text())
+    assert saved["system"] is None and [m["content"] for m in saved["messages"][::2]] == [
+        "What is the capital of France?",
+        "And of Italy?",
+        "On two\nlines",
+    ]
+
+
+def test_context_full_notice_in_the_terminal(chat_model):
+    child = spawn(chat_model, "-n", "24", "--temp", "0", "-c", "128")
+    for i in range(5):
+        child.sendline(f"Question number {i}: what is the capital of France?")
+        child.expect(FOOTER)
+        turn = child.before  # notices come before the reply
+        child.expect_exact(">>> ")
+        if "context full: dropped the oldest turn" in turn:
+            break
+    else:
+        pytest.fail("no context-full notice")
+    leave(child)
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_the_session(tiny, tmp_path):
+    # bigger, so a reply takes seconds; with an EOS id it can never sample, so the reply is still going
+    slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192, eos_token_id=10**6)
+    slow = with_template(slow, tmp_path / "slow")
+    child = spawn(slow, "-c", "8192", "-n", "6000", "--temp", "0")
+    child.sendline("Tell me a long story.")
+    time.sleep(3)  # well into the reply
+    child.sendintr()
+    interrupted = time.perf_counter()
+    child.expect(FOOTER)
+    assert time.perf_counter() - interrupted < 2.0
+    child.expect_exact("interrupted")
+    child.expect_exact(">>> ")
+    child.sendline("Go on.")
+    time.sleep(0.5)  # likely while its prefill compiles: JAX must not be left to crash at exit
+    child.sendintr()
+    child.expect(FOOTER)  # the partial reply stayed in history, and its tokens in the cache
+    assert int(child.match.group(2)) > 20
+    child.expect_exact(">>> ")
+    leave(child, "ctrl-c")  # Ctrl-C at an empty prompt leaves cleanly
