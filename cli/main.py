@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from cli import render
+from cli import chat, options, render
 
 app = typer.Typer(
     help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
@@ -18,9 +18,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_CONTEXT = 4096
 
 _debug = False
 
@@ -52,34 +49,25 @@ def _read_prompt(prompt: Optional[str]) -> str:
     return prompt
 
 
-def _load(model: Path, dtype: str):
-    from jaxinfer.loading import load_model
-
-    with render.progress("loading weights") as progress:
-        return load_model(model, dtype, progress)
-
-
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
-    model: Path = typer.Option(..., "--model", "-m", help="Hugging Face model directory or a converted one."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Tokens to generate at most [default: generation_config.json's, else {DEFAULT_MAX_TOKENS}]."),
-    temp: Optional[float] = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy [default: the model's]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whose probability reaches p."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one."),
-    repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported]."),
+    model: Optional[Path] = options.MODEL,
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
+    temp: Optional[float] = options.TEMP,
+    top_k: Optional[int] = options.TOP_K,
+    top_p: Optional[float] = options.TOP_P,
+    min_p: Optional[float] = options.MIN_P,
+    repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
+    seed: Optional[int] = options.SEED,
     stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks)."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})]."),
-    dtype: str = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16."),
+    max_context: Optional[int] = options.MAX_CONTEXT,
+    dtype: str = options.DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
     show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings on stderr."),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout."""
-    from dataclasses import replace
-
     from jaxinfer.engine import Engine
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
@@ -87,16 +75,13 @@ def run(
     text = _read_prompt(prompt)
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
-    for name, value in (("--max-tokens", max_tokens), ("--max-context", max_context)):
-        if value is not None and value < 1:
-            raise JaxinferError(f"{name} must be at least 1")
-    loaded = _load(model, dtype)
-    overrides = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
-    sampling = replace(loaded.sampling, **{k: v for k, v in overrides.items() if v is not None})
-    context = max_context or min(loaded.max_positions, DEFAULT_MAX_CONTEXT)
+    options.check_positive(max_tokens=max_tokens, max_context=max_context)
+    loaded = options.load(model, dtype)
+    sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    context = options.context_length(loaded, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
-        max_tokens = max(1, min(loaded.max_new_tokens or DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
+        max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, () if ignore_eos else loaded.eos_ids)
     gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop))
     try:
@@ -133,6 +118,9 @@ def convert(
     with render.progress("converting") as progress:
         out = convert_model(source, destination, dtype, progress)
     render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
+
+
+app.command()(chat.chat)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ import jax
 from jaxinfer import weights
 from jaxinfer.config import ModelConfig, config_from_hf
 from jaxinfer.errors import JaxinferError
+from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.tokenizer import Tokenizer
 
@@ -73,8 +75,16 @@ def is_converted(model_dir: Path) -> bool:
     return (model_dir / ORBAX_DIR).is_dir()
 
 
-def load_model(path: str | Path, dtype: str = "auto", progress: weights.ProgressFn | None = None) -> LoadedModel:
-    model_dir = Path(path).expanduser()
+def bundled_model_dir() -> Path:
+    """The default model's directory, wherever jaxinfer is installed (it is package data)."""
+    return Path(str(resources.files("jaxinfer.models") / DEFAULT_MODEL))
+
+
+def load_model(
+    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None
+) -> LoadedModel:
+    """Load a model directory; with no path, the bundled default model."""
+    model_dir = Path(path).expanduser() if path is not None else bundled_model_dir()
     if not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
     config_json = read_json(model_dir / "config.json")
