@@ -65,7 +65,9 @@ def run(
     max_context: Optional[int] = options.MAX_CONTEXT,
     dtype: str = options.DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
-    show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings on stderr."),
+    show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
+    peak_flops: Optional[float] = options.PEAK_FLOPS,
+    peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout."""
     from jaxinfer.engine import Engine
@@ -93,6 +95,8 @@ def run(
     except KeyboardInterrupt:
         gen.interrupt()
     result = gen.result()
+    if json_output or show_stats:
+        result["timings"]["roofline"] = options.roofline(loaded, gen.timings, peak_flops, peak_bandwidth)
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
     else:

@@ -22,6 +22,8 @@ MIN_P = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p Ã
 REPEAT_PENALTY = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off).")
 SEED = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported].")
 MAX_CONTEXT = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
+PEAK_FLOPS = typer.Option(None, "--peak-flops", help="Peak FLOP/s to measure MFU against (e.g. a datasheet figure) [default: measured once per machine].")
+PEAK_BANDWIDTH = typer.Option(None, "--peak-bandwidth", help="Peak memory bandwidth in bytes/s for MBU [default: measured once per machine].")
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
 
@@ -48,3 +50,15 @@ def sampling(loaded, **flags):
 
 def context_length(loaded, max_context: Optional[int]) -> int:
     return max_context or min(loaded.max_positions, DEFAULT_MAX_CONTEXT)
+
+
+def roofline(loaded, timings, peak_flops: Optional[float], peak_bandwidth: Optional[float]) -> dict:
+    """Both phases of a generation against this machine's peaks (measured the first time)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.ceilings import machine_ceilings
+    from jaxinfer.roofline import generation_report
+
+    announce = lambda: render.notice("measuring this machine's peak FLOP/s and memory bandwidth (once)â€¦")  # noqa: E731
+    ceilings = machine_ceilings(loaded.dtype, peak_flops, peak_bandwidth, announce)
+    return generation_report(loaded.config, jnp.dtype(loaded.dtype).itemsize, timings, ceilings)

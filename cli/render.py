@@ -87,17 +87,33 @@ def turn_stats(result: dict, context_used: int, context_size: int) -> None:
     )
 
 
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+def _roof(phase: dict, headline: str) -> str:
+    """Where a phase sits: its achieved rate against the roof that bounds it."""
+    achieved = f"{_si(phase['flop_s'], 'FLOP/s')}, MFU {phase['mfu']:.1%}" if headline == "mfu" else f"{_si(phase['bytes_s'], 'B/s')}, MBU {phase['mbu']:.1%}"
+    return f" · {achieved} ({phase['bound']}-bound, {phase['intensity']:.1f} FLOP/B)"
+
+
 def stats(result: dict) -> None:
     """The per-phase figures of one generation, on stderr."""
     t = result["timings"]
     itl = t["itl_ms"]
+    roof = t.get("roofline")
     cache = {"hit": "cache hit", "miss": "compiled", "none": "already compiled"}[t["compile_cache"]]
-    err.print(
-        f"prefill: {_prefilled(result)}, TTFT {t['ttft_s'] * 1000:.1f} ms, "
-        f"{t['prefill_tok_s']:.1f} tok/s\n"
+    lines = [
+        f"prefill: {_prefilled(result)}, TTFT {t['ttft_s'] * 1000:.1f} ms, {t['prefill_tok_s']:.1f} tok/s"
+        + (_roof(roof["prefill"], "mfu") if roof else ""),
         f"decode:  {result['generated_tokens']} tokens, {t['decode_tok_s']:.1f} tok/s, "
-        f"ITL mean {itl['mean']:.2f} / p50 {itl['p50']:.2f} / p90 {itl['p90']:.2f} ms\n"
+        f"ITL mean {itl['mean']:.2f} / p50 {itl['p50']:.2f} / p90 {itl['p90']:.2f} ms"
+        + (_roof(roof["decode"], "mbu") if roof else ""),
         f"compile: {t['compile_s']:.2f} s ({cache}); finish: {result['finish_reason']}; seed: {result['seed']}",
-        style="dim",
-        markup=False,
-    )
+    ]
+    if roof:
+        lines.append(f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})")
+    err.print("\n".join(lines), style="dim", markup=False)

@@ -1,7 +1,10 @@
 import os
+import tempfile
 
-# Tests must not write to the user's cache, nor read programs compiled by another version.
+# Tests must not write to the user's cache, nor read programs compiled by another version. The
+# machine's ceilings (for MFU/MBU) are measured once per test session, in a cache of its own.
 os.environ.setdefault("JAXINFER_CACHE_DIR", "")
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
 
 import pytest
 

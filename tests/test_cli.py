@@ -10,10 +10,11 @@ import time
 import pytest
 
 
-def jaxinfer(*args, stdin=None, cache=""):
+def jaxinfer(*args, stdin=None, cache="", cwd=None):
     return subprocess.run(
         ["jaxinfer", *map(str, args)],
         input=stdin,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
@@ -41,8 +42,10 @@ def test_json_output_and_stdin_prompt(model):
     result = json.loads(proc.stdout)
     assert set(result) == {"text", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "seed", "timings"}
     assert result["seed"] == 5 and result["finish_reason"] in ("eos", "length")
-    assert set(result["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "itl_ms", "compile_s"}
-    assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
+    assert set(result["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "itl_ms", "compile_s", "roofline"}
+    roofline = result["timings"]["roofline"]
+    assert roofline["prefill"]["mfu"] > 0 and roofline["decode"]["mbu"] > 0 and roofline["decode"]["bound"] == "memory"
+    assert "TTFT" in proc.stderr and "MFU" in proc.stderr and "MBU" in proc.stderr
 
 
 def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp_path):
@@ -53,6 +56,16 @@ def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp
     assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
     assert "(compiled)" in streamed.stderr
     assert json.loads(as_json.stdout)["timings"]["compile_cache"] == "hit"
+
+
+def test_bundled_model_is_the_default_from_any_directory(tmp_path):
+    from jaxinfer.loading import bundled_model_dir
+
+    args = ("run", "def fibonacci(n):", "-n", "16", "--temp", "0", "--json")
+    default = jaxinfer(*args, cwd=tmp_path)
+    assert default.returncode == 0, default.stderr
+    explicit = jaxinfer(*args, "-m", bundled_model_dir())
+    assert json.loads(default.stdout)["token_ids"] == json.loads(explicit.stdout)["token_ids"]
 
 
 def test_convert_then_run_the_converted_model(model, tmp_path):

@@ -1,0 +1,100 @@
+"""This machine's two roofs, measured on the spot and kept per machine: peak matmul FLOP/s for a
+dtype, and memory bandwidth. A datasheet figure given by the user (`--peak-flops`,
+`--peak-bandwidth`) replaces the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.runtime import default_cache_dir
+
+MATMUL_SIZE = 2048  # N: an N×N @ N×N product, 2N³ FLOPs; large enough to reach the peak on a CPU
+COPY_BYTES = 256 * 2**20  # an array this large, read once and written once; far beyond any cache
+REPEATS = 5  # best of: the ceiling is what the machine can do, not what it did on average
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    peak_flops: float  # FLOP/s, matmul in `dtype`
+    peak_bandwidth: float  # bytes/s, read + written
+    dtype: str
+    method: str  # how the figures were obtained, for the user to judge them
+
+
+def _best_seconds(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
+    a = jnp.ones((n, n), dtype)
+    return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
+
+
+def measure_bandwidth(nbytes: int = COPY_BYTES) -> float:
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    return 2.0 * nbytes / _best_seconds(jax.jit(lambda v: v + 1.0), x)
+
+
+def machine_key() -> str:
+    device = jax.devices()[0]
+    return f"{device.platform}:{device.device_kind}:{len(jax.devices())}:{platform.node()}:{os.cpu_count()}"
+
+
+def _store() -> Path:
+    return default_cache_dir().parent / "ceilings.json"
+
+
+def machine_ceilings(
+    dtype: str, peak_flops: float | None = None, peak_bandwidth: float | None = None, announce=None
+) -> Ceilings:
+    """The roofs for `dtype` on this machine: overrides where given, else the stored measurement,
+    else measured now (about two seconds; `announce()` is called first) and stored."""
+    store = _store()
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    key = f"{machine_key()}:{dtype}"
+    if key not in known and (peak_flops is None or peak_bandwidth is None):
+        if announce:
+            announce()
+        known[key] = asdict(
+            Ceilings(
+                measure_peak_flops(dtype),
+                measure_bandwidth(),
+                dtype,
+                f"measured {time.strftime('%Y-%m-%d')}: best of {REPEATS} jitted {MATMUL_SIZE}² {dtype} matmuls "
+                f"(2N³ FLOPs), and of {REPEATS} jitted copies of {COPY_BYTES // 2**20} MiB (read + written)",
+            )
+        )
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            store.write_text(json.dumps(known, indent=1) + "\n")
+        except OSError:
+            pass  # a read-only home: measure again next time
+    stored = known.get(key, {})
+    method = stored.get("method", "")
+    given = [name for name, value in (("peak FLOP/s", peak_flops), ("bandwidth", peak_bandwidth)) if value is not None]
+    if given:
+        method = " and ".join(given) + " given by the user" + (f"; otherwise {method}" if len(given) < 2 else "")
+    return Ceilings(
+        peak_flops if peak_flops is not None else stored["peak_flops"],
+        peak_bandwidth if peak_bandwidth is not None else stored["peak_bandwidth"],
+        dtype,
+        method,
+    )

@@ -1,0 +1,120 @@
+"""What each phase must compute and move, from the config alone, and how close a run came to the
+machine's limits.
+
+Prefill pushes many tokens through every weight at once: high arithmetic intensity, compute-bound, so
+its figure of merit is MFU (achieved FLOP/s over the peak). A decode step pushes one token per row
+through every weight and reads the whole KV cache: intensity near 1 FLOP/byte at batch 1,
+bandwidth-bound, so its figure of merit is MBU (achieved bytes/s over the peak).
+
+Counted: matmuls at 2 FLOPs per multiply-add (projections, MLP, the LM head for the positions that
+are sampled) and attention (QKᵀ and PV over the keys attended); bytes of every weight read once per
+pass, and of the K/V read and written. Norms, RoPE and softmax are left out: a few percent at most
+(tests/test_roofline.py holds this against XLA's own cost analysis of the compiled programs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.weights import weight_table
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(parameters in the layers' matrices, in the LM head, in everything else: embedding, norms, biases)."""
+    layer_matrices = head = other = 0
+    for name, (path, shape) in weight_table(cfg).items():
+        n = int(np.prod(shape))
+        if path[0] == "layers" and len(shape) == 2:
+            layer_matrices += n
+        elif path[0] == "lm_head":
+            head += n
+        else:
+            other += n
+    if cfg.tie_word_embeddings:
+        head = cfg.vocab_size * cfg.hidden_size  # the embedding, read again as the head
+    return layer_matrices, head, other
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    return sum(int(np.prod(shape)) for _, shape in weight_table(cfg).values())
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
+    return 4.0 * queries * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+
+
+def _weight_bytes_read(cfg: ModelConfig, itemsize: int, tokens: int) -> float:
+    """Every matrix once; of the embedding only the rows looked up (unless it is also the head)."""
+    layer_matrices, head, other = _sizes(cfg)
+    rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * cfg.hidden_size
+    norms = other - cfg.vocab_size * cfg.hidden_size
+    return (layer_matrices + head + norms + rows) * itemsize
+
+
+def prefill_cost(cfg: ModelConfig, itemsize: int, tokens: int, kv_len: int | None = None, batch: int = 1) -> Cost:
+    """One prefill of `tokens` positions per row attending over `kv_len` keys (default: themselves),
+    sampling the last position."""
+    layer_matrices, head, _ = _sizes(cfg)
+    kv_len = tokens if kv_len is None else kv_len
+    flops = batch * (2.0 * tokens * layer_matrices + 2.0 * head + _attention_flops(cfg, tokens, kv_len))
+    kv = batch * kv_bytes_per_token(cfg, itemsize) * (tokens + kv_len)  # written, then read by attention
+    return Cost(flops, _weight_bytes_read(cfg, itemsize, batch * tokens) + kv)
+
+
+def decode_step_cost(cfg: ModelConfig, itemsize: int, kv_len: int, batch: int = 1) -> Cost:
+    """One decode step: one token per row, attending over `kv_len` cached positions."""
+    layer_matrices, head, _ = _sizes(cfg)
+    flops = batch * (2.0 * (layer_matrices + head) + _attention_flops(cfg, 1, kv_len))
+    kv = batch * kv_bytes_per_token(cfg, itemsize) * (kv_len + 1)
+    return Cost(flops, _weight_bytes_read(cfg, itemsize, batch) + kv)
+
+
+def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: float) -> dict:
+    """Achieved rates of a phase that did `cost` in `seconds`, against the machine's ceilings."""
+    balance = peak_flops / peak_bandwidth  # intensity where the two roofs meet
+    flop_s, bytes_s = (cost.flops / seconds, cost.bytes / seconds) if seconds > 0 else (0.0, 0.0)
+    return {
+        "flops": cost.flops,
+        "bytes": cost.bytes,
+        "flop_s": flop_s,
+        "bytes_s": bytes_s,
+        "intensity": cost.intensity,
+        "mfu": flop_s / peak_flops,
+        "mbu": bytes_s / peak_bandwidth,
+        "bound": "compute" if cost.intensity >= balance else "memory",
+    }
+
+
+def generation_report(cfg: ModelConfig, itemsize: int, timings, ceilings) -> dict:
+    """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
+    counts the K/V a step needs at its real length (the mean over the steps, as cost is linear in it)."""
+    prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
+    prefill = prefill_cost(cfg, itemsize, timings.prefilled_tokens, kv_len=prompt)
+    step = decode_step_cost(cfg, itemsize, kv_len=round(prompt + steps / 2))
+    decode = Cost(step.flops * steps, step.bytes * steps)
+    roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
+    return {
+        "peak_flops": ceilings.peak_flops,
+        "peak_bandwidth": ceilings.peak_bandwidth,
+        "method": ceilings.method,
+        "prefill": phase_report(prefill, timings.ttft_s, *roofs),
+        "decode": phase_report(decode, timings.decode_s, *roofs),
+    }

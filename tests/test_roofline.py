@@ -1,0 +1,73 @@
+"""Per-phase FLOPs and bytes from the config, held against XLA's cost analysis of the compiled
+programs; the machine ceilings; MFU/MBU in the run output."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import ceilings
+from jaxinfer.decode import decode_step, prefill
+from jaxinfer.engine import Engine
+from jaxinfer.loading import load_model
+from jaxinfer.roofline import Cost, decode_step_cost, phase_report, prefill_cost
+
+S = 256
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    # proportions of a real model (matmuls dominate), small enough to compile in a second
+    return load_model(tiny("llama", hidden_size=256, num_hidden_layers=4, intermediate_size=640))
+
+
+def xla_cost(compiled) -> tuple[float, float]:
+    analysis = compiled.cost_analysis()
+    return analysis["flops"], analysis["bytes accessed"]
+
+
+@pytest.mark.parametrize("tokens", [16, 128])
+def test_prefill_flops_match_xla_within_5_percent(model, tokens):
+    state = Engine(model.config, model.params, S, model.eos_ids)._state
+    chunk, start, length = jnp.zeros((1, tokens), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)
+    flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, chunk, start, length, cfg=model.config, kv_len=tokens).compile())
+    ours = prefill_cost(model.config, 4, tokens)
+    assert ours.flops == pytest.approx(flops, rel=0.05)
+    # XLA also counts every intermediate (attention scores, activations): ours is the floor
+    assert ours.bytes <= bytes_accessed
+
+
+def test_decode_step_flops_and_bytes_match_xla(model):
+    state = Engine(model.config, model.params, S, model.eos_ids)._state
+    step = jax.jit(decode_step, static_argnames=("cfg",)).lower(model.params, state, cfg=model.config).compile()
+    flops, bytes_accessed = xla_cost(step)
+    ours = decode_step_cost(model.config, 4, kv_len=S)  # the step attends over the whole cache
+    assert ours.flops == pytest.approx(flops, rel=0.05)
+    assert ours.bytes <= bytes_accessed <= 1.4 * ours.bytes  # weights and cache dominate
+
+
+def test_intensity_decides_the_bound_and_batch_raises_it(model):
+    cfg = model.config
+    one, eight = decode_step_cost(cfg, 4, 64), decode_step_cost(cfg, 4, 64, batch=8)  # weights shared by the rows
+    assert eight.intensity > 4 * one.intensity
+    assert prefill_cost(cfg, 4, 512).intensity > 50 * one.intensity
+    roofs = dict(peak_flops=100e9, peak_bandwidth=10e9)  # balance: 10 FLOP/byte
+    report = phase_report(Cost(flops=2e9, bytes=1e8), 0.1, **roofs)  # 20 FLOP/byte
+    assert report["bound"] == "compute" and report["mfu"] == pytest.approx(0.2) and report["mbu"] == pytest.approx(0.1)
+    assert phase_report(Cost(flops=1e8, bytes=1e8), 0.1, **roofs)["bound"] == "memory"
+
+
+def test_ceilings_are_measured_once_per_machine_and_overrides_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: calls.append(dtype) or 1e11)
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: 2e10)
+    first = ceilings.machine_ceilings("float32")
+    again = ceilings.machine_ceilings("float32")
+    assert calls == ["float32"] and first == again and first.peak_flops == 1e11 and "measured" in first.method
+    given = ceilings.machine_ceilings("bfloat16", peak_flops=5e14, peak_bandwidth=3e12)
+    assert calls == ["float32"] and (given.peak_flops, given.peak_bandwidth) == (5e14, 3e12) and "given" in given.method
+
+
+def test_the_measurements_themselves_are_plausible():
+    assert 1e8 < ceilings.measure_peak_flops("float32", n=256) < 1e16
+    assert 1e8 < ceilings.measure_bandwidth(nbytes=16 * 2**20) < 1e14
