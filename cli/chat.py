@@ -41,7 +41,7 @@ def chat(
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     loaded = options.load(model, dtype)
-    context = options.context_length(loaded, max_context)
+    context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))

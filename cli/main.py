@@ -80,7 +80,7 @@ def run(
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     loaded = options.load(model, dtype)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
-    context = options.context_length(loaded, max_context)
+    context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
@@ -122,6 +122,37 @@ def convert(
     with render.progress("converting") as progress:
         out = convert_model(source, destination, dtype, progress)
     render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
+
+
+@app.command()
+def info(
+    model: Optional[Path] = options.MODEL,
+    max_context: Optional[int] = options.MAX_CONTEXT,
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Sequences decoded together."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", "-p", help="Prompt length for the predicted TTFT."),
+    dtype: str = options.DTYPE,
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    peak_flops: Optional[float] = options.PEAK_FLOPS,
+    peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
+) -> None:
+    """Sizes, memory and the roofline's TTFT and ITL for a model on this machine (weights not loaded)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.ceilings import device_memory_bytes
+    from jaxinfer.loading import load_config, resolve_dtype
+    from jaxinfer.roofline import model_facts
+
+    options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
+    model_dir, cfg, config_json = load_config(model)
+    chosen = resolve_dtype(dtype, config_json)
+    context = options.context_length(cfg.max_position_embeddings, max_context)
+    roofs = options.ceilings(chosen, peak_flops, peak_bandwidth)
+    facts = model_facts(cfg, jnp.dtype(chosen).itemsize, context, batch_size, prompt_tokens, roofs, device_memory_bytes())
+    facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, **facts}
+    if json_output:
+        render.print_json(json.dumps(facts))
+    else:
+        render.model_info(facts)
 
 
 app.command()(chat.chat)

@@ -48,17 +48,23 @@ def sampling(loaded, **flags):
     return replace(loaded.sampling, **{name: value for name, value in flags.items() if value is not None})
 
 
-def context_length(loaded, max_context: Optional[int]) -> int:
-    return max_context or min(loaded.max_positions, DEFAULT_MAX_CONTEXT)
+def context_length(max_positions: int, max_context: Optional[int]) -> int:
+    return max_context or min(max_positions, DEFAULT_MAX_CONTEXT)
+
+
+def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[float]):
+    """This machine's peaks for dtype: the flags where given, else measured (the first time, with a notice)."""
+    from jaxinfer.ceilings import machine_ceilings
+
+    announce = lambda: render.notice("measuring this machine's peak FLOP/s and memory bandwidth (once)…")  # noqa: E731
+    return machine_ceilings(dtype, peak_flops, peak_bandwidth, announce)
 
 
 def roofline(loaded, timings, peak_flops: Optional[float], peak_bandwidth: Optional[float]) -> dict:
-    """Both phases of a generation against this machine's peaks (measured the first time)."""
+    """Both phases of a generation against this machine's peaks."""
     import jax.numpy as jnp
 
-    from jaxinfer.ceilings import machine_ceilings
     from jaxinfer.roofline import generation_report
 
-    announce = lambda: render.notice("measuring this machine's peak FLOP/s and memory bandwidth (once)…")  # noqa: E731
-    ceilings = machine_ceilings(loaded.dtype, peak_flops, peak_bandwidth, announce)
-    return generation_report(loaded.config, jnp.dtype(loaded.dtype).itemsize, timings, ceilings)
+    roofs = ceilings(loaded.dtype, peak_flops, peak_bandwidth)
+    return generation_report(loaded.config, jnp.dtype(loaded.dtype).itemsize, timings, roofs)

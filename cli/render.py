@@ -117,3 +117,45 @@ def stats(result: dict) -> None:
     if roof:
         lines.append(f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})")
     err.print("\n".join(lines), style="dim", markup=False)
+
+
+def _bytes(n: float) -> str:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def model_info(facts: dict) -> None:
+    """`jaxinfer info`: a two-column table on stdout."""
+    from rich.table import Table
+
+    w = facts["weight_bytes"]
+    rows = [
+        ("model", f"{facts['model']} ({facts['architecture']})"),
+        ("parameters", f"{facts['parameters']:,}"),
+        ("weights", f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16/float16"),
+        ("running dtype", facts["dtype"]),
+        ("KV cache per token", _bytes(facts["kv_bytes_per_token"])),
+        (
+            f"memory at context {facts['context']:,} × batch {facts['batch']}",
+            f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache)",
+        ),
+        ("device memory available", _bytes(facts["device_memory_bytes"])),
+        (
+            "longest context that fits",
+            f"{facts['longest_context_that_fits']:,} tokens (the model was trained for {facts['max_position_embeddings']:,})",
+        ),
+        ("peaks", f"{_si(facts['peak_flops'], 'FLOP/s')}, {_si(facts['peak_bandwidth'], 'B/s')} ({facts['method']})"),
+        (f"predicted TTFT, {facts['prompt_tokens']:,}-token prompt", f"{facts['predicted_ttft_s'] * 1000:.1f} ms"),
+        (
+            f"predicted ITL at context {facts['context']:,}",
+            f"{facts['predicted_itl_s'] * 1000:.2f} ms ({facts['batch'] / facts['predicted_itl_s']:.0f} tok/s)",
+        ),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in rows:
+        table.add_row(name, value)
+    out.print(table)

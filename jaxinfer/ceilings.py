@@ -98,3 +98,16 @@ def machine_ceilings(
         dtype,
         method,
     )
+
+
+def device_memory_bytes() -> int:
+    """Memory the model and cache can use: the accelerator's own, or on the CPU the RAM available."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -80,15 +80,20 @@ def bundled_model_dir() -> Path:
     return Path(str(resources.files("jaxinfer.models") / DEFAULT_MODEL))
 
 
-def load_model(
-    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None
-) -> LoadedModel:
-    """Load a model directory; with no path, the bundled default model."""
+def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict]:
+    """(directory, config, config.json as read) of a model directory; no path: the bundled model."""
     model_dir = Path(path).expanduser() if path is not None else bundled_model_dir()
     if not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
     config_json = read_json(model_dir / "config.json")
-    cfg = config_from_hf(config_json)
+    return model_dir, config_from_hf(config_json), config_json
+
+
+def load_model(
+    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None
+) -> LoadedModel:
+    """Load a model directory; with no path, the bundled default model."""
+    model_dir, cfg, config_json = load_config(path)
     generation = read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer(model_dir)
     chosen = resolve_dtype(dtype, config_json)

@@ -118,3 +118,39 @@ def generation_report(cfg: ModelConfig, itemsize: int, timings, ceilings) -> dic
         "prefill": phase_report(prefill, timings.ttft_s, *roofs),
         "decode": phase_report(decode, timings.decode_s, *roofs),
     }
+
+
+def predicted_seconds(cost: Cost, peak_flops: float, peak_bandwidth: float) -> float:
+    """The roofline's time for a phase: the slower of computing it and moving its bytes."""
+    return max(cost.flops / peak_flops, cost.bytes / peak_bandwidth)
+
+
+def model_facts(
+    cfg: ModelConfig, itemsize: int, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int
+) -> dict:
+    """Sizes, memory for a context and batch, the longest context that fits, and the roofline's
+    TTFT and ITL: what `jaxinfer info` shows, from the config alone."""
+    params = parameter_count(cfg)
+    weights = params * itemsize
+    kv_token = kv_bytes_per_token(cfg, itemsize)
+    roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
+    ttft = predicted_seconds(prefill_cost(cfg, itemsize, prompt_tokens, batch=batch), *roofs)
+    itl = predicted_seconds(decode_step_cost(cfg, itemsize, context, batch), *roofs)
+    return {
+        "parameters": params,
+        "weight_bytes": {name: params * size for name, size in (("float32", 4), ("bfloat16", 2), ("float16", 2))},
+        "kv_bytes_per_token": kv_token,
+        "context": context,
+        "batch": batch,
+        "kv_cache_bytes": kv_token * context * batch,
+        "total_bytes": weights + kv_token * context * batch,
+        "device_memory_bytes": memory_bytes,
+        "longest_context_that_fits": max(0, (memory_bytes - weights) // (kv_token * batch)),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "peak_flops": ceilings.peak_flops,
+        "peak_bandwidth": ceilings.peak_bandwidth,
+        "method": ceilings.method,
+        "predicted_ttft_s": ttft,
+        "prompt_tokens": prompt_tokens,
+        "predicted_itl_s": itl,
+    }

@@ -71,3 +71,23 @@ def test_ceilings_are_measured_once_per_machine_and_overrides_win(tmp_path, monk
 def test_the_measurements_themselves_are_plausible():
     assert 1e8 < ceilings.measure_peak_flops("float32", n=256) < 1e16
     assert 1e8 < ceilings.measure_bandwidth(nbytes=16 * 2**20) < 1e14
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled"])  # untied, tied embeddings
+def test_info_counts_what_transformers_counts(tiny, arch):
+    import json
+    import subprocess
+
+    import transformers
+
+    path = tiny(arch)
+    proc = subprocess.run(["jaxinfer", "info", "-m", path, "--json", "-c", "128", "-b", "2"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert facts["parameters"] == hf.num_parameters()
+    c = hf.config
+    assert facts["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert facts["total_bytes"] == facts["parameters"] * 4 + facts["kv_bytes_per_token"] * 128 * 2
+    assert facts["longest_context_that_fits"] * facts["kv_bytes_per_token"] * 2 <= facts["device_memory_bytes"]
+    assert 0 < facts["predicted_ttft_s"] and 0 < facts["predicted_itl_s"]
