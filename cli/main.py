@@ -155,6 +155,49 @@ def info(
         render.model_info(facts)
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    from jaxinfer.errors import JaxinferError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise JaxinferError(f"{flag} takes positive whole numbers separated by commas, not {text!r}")
+    return values
+
+
+@app.command()
+def bench(
+    model: Optional[Path] = options.MODEL,
+    prompts: str = typer.Option("128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."),
+    new_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per row at each point."),
+    batches: str = typer.Option("1,8", "--batch-size", "-b", help="Batch sizes to sweep, comma-separated."),
+    repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
+    dtype: str = options.DTYPE,
+    json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
+    peak_flops: Optional[float] = options.PEAK_FLOPS,
+    peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
+) -> None:
+    """Measure prefill (TTFT, MFU) and decode (tokens/s, ITL, MBU) over prompt lengths and batch sizes."""
+    from jaxinfer import bench as benchmark
+
+    prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
+    options.check_positive(max_tokens=new_tokens, repeat=repeat)
+    loaded = options.load(model, dtype)
+    roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
+    with render.progress("benchmarking") as progress:
+        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress)
+    if plot_file:
+        benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.dtype}")
+    if json_output:
+        render.print_json(json.dumps({"model": str(loaded.path), "dtype": loaded.dtype, "peak_flops": roofs.peak_flops,
+                                      "peak_bandwidth": roofs.peak_bandwidth, "method": roofs.method, "points": rows}))
+    else:
+        render.bench_table(rows, f"{loaded.path.name}, {loaded.dtype}; peaks {roofs.method}")
+
+
 app.command()(chat.chat)
 
 

@@ -159,3 +159,26 @@ def model_info(facts: dict) -> None:
     for name, value in rows:
         table.add_row(name, value)
     out.print(table)
+
+
+def bench_table(rows: list[dict], caption: str) -> None:
+    """`jaxinfer bench`: one row per (prompt, batch) point, on stdout."""
+    from rich.table import Table
+
+    table = Table(caption=caption, caption_justify="left")
+    for name in ("prompt", "batch", "TTFT ms (min–max)", "prefill tok/s", "MFU", "decode tok/s (min–max)", "ITL p50/p99 ms", "MBU", "compile s"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        ttft, dec = r["ttft_s"], r["decode_tok_s"]
+        table.add_row(
+            str(r["prompt_tokens"]),
+            str(r["batch"]),
+            f"{ttft['median'] * 1000:.1f} ({ttft['min'] * 1000:.1f}–{ttft['max'] * 1000:.1f})",
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['prefill']['mfu']:.1%}",
+            f"{dec['median']:.1f} ({dec['min']:.1f}–{dec['max']:.1f})",
+            f"{r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f}",
+            f"{r['decode']['mbu']:.1%}",
+            f"{r['compile_s']:.2f}",
+        )
+    out.print(table)

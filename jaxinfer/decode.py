@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxinfer import model
 from jaxinfer.config import ModelConfig
 from jaxinfer.kvcache import KVCache
-from jaxinfer.sampling import SamplerArrays, sample
+from jaxinfer.sampling import SamplerArrays, Sampling, sample
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +34,21 @@ class DecodeState:
     seeds: jax.Array  # [B] int32: a row's token at position p is drawn with fold_in(key(seed), p)
     sampler: SamplerArrays  # [B] per field
     eos: jax.Array  # [E] int32: ids that end a row
+
+
+def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...]) -> DecodeState:
+    """An empty state: zero cache in the weights' dtype, every row done."""
+    return DecodeState(
+        cache=KVCache.zeros(cfg, batch, max_context, jax.tree.leaves(params)[0].dtype),
+        tokens=jnp.zeros((batch, max_context), jnp.int32),
+        length=jnp.zeros((batch,), jnp.int32),
+        limit=jnp.zeros((batch,), jnp.int32),
+        done=jnp.ones((batch,), bool),
+        seen=jnp.zeros((batch, cfg.vocab_size), bool),
+        seeds=jnp.zeros((batch,), jnp.int32),
+        sampler=SamplerArrays.from_settings([Sampling()] * batch),
+        eos=jnp.asarray(eos_ids or (-1,), jnp.int32),
+    )
 
 
 def _sample_at(state: DecodeState, logits: jax.Array, position: jax.Array) -> jax.Array:

@@ -18,14 +18,12 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import DecodeState, decode, prefill
+from jaxinfer.decode import DecodeState, decode, initial_state, prefill
 from jaxinfer.errors import JaxinferError
-from jaxinfer.kvcache import KVCache
-from jaxinfer.runtime import CompileReport, interrupts_held, watch_compiles
+from jaxinfer.runtime import CompileReport, compile_ahead
 from jaxinfer.sampling import SamplerArrays, Sampling
 
 STREAM_INTERVAL_S = 0.05
@@ -108,18 +106,7 @@ class Engine:
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
     def _fresh_state(self) -> DecodeState:
-        S = self.max_context
-        return DecodeState(
-            cache=KVCache.zeros(self.cfg, 1, S, jax.tree.leaves(self.params)[0].dtype),
-            tokens=jnp.zeros((1, S), jnp.int32),
-            length=jnp.zeros((1,), jnp.int32),
-            limit=jnp.zeros((1,), jnp.int32),
-            done=jnp.ones((1,), bool),
-            seen=jnp.zeros((1, self.cfg.vocab_size), bool),
-            seeds=jnp.zeros((1,), jnp.int32),
-            sampler=SamplerArrays.from_settings([Sampling()]),
-            eos=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
-        )
+        return initial_state(self.cfg, self.params, 1, self.max_context, self.eos_ids)
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """How many leading prompt tokens to take from the cache instead of prefilling them: the
@@ -197,13 +184,9 @@ class Engine:
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids else "length"
 
     def _compiled(self, timings: Timings, key: tuple, fn, *args, **static):
-        """The compiled program for `key`, built ahead of its first call so that compile time is
-        measured apart from TTFT and decode time (and read back from the persistent cache if there)."""
+        """The compiled program for `key`, built ahead of its first call (see `compile_ahead`)."""
         if key not in self._programs:
-            with interrupts_held(), watch_compiles() as report:
-                start = time.perf_counter()
-                self._programs[key] = fn.lower(*args, **static).compile()
-                report.seconds = time.perf_counter() - start
+            self._programs[key], report = compile_ahead(fn, *args, **static)
             timings.compile.add(report)
         return self._programs[key]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,3 +106,14 @@ def interrupts_held():
         signal.signal(signal.SIGINT, previous)
     if pending:
         raise KeyboardInterrupt
+
+
+def compile_ahead(fn, *args, **static):
+    """(compiled program, its CompileReport): `fn` (a jitted function) lowered and compiled for these
+    arguments before its first call, so that compile time is measured apart from run time (and read
+    back from the persistent cache if there). Ctrl-C is held meanwhile."""
+    with interrupts_held(), watch_compiles() as report:
+        start = time.perf_counter()
+        compiled = fn.lower(*args, **static).compile()
+        report.seconds = time.perf_counter() - start
+    return compiled, report

@@ -91,3 +91,21 @@ def test_info_counts_what_transformers_counts(tiny, arch):
     assert facts["total_bytes"] == facts["parameters"] * 4 + facts["kv_bytes_per_token"] * 128 * 2
     assert facts["longest_context_that_fits"] * facts["kv_bytes_per_token"] * 2 <= facts["device_memory_bytes"]
     assert 0 < facts["predicted_ttft_s"] and 0 < facts["predicted_itl_s"]
+
+
+def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
+    import json
+    import subprocess
+
+    args = ["jaxinfer", "bench", "-m", tiny("llama"), "-p", "16,32", "-n", "6", "-b", "1,2", "-r", "2"]
+    proc = subprocess.run([*args, "--json", "--plot", tmp_path / "bench.png"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads(proc.stdout)["points"]
+    assert [(p["prompt_tokens"], p["batch"]) for p in points] == [(16, 1), (32, 1), (16, 2), (32, 2)]
+    for p in points:
+        assert p["ttft_s"]["min"] <= p["ttft_s"]["median"] <= p["ttft_s"]["max"]
+        assert p["decode_tok_s"]["median"] > 0 and p["itl_ms"]["p50"] <= p["itl_ms"]["p99"]
+        assert p["prefill"]["mfu"] > 0 and p["decode"]["mbu"] > 0 and p["compile_s"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([*args[:4], "-p", "16,x"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["error: --prompt-tokens takes positive whole numbers separated by commas, not '16,x'"]

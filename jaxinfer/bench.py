@@ -1,0 +1,142 @@
+"""`jaxinfer bench`: both phases measured over a sweep of prompt lengths and batch sizes.
+
+Each point builds its own fixed-shape state (cache of prompt + new tokens positions) and compiles its
+prefill and decode ahead of time (compile time reported apart). After one untimed warm-up (the first
+execution of a program costs extra on XLA CPU), each repeat prefills random prompt tokens in every
+row (TTFT) and then runs the decode steps one dispatch each, so every inter-token latency is seen
+(a dispatch costs ~0.1 ms; the engine's chunked loop does not pay it per token).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.decode import decode, initial_state, prefill
+from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
+from jaxinfer.runtime import compile_ahead
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings) -> dict:
+    S = prompt_tokens + new_tokens
+    state = initial_state(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
+    chunk = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens), dtype=np.int32)
+    chunk, starts, lengths, limit, one = jax.device_put(
+        (chunk, np.zeros(batch, np.int32), np.full(batch, prompt_tokens, np.int32), np.full(batch, S, np.int32), np.int32(1))
+    )
+    state = replace(state, limit=limit)
+    run_prefill, prefill_compile = compile_ahead(prefill, params, state, chunk, starts, lengths, cfg=cfg, kv_len=prompt_tokens)
+    run_decode, decode_compile = compile_ahead(decode, params, state, one, cfg=cfg)
+
+    ttft, decode_s, itl = [], [], []
+    for r in range(repeat + 1):  # the first is the warm-up
+        start = time.perf_counter()
+        state = run_prefill(params, state, chunk, starts, lengths)
+        jax.block_until_ready(state.length)
+        first = time.perf_counter() - start
+        steps = []
+        for _ in range(new_tokens - 1 if r else 1):
+            start = time.perf_counter()
+            state = run_decode(params, state, one)
+            jax.block_until_ready(state.length)
+            steps.append(time.perf_counter() - start)
+        if r:
+            ttft.append(first)
+            decode_s.append(sum(steps))
+            itl += steps
+
+    itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize
+    roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
+    prefill_work = prefill_cost(cfg, itemsize, prompt_tokens, batch=batch)
+    step = decode_step_cost(cfg, itemsize, kv_len=prompt_tokens + new_tokens // 2, batch=batch)
+    decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * (new_tokens - 1))
+    ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "repeat": repeat,
+        "compile_s": prefill_compile.seconds + decode_compile.seconds,
+        "ttft_s": _spread(ttft),
+        "prefill_tok_s": batch * prompt_tokens / ttft_median,
+        "decode_tok_s": _spread([batch * (new_tokens - 1) / s for s in decode_s]),
+        "itl_ms": {"p50": 1000 * _percentile(itl, 0.5), "p99": 1000 * _percentile(itl, 0.99)},
+        "prefill": phase_report(prefill_work, ttft_median, *roofs),
+        "decode": phase_report(decode_work, decode_median, *roofs),
+        "roofline_ttft_s": predicted_seconds(prefill_work, *roofs),
+        "roofline_decode_tok_s": batch / predicted_seconds(step, *roofs),
+    }
+
+
+def sweep(
+    cfg: ModelConfig,
+    params: dict,
+    prompts: list[int],
+    batches: list[int],
+    new_tokens: int,
+    repeat: int,
+    ceilings,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    points = [(p, b) for b in batches for p in prompts]
+    rows = []
+    for done, (p, b) in enumerate(points):
+        if progress:
+            progress(done, len(points))
+        rows.append(bench_point(cfg, params, p, b, new_tokens, repeat, ceilings))
+    if progress:
+        progress(len(points), len(points))
+    return rows
+
+
+def plot(rows: list[dict], path, title: str) -> None:
+    """TTFT against prompt length, and decode tokens/s against batch size, each beside the roofline's
+    prediction for the same points."""
+    try:
+        import matplotlib
+    except ImportError:
+        from jaxinfer.errors import JaxinferError
+
+        raise JaxinferError('--plot needs matplotlib: pip install "jaxinfer[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    for b in sorted({r["batch"] for r in rows}):
+        mine = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["prompt_tokens"])
+        x = [r["prompt_tokens"] for r in mine]
+        line = left.plot(x, [1000 * r["ttft_s"]["median"] for r in mine], "o-", label=f"batch {b}")[0]
+        left.plot(x, [1000 * r["roofline_ttft_s"] for r in mine], "--", color=line.get_color(), label=f"batch {b}, roofline")
+    left.set(yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)", title="Prefill")
+    for p in sorted({r["prompt_tokens"] for r in rows}):
+        mine = sorted((r for r in rows if r["prompt_tokens"] == p), key=lambda r: r["batch"])
+        x = [r["batch"] for r in mine]
+        line = right.plot(x, [r["decode_tok_s"]["median"] for r in mine], "o-", label=f"prompt {p}")[0]
+        right.plot(x, [r["roofline_decode_tok_s"] for r in mine], "--", color=line.get_color(), label=f"prompt {p}, roofline")
+    right.set(yscale="log", xlabel="batch size", ylabel="decode tokens/s (all rows)", title="Decode")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
