@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 from typing import Callable
 
 import jax
@@ -22,6 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.decode import decode, initial_state, prefill
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import compile_ahead
+from jaxinfer.sampling import SamplerArrays, Sampling
 
 
 def _spread(values: list[float]) -> dict:
@@ -37,23 +37,22 @@ def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, 
     S = prompt_tokens + new_tokens
     state = initial_state(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
     chunk = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens), dtype=np.int32)
-    chunk, starts, lengths, limit, one = jax.device_put(
-        (chunk, np.zeros(batch, np.int32), np.full(batch, prompt_tokens, np.int32), np.full(batch, S, np.int32), np.int32(1))
-    )
-    state = replace(state, limit=limit)
-    run_prefill, prefill_compile = compile_ahead(prefill, params, state, chunk, starts, lengths, cfg=cfg, kv_len=prompt_tokens)
-    run_decode, decode_compile = compile_ahead(decode, params, state, one, cfg=cfg)
+    rows, zeros, full = np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32), np.full(batch, prompt_tokens, np.int32)
+    admit = jax.device_put((rows, chunk, zeros, full, np.full(batch, S, np.int32), rows)) + (SamplerArrays.from_settings([Sampling()] * batch),)
+    one, no_stop = jax.device_put((np.int32(1), np.bool_(False)))
+    run_prefill, prefill_compile = compile_ahead(prefill, params, state, *admit, cfg=cfg, kv_len=prompt_tokens)
+    run_decode, decode_compile = compile_ahead(decode, params, state, one, no_stop, cfg=cfg)
 
     ttft, decode_s, itl = [], [], []
     for r in range(repeat + 1):  # the first is the warm-up
         start = time.perf_counter()
-        state = run_prefill(params, state, chunk, starts, lengths)
+        state = run_prefill(params, state, *admit)
         jax.block_until_ready(state.length)
         first = time.perf_counter() - start
         steps = []
         for _ in range(new_tokens - 1 if r else 1):
             start = time.perf_counter()
-            state = run_decode(params, state, one)
+            state = run_decode(params, state, one, no_stop)
             jax.block_until_ready(state.length)
             steps.append(time.perf_counter() - start)
         if r:

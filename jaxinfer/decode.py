@@ -51,11 +51,11 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
     )
 
 
-def _sample_at(state: DecodeState, logits: jax.Array, position: jax.Array) -> jax.Array:
-    """Per-row keys from the row's own seed and position only: a result never depends on chunking
-    or on other rows."""
-    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(state.seeds, position)
-    return sample(logits, state.seen, keys, state.sampler)
+def _sample_at(seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array) -> jax.Array:
+    """One token per row. Keys come from the row's own seed and position only: a result never
+    depends on chunking, on other rows, or on which slot the row occupies."""
+    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
+    return sample(logits, seen, keys, sampler)
 
 
 def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeState:
@@ -77,36 +77,48 @@ def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeSt
 def prefill(
     params: model.Params,
     state: DecodeState,
+    rows: jax.Array,
     chunk: jax.Array,
     start: jax.Array,
     chunk_len: jax.Array,
+    limit: jax.Array,
+    seeds: jax.Array,
+    sampler: SamplerArrays,
     cfg: ModelConfig,
     kv_len: int,
 ) -> DecodeState:
-    """Prefill the prompt's tokens from position `start` [B] on (chunk [B, T], padded to a bucket;
-    true lengths [B]) on top of the first `start` cached positions, and sample the first new token.
+    """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
+    `start` [R] on (chunk [R, T], padded to a bucket; true lengths [R]) on top of the first `start`
+    cached positions, set their budget (`limit`), seed and sampling, and sample each one's first
+    new token. Other rows are untouched: a batch admits a request into a free slot while the rest
+    keep their place.
 
-    `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the cache already holds (a
+    `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the row already holds (a
     chat's earlier turns). `kv_len` (static) covers start + T, so attention reads no further.
     """
-    B, T = chunk.shape
-    rows = jnp.arange(B)[:, None]
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len)
-    last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    length = start + chunk_len
-    tokens = state.tokens.at[rows, positions].set(chunk, mode="drop")  # padding lands past `length`
-    in_sequence = jnp.arange(tokens.shape[1])[None, :] < length[:, None]  # [B, S]
+    R, T = chunk.shape
+    B, S = state.tokens.shape
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
+    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len, rows)
+    last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    length = start + chunk_len  # [R]
+    tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
+    in_sequence = jnp.arange(S)[None, :] < length[:, None]  # [R, S]
+    seen = jnp.zeros((R, cfg.vocab_size), bool).at[jnp.arange(R)[:, None], tokens[rows]].max(in_sequence)
     state = replace(
         state,
         cache=cache,
         tokens=tokens,
-        length=length,
-        done=jnp.zeros_like(state.done),
-        seen=jnp.zeros_like(state.seen).at[rows, tokens].max(in_sequence),
+        length=state.length.at[rows].set(length),
+        limit=state.limit.at[rows].set(limit),
+        done=state.done.at[rows].set(False),
+        seen=state.seen.at[rows].set(seen),
+        seeds=state.seeds.at[rows].set(seeds),
+        sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    token = _sample_at(state, model.logits(params, last), length)
-    return _append(state, token, jnp.ones_like(state.done))
+    token = _sample_at(seeds, seen, sampler, model.logits(params, last), length)
+    admitted = jnp.zeros(B, bool).at[rows].set(True)
+    return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), admitted)
 
 
 def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
@@ -118,17 +130,22 @@ def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig) -> D
     write_at = jnp.where(active, position, S)[:, None]  # finished rows write nothing
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, S)
     state = replace(state, cache=cache)
-    token = _sample_at(state, model.logits(params, hidden[:, 0]), state.length)
+    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0]), state.length)
     return _append(state, token, active)
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def decode(params: model.Params, state: DecodeState, steps: jax.Array, cfg: ModelConfig) -> DecodeState:
-    """Up to `steps` decode steps, ending early once every row is done."""
+def decode(
+    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, cfg: ModelConfig
+) -> DecodeState:
+    """Up to `steps` decode steps, ending early once every row is done, or (`stop_on_finish`, a
+    traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request."""
+    running = ~state.done
 
     def cond(carry):
         i, s = carry
-        return (i < steps) & ~jnp.all(s.done)
+        finished = jnp.any(running & s.done) & stop_on_finish
+        return (i < steps) & ~jnp.all(s.done) & ~finished
 
     def body(carry):
         i, s = carry

@@ -14,7 +14,7 @@ import math
 import secrets
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import jax
@@ -152,25 +152,22 @@ class Engine:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : n - start] = prompt[start:]
         # Host values go over with device_put: jnp.asarray would compile a conversion program.
-        padded, starts, lengths, limit, seeds = jax.device_put(
-            (padded, np.int32([start]), np.int32([n - start]), np.int32([n + max_tokens]), np.int32([result.seed]))
-        )
-        self._state = replace(self._state, limit=limit, seeds=seeds, sampler=SamplerArrays.from_settings([sampling]))
-        run_prefill = self._compiled(
-            timings, ("prefill", bucket, kv_len), prefill, self.params, self._state, padded, starts, lengths, cfg=self.cfg, kv_len=kv_len
-        )
+        args = jax.device_put(
+            (np.int32([0]), padded, np.int32([start]), np.int32([n - start]), np.int32([n + max_tokens]), np.int32([result.seed]))
+        ) + (SamplerArrays.from_settings([sampling]),)
+        run_prefill = self._compiled(timings, ("prefill", bucket, kv_len), prefill, self.params, self._state, *args, cfg=self.cfg, kv_len=kv_len)
         started = time.perf_counter()
-        self._state = run_prefill(self.params, self._state, padded, starts, lengths)
+        self._state = run_prefill(self.params, self._state, *args)
         tokens, length, done = self._fetch()
         timings.ttft_s = time.perf_counter() - started
         timings.generated_tokens = 1
         yield [int(tokens[n])]
 
-        steps = jax.device_put(np.int32(1 if stream else max_tokens))
-        run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, cfg=self.cfg)
+        steps, no_stop = jax.device_put((np.int32(1 if stream else max_tokens), np.bool_(False)))
+        run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, no_stop, cfg=self.cfg)
         while not done:
             started = time.perf_counter()
-            self._state = run_decode(self.params, self._state, steps)
+            self._state = run_decode(self.params, self._state, steps, no_stop)
             tokens, new_length, done = self._fetch()
             elapsed = time.perf_counter() - started
             made = new_length - length

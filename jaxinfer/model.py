@@ -53,7 +53,14 @@ def attention_mask(q_pos: jax.Array, kv_len: int, window: int | None) -> jax.Arr
 
 
 def attention(
-    layer: dict, x: jax.Array, positions: jax.Array, cache: KVCache | None, i: int, cfg: ModelConfig, kv_len: int
+    layer: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    rows: jax.Array | None,
+    i: int,
+    cfg: ModelConfig,
+    kv_len: int,
 ) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -69,9 +76,10 @@ def attention(
     if cache is None:  # a whole sequence from position 0 (training): attend over its own keys
         keys, values, kv_len = k, v, T
     else:
-        cache = cache.write(i, k, v, positions)
-        keys = cache.k[i, :, :kv_len]  # [B, S, KV, hd]
-        values = cache.v[i, :, :kv_len]
+        cache = cache.write(i, k, v, positions, rows)
+        # all rows: a slice; some rows (a batch slot's prefill): a gather of just those
+        keys = cache.k[i, :, :kv_len] if rows is None else cache.k[i, rows, :kv_len]  # [B, S, KV, hd]
+        values = cache.v[i, :, :kv_len] if rows is None else cache.v[i, rows, :kv_len]
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     scores = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * hd**-0.5
@@ -87,18 +95,27 @@ def mlp(layer: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache | None, kv_len: int
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    kv_len: int,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run tokens [B, T] at positions [B, T]; returns final hidden states [B, T, D] and the cache.
 
-    K/V of the new tokens are written into the cache first; queries attend over the first `kv_len`
-    cache positions (static: the prompt bucket for a fresh prefill, the whole cache in decode).
-    With no cache (training), tokens are a whole sequence at positions 0..T-1 and see only each other.
+    Row b of the tokens belongs to cache row `rows[b]` (default: b; a batch engine prefills one
+    slot of a larger cache). K/V of the new tokens are written into the cache first; queries attend
+    over the first `kv_len` cache positions (static: the prompt bucket for a fresh prefill, the whole
+    cache in decode). With no cache (training), tokens are a whole sequence at positions 0..T-1 and
+    see only each other.
     """
     x = params["embed"][tokens]  # [B, T, D]
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps), positions, cache, i, cfg, kv_len)
+            normed = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+            h, cache = attention(layer, normed, positions, cache, rows, i, cfg, kv_len)
             x = x + h
             x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
     return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache

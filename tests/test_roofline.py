@@ -10,6 +10,7 @@ from jaxinfer.decode import decode_step, prefill
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, prefill_cost
+from jaxinfer.sampling import SamplerArrays, Sampling
 
 S = 256
 
@@ -28,8 +29,9 @@ def xla_cost(compiled) -> tuple[float, float]:
 @pytest.mark.parametrize("tokens", [16, 128])
 def test_prefill_flops_match_xla_within_5_percent(model, tokens):
     state = Engine(model.config, model.params, S, model.eos_ids)._state
-    chunk, start, length = jnp.zeros((1, tokens), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)
-    flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, chunk, start, length, cfg=model.config, kv_len=tokens).compile())
+    one_row = jnp.zeros((1,), jnp.int32)  # row, start, seed
+    admit = (one_row, jnp.zeros((1, tokens), jnp.int32), one_row, one_row + 1, one_row + S, one_row, SamplerArrays.from_settings([Sampling()]))
+    flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
     ours = prefill_cost(model.config, 4, tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)
     # XLA also counts every intermediate (attention scores, activations): ours is the floor
