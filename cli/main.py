@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from cli import chat, options, render
+from cli import batch, chat, options, render
 
 app = typer.Typer(
     help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
@@ -199,6 +199,7 @@ def bench(
 
 
 app.command()(chat.chat)
+app.command()(batch.batch)
 
 
 def main() -> None:

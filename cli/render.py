@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -182,3 +183,30 @@ def bench_table(rows: list[dict], caption: str) -> None:
             f"{r['compile_s']:.2f}",
         )
     out.print(table)
+
+
+@contextmanager
+def job_progress(total: int, log_every_s: float = 10.0) -> Iterator:
+    """Progress of a batch job, on stderr; yields update(done, tokens_per_s). On a terminal a bar
+    with an ETA; otherwise a plain line now and then, for logs."""
+    if err.is_terminal:
+        columns = (
+            TextColumn("batch"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("batch", total=total, rate="")
+            yield lambda done, rate: bar.update(task, completed=done, rate=f"{rate:.1f} tok/s")
+        return
+    last = [0.0]
+
+    def log(done: int, rate: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= log_every_s or done == total:
+            last[0] = now
+            print(f"batch: {done}/{total} done, {rate:.1f} tok/s", file=sys.stderr, flush=True)
+
+    yield log

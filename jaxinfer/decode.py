@@ -152,3 +152,9 @@ def decode(
         return i + 1, decode_step(params, s, cfg)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def retire(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Mark rows [B] bool as done (their text hit a stop string): the loop stops spending on them."""
+    return replace(state, done=state.done | rows)

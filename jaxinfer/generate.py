@@ -14,7 +14,7 @@ from typing import Iterator
 from jaxinfer.engine import Engine
 from jaxinfer.loading import LoadedModel
 from jaxinfer.sampling import Sampling
-from jaxinfer.tokenizer import StreamDecoder
+from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
 
 class StopStrings:
@@ -41,6 +41,32 @@ class StopStrings:
         return out
 
 
+class TextStream:
+    """One sequence's new token ids → text pieces: exact streaming detokenisation, and stop strings
+    honoured (generation should end once `stopped` is set). `text` and `token_ids` keep the whole."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+        self._decoder = StreamDecoder(tokenizer, prompt_ids)
+        self._stops = StopStrings(stop)
+
+    def push(self, token: int) -> str:
+        self.token_ids.append(token)
+        piece, self.stopped = self._stops.feed(self._decoder.push([token]))
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """The text held back at the end of the sequence."""
+        piece, stopped = self._stops.feed(self._decoder.flush())
+        piece = piece if stopped else piece + self._stops.flush()
+        self.stopped |= stopped
+        self.text += piece
+        return piece
+
+
 class Generation:
     def __init__(
         self,
@@ -54,30 +80,31 @@ class Generation:
         stream: bool = True,
     ):
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.token_ids: list[int] = []
-        self.text = ""
         self.finish_reason: str | None = None
         self._tokens = engine.generate(self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream)
-        self._decoder = StreamDecoder(model.tokenizer, self.prompt_ids)
-        self._stops = StopStrings(stop)
+        self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._text.token_ids
 
     def __iter__(self) -> Iterator[str]:
         for chunk in self._tokens:
             for token in chunk:
-                self.token_ids.append(token)
-                piece, stopped = self._stops.feed(self._decoder.push([token]))
+                piece = self._text.push(token)
                 if piece:
-                    self.text += piece
                     yield piece
-                if stopped:
+                if self._text.stopped:
                     self.finish_reason = "stop"
                     return
-        piece, stopped = self._stops.feed(self._decoder.flush())
-        piece = piece if stopped else piece + self._stops.flush()
+        piece = self._text.flush()
         if piece:
-            self.text += piece
             yield piece
-        self.finish_reason = "stop" if stopped else self._tokens.finish_reason
+        self.finish_reason = "stop" if self._text.stopped else self._tokens.finish_reason
 
     def interrupt(self) -> None:
         self.finish_reason = "interrupted"

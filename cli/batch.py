@@ -1,0 +1,83 @@
+"""`jaxinfer batch`: reads the JSONL input, runs the job, reports progress. The job itself (parsing,
+records, resume) is jaxinfer.jobs; the slots and continuous batching are jaxinfer.batch."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli import options, render
+
+MAX_EXIT_CODE = 125  # the exit code counts failed lines, capped below the codes shells reserve
+
+
+def batch(
+    input_path: str = typer.Argument(..., metavar="INPUT", help="JSONL requests, or '-' for stdin."),
+    output_path: str = typer.Option("-", "--output", "-o", metavar="OUTPUT", help="JSONL results, or '-' for stdout."),
+    model: Optional[Path] = options.MODEL,
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences decoded together (slots)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
+    max_context: Optional[int] = options.MAX_CONTEXT,
+    dtype: str = options.DTYPE,
+    resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
+) -> None:
+    """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
+    from jaxinfer.batch import BatchRunner
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.jobs import Job, finished_ids
+
+    options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
+    to_stdout = output_path == "-"
+    if resume and to_stdout:
+        raise JaxinferError("--resume needs an output file (-o FILE) to resume")
+    output = Path(output_path)
+    if not to_stdout and output.exists() and not resume:
+        raise JaxinferError(f"{output} exists: add --resume to continue that job, or choose another output")
+    lines = _read_lines(input_path)
+    loaded = options.load(model, dtype)
+    context = options.context_length(loaded.max_positions, max_context)
+    skip = finished_ids(output) if resume else set()
+    sink = sys.stdout if to_stdout else output.open("a", encoding="utf-8")
+    job = Job(loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, sink, skip)
+    requests = list(job.requests(lines))
+    if job.skipped:
+        render.notice(f"resuming: {job.skipped} requests already done in {output}")
+    runner = BatchRunner(loaded, batch_size, context)
+    started = time.perf_counter()
+    interrupted = False
+    with render.job_progress(len(requests)) as update:
+        def on_result(record: dict) -> None:
+            job.write(record)
+            update(runner.stats.finished, runner.stats.generated_tokens / (time.perf_counter() - started))
+
+        try:
+            runner.run(requests, on_result)
+        except KeyboardInterrupt:
+            interrupted = True
+    seconds = time.perf_counter() - started
+    render.notice(
+        f"batch: {runner.stats.finished} of {len(requests)} done, {job.failed} bad lines, {job.skipped} skipped; "
+        f"{runner.stats.generated_tokens} tokens in {seconds:.1f} s ({runner.stats.generated_tokens / seconds:.1f} tok/s, "
+        f"compile {runner.stats.compile.seconds:.1f} s)"
+    )
+    if interrupted:
+        raise typer.Exit(130)
+    if job.failed:
+        raise typer.Exit(min(job.failed, MAX_EXIT_CODE))
+
+
+def _read_lines(path: str) -> list[str]:
+    from jaxinfer.errors import JaxinferError
+
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise JaxinferError(f"{path} is not UTF-8 text") from None

@@ -1,0 +1,172 @@
+"""Batch: continuous batching on the device (results independent of batch-mates, size and slot), and
+the real `jaxinfer batch` job (JSONL contracts, bad lines, resume after a real SIGKILL)."""
+
+import dataclasses
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.batch import BatchRunner, Request
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+
+PROMPTS = [
+    "The capital of France is",
+    "Def fibonacci(n):",
+    "東京は日本の",
+    "Emoji 🙂 and",
+    "The capital of Italy is Rome. The capital of France",
+    "x",
+    "ünïcödé text and more text",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_model(tiny("llama"))
+
+
+def requests(model, sampling=Sampling(), stop=()):
+    return [
+        Request(i, model.tokenizer.encode(p), sampling, max_tokens=4 + 9 * (i % 4), seed=100 + i, stop=stop)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def run_batch(model, reqs, batch_size, continuous=True):
+    out = []
+    BatchRunner(model, batch_size, 128).run(reqs, out.append, continuous)
+    return out
+
+
+def alone(model, request):
+    """The same request through the batch-1 engine `jaxinfer run` uses."""
+    engine = Engine(model.config, model.params, 128, model.eos_ids)
+    gen = Generation(model, engine, request.prompt_ids, request.sampling, request.max_tokens, request.seed, request.stop)
+    list(gen)
+    return gen
+
+
+def by_id(records):
+    return {r["id"]: (r["text"], r["generated_tokens"], r["finish_reason"]) for r in records}
+
+
+def test_greedy_results_equal_run_whatever_the_batch(model):
+    reqs = requests(model)
+    expected = {}
+    for r in reqs:
+        gen = alone(model, r)
+        expected[r.id] = (gen.text, len(gen.token_ids), gen.finish_reason)
+    for batch_size in (1, 3, 8):
+        assert by_id(run_batch(model, reqs, batch_size)) == expected
+    assert by_id(run_batch(model, reqs[::-1], 3)) == expected  # other batch-mates, other slots
+
+
+def test_sampled_results_depend_only_on_the_request_seed(model):
+    reqs = requests(model, Sampling(temperature=0.9, top_p=0.95))
+    first = by_id(run_batch(model, reqs, 3))
+    assert by_id(run_batch(model, reqs[::-1], 5)) == first
+    assert first[0][0] == alone(model, reqs[0]).text
+    reseeded = [Request(r.id, r.prompt_ids, r.sampling, r.max_tokens, r.seed + 1) for r in reqs]
+    assert by_id(run_batch(model, reseeded, 3)) != first
+
+
+def test_continuous_batching_fills_a_slot_as_soon_as_it_frees(model):
+    model = dataclasses.replace(model, eos_ids=())  # lengths exactly as asked
+    ids = model.tokenizer.encode("The capital of France is")
+    long = Request("long", ids, Sampling(), max_tokens=60, seed=0)
+    shorts = [Request(f"short{i}", ids, Sampling(), max_tokens=3, seed=0) for i in range(4)]
+    continuous = [r["id"] for r in run_batch(model, [long, *shorts], 2)]
+    static = [r["id"] for r in run_batch(model, [long, *shorts], 2, continuous=False)]
+    assert continuous[-1] == "long"  # every short went through the second slot while it ran
+    assert static.index("long") == 1  # static: the next group waited for the long one
+
+
+def test_stop_strings_in_a_batch_match_run(model):
+    reqs = requests(model, stop=("a",))
+    records = by_id(run_batch(model, reqs, 4))
+    for r in reqs:
+        gen = alone(model, r)
+        assert records[r.id] == (gen.text, len(gen.token_ids), gen.finish_reason)
+        assert "a" not in records[r.id][0]
+
+
+# --- the real command ---------------------------------------------------------------------------
+
+
+def jaxinfer_batch(*args, stdin=None, check=None):
+    proc = subprocess.run(["jaxinfer", "batch", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300)
+    if check is not None:
+        assert proc.returncode == check, proc.stderr
+    return proc
+
+
+def write_jsonl(path: Path, items) -> Path:
+    path.write_text("".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items))
+    return path
+
+
+def test_jsonl_through_stdin_and_stdout_with_bad_lines(tiny, tmp_path):
+    path = tiny("llama")
+    lines = [
+        {"id": "a", "prompt": "The capital of France is", "max_tokens": 6},
+        {"custom_id": 7, "prompt": "Def fibonacci(n):", "temperature": 0.8, "seed": 1, "max_tokens": 5},
+        "{broken json",
+        {"id": "a", "prompt": "duplicate"},
+        {"id": "no prompt"},
+        {"id": "long", "prompt": "x", "max_tokens": 10_000},
+        {"id": "bad temp", "prompt": "x", "temperature": "hot"},
+    ]
+    proc = jaxinfer_batch("-", "-m", path, "-b", "2", stdin="".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    assert proc.returncode == 5, proc.stderr  # five bad lines
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = {r["id"]: r for r in records if "error" in r} | {r["id"]: r for r in records if "text" in r}
+    assert results["a"]["generated_tokens"] <= 6 and results[7]["seed"] == 1 and "text" in results[7]
+    errors = [r for r in records if "error" in r]
+    assert [e["line"] for e in errors] == [3, 4, 5, 6, 7]
+    assert "duplicate id" in errors[1]["error"] and "exceeds the context" in errors[3]["error"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text("precious\n")
+    proc = jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"))
+    assert proc.returncode == 1 and "--resume" in proc.stderr and out.read_text() == "precious\n"
+
+
+def test_a_job_killed_at_a_random_moment_resumes_to_the_same_results(tiny, tmp_path):
+    N = 24
+    slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=1024)
+    items = [{"id": i, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60 + 8 * i} for i in range(N)]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    reference = tmp_path / "reference.jsonl"
+    jaxinfer_batch(inp, "-o", reference, "-m", slow, "-b", "4", "-c", "256", check=0)
+
+    killed = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(["jaxinfer", "batch", inp, "-o", killed, "-m", slow, "-b", "4", "-c", "256"], stderr=subprocess.DEVNULL)
+    while not killed.exists() or killed.stat().st_size == 0:  # some results are out
+        time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before it could be killed"
+    time.sleep(random.uniform(0.0, 1.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(killed.read_text().splitlines())
+    jaxinfer_batch(inp, "-o", killed, "-m", slow, "-b", "4", "-c", "256", "--resume", check=0)
+
+    def results(path):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        return [r["id"] for r in records], {r["id"]: r["text"] for r in records}
+
+    ids, texts = results(killed)
+    assert sorted(ids) == list(range(N))  # every id exactly once
+    assert texts == results(reference)[1]
+    assert done_before < N  # it was killed mid-job
