@@ -43,23 +43,28 @@ class StopStrings:
 
 class TextStream:
     """One sequence's new token ids → text pieces: exact streaming detokenisation, and stop strings
-    honoured (generation should end once `stopped` is set). `text` and `token_ids` keep the whole."""
+    honoured (generation should end once `stopped` is set). `text` and `token_ids` keep the whole.
+    Without a tokenizer (benchmarks of random-weight shapes) it keeps the ids only."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: tuple[str, ...] = ()):
         self.token_ids: list[int] = []
         self.text = ""
         self.stopped = False
-        self._decoder = StreamDecoder(tokenizer, prompt_ids)
+        self._decoder = StreamDecoder(tokenizer, prompt_ids) if tokenizer else None
         self._stops = StopStrings(stop)
 
     def push(self, token: int) -> str:
         self.token_ids.append(token)
+        if self._decoder is None:
+            return ""
         piece, self.stopped = self._stops.feed(self._decoder.push([token]))
         self.text += piece
         return piece
 
     def flush(self) -> str:
         """The text held back at the end of the sequence."""
+        if self._decoder is None:
+            return ""
         piece, stopped = self._stops.feed(self._decoder.flush())
         piece = piece if stopped else piece + self._stops.flush()
         self.stopped |= stopped

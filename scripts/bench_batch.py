@@ -1,0 +1,85 @@
+"""Batch throughput: generated tokens/s against the batch size, and continuous against static batching.
+
+    python scripts/bench_batch.py --model bundled --sizes 1,4,16,32
+    python scripts/bench_batch.py --model tinyllama-1.1b --sizes 1,4,16,32 --requests 64
+
+A fixed request set (seeded random prompts of 32–96 tokens, 64 new tokens each, EOS off so every
+request costs the same) runs through `BatchRunner` at each batch size, after a warm-up that compiles
+every program. Then requests of mixed output lengths (8 to 256 new tokens, long-tailed) run at one
+batch size with continuous and with static batching. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import SHAPES, random_params  # noqa: E402
+
+from jaxinfer.batch import BatchRunner, Request  # noqa: E402
+from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
+from jaxinfer.sampling import Sampling  # noqa: E402
+
+
+def model_for(name: str) -> LoadedModel:
+    if name == "bundled":
+        return dataclasses.replace(load_model(), eos_ids=())
+    cfg = SHAPES[name]
+    return LoadedModel(Path(name), cfg, random_params(cfg), None, "float32", Sampling(), (), None)
+
+
+def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    return [
+        Request(i, rng.integers(3, vocab, rng.integers(32, 97)).tolist(), Sampling(), int(new_tokens(rng)), seed=i)
+        for i in range(count)
+    ]
+
+
+def tokens_per_s(model: LoadedModel, batch_size: int, requests: list[Request], context: int, continuous: bool = True) -> tuple[float, float]:
+    runner = BatchRunner(model, batch_size, context)
+    runner.run(request_set(model, batch_size, lambda rng: 4, seed=99), lambda r: None)  # compile every bucket
+    done = runner.stats.generated_tokens
+    start = time.perf_counter()
+    runner.run(requests, lambda r: None, continuous)
+    seconds = time.perf_counter() - start
+    return (runner.stats.generated_tokens - done) / seconds, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["bundled", *sorted(SHAPES)], default="bundled")
+    parser.add_argument("--sizes", default="1,4,16,32")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--mixed-batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    args = parser.parse_args()
+
+    model = model_for(args.model)
+    fixed = request_set(model, args.requests, lambda rng: 64)
+    print(f"{args.model}: {args.requests} requests, 32–96 prompt tokens, 64 new tokens each, float32")
+    base = None
+    for size in (int(s) for s in args.sizes.split(",")):
+        rate, seconds = tokens_per_s(model, size, fixed, args.context)
+        base = base or rate
+        print(f"  B={size:>3}: {rate:8.1f} generated tok/s ({seconds:.1f} s, ×{rate / base:.1f} vs B=1)", flush=True)
+
+    mixed = request_set(model, args.requests, lambda rng: min(256, 8 + int(rng.pareto(1.2) * 24)), seed=1)
+    lengths = [r.max_tokens for r in mixed]
+    print(f"mixed lengths at B={args.mixed_batch}: {sum(lengths)} tokens, {min(lengths)}–{max(lengths)} per request (median {int(np.median(lengths))})")
+    rates = {}
+    for continuous in (True, False):
+        rates[continuous], seconds = tokens_per_s(model, args.mixed_batch, mixed, args.context, continuous)
+        print(f"  {'continuous' if continuous else 'static':>10}: {rates[continuous]:8.1f} tok/s ({seconds:.1f} s)", flush=True)
+    print(f"  continuous / static: ×{rates[True] / rates[False]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
