@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxinfer.decode import decode, initial_state, prefill, retire
 from jaxinfer.engine import prompt_bucket
+from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
 from jaxinfer.runtime import CompileReport, compile_ahead
@@ -93,6 +94,8 @@ class BatchRunner:
 
     def _admit(self, row: int, request: Request) -> _Slot:
         n = len(request.prompt_ids)
+        if not 0 < n < n + request.max_tokens <= self.max_context:
+            raise JaxinferError(f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the context of {self.max_context}")
         bucket = prompt_bucket(n, self.max_context)
         chunk = np.zeros((1, bucket), np.int32)
         chunk[0, :n] = request.prompt_ids
