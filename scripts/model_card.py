@@ -157,7 +157,7 @@ Every step's train loss is in `training.json`.
 | TTFT (prefill, compile excluded) | {cold['ttft_s'] * 1000:.0f} ms | {warm['ttft_s'] * 1000:.0f} ms |
 | decode | {cold['decode_tok_s']:.0f} tok/s | {warm['decode_tok_s']:.0f} tok/s |
 
-## Samples (greedy, up to 96 tokens)
+## Samples (the defaults: greedy, repetition penalty 1.2; up to 96 tokens)
 
 {sample_text}
 
@@ -178,8 +178,9 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0
 ## Limitations
 
 Tiny and trained for an hour on one corpus: it imitates the style of the standard library, invents
-names and APIs, loops on repetitive code, and knows nothing beyond Python source. Greedy decoding
-(the default in `generation_config.json`) is reproducible; `--temp 0.7` gives livelier text.
+names and APIs, and knows nothing beyond Python source. The default in `generation_config.json` is
+greedy decoding with a repetition penalty of 1.2 (without it, greedy text soon loops); it is
+reproducible, and `--temp 0.7` gives livelier text.
 """
 
 

@@ -160,7 +160,8 @@ def write_model_dir(out: Path, args, config: dict, tokenizer: bytes, params: dic
         "model_max_length": args.context,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "max_new_tokens": 128}
+    # greedy, with a mild repetition penalty: a model this small loops without one
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "repetition_penalty": 1.2, "max_new_tokens": 128}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_safetensors(params, cfg, out / "model.safetensors")
 
