@@ -144,23 +144,25 @@ def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
 
 
 def test_a_job_killed_at_a_random_moment_resumes_to_the_same_results(tiny, tmp_path):
-    N = 24
+    N = 32
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=1024)
-    items = [{"id": i, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60 + 8 * i} for i in range(N)]
+    items = [{"id": i, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 150 + 8 * i} for i in range(N)]
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     reference = tmp_path / "reference.jsonl"
-    jaxinfer_batch(inp, "-o", reference, "-m", slow, "-b", "4", "-c", "256", check=0)
+    start = time.perf_counter()
+    jaxinfer_batch(inp, "-o", reference, "-m", slow, "-b", "4", "-c", "512", check=0)
+    print(f"uninterrupted job: {time.perf_counter() - start:.1f} s")
 
     killed = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(["jaxinfer", "batch", inp, "-o", killed, "-m", slow, "-b", "4", "-c", "256"], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(["jaxinfer", "batch", inp, "-o", killed, "-m", slow, "-b", "4", "-c", "512"], stderr=subprocess.DEVNULL)
     while not killed.exists() or killed.stat().st_size == 0:  # some results are out
         time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be killed"
-    time.sleep(random.uniform(0.0, 1.0))
+    time.sleep(random.uniform(0.0, 0.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(killed.read_text().splitlines())
-    jaxinfer_batch(inp, "-o", killed, "-m", slow, "-b", "4", "-c", "256", "--resume", check=0)
+    jaxinfer_batch(inp, "-o", killed, "-m", slow, "-b", "4", "-c", "512", "--resume", check=0)
 
     def results(path):
         records = [json.loads(line) for line in path.read_text().splitlines()]
