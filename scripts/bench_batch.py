@@ -1,11 +1,12 @@
 """Batch throughput: generated tokens/s against the batch size, and continuous against static batching.
 
     python scripts/bench_batch.py --model bundled --sizes 1,4,16,32
-    python scripts/bench_batch.py --model tinyllama-1.1b --sizes 1,4,16,32 --requests 64
+    python scripts/bench_batch.py --model tinyllama-1.1b --sizes 1,4,16,32 --requests 32
+    python scripts/bench_batch.py --model tinyllama-1.1b --sizes 4,16,32 --requests 32 --dtype bfloat16
 
 A fixed request set (seeded random prompts of 32–96 tokens, 64 new tokens each, EOS off so every
-request costs the same) runs through `BatchRunner` at each batch size, after a warm-up that compiles
-every program. Then requests of mixed output lengths (8 to 256 new tokens, long-tailed) run at one
+request costs the same) runs through `BatchRunner` at each batch size, after a warm-up of the same
+requests cut to 2 tokens (it compiles every program the timed run needs). Then requests of mixed output lengths (8 to 256 new tokens, long-tailed) run at one
 batch size with continuous and with static batching. Run from the repository root.
 """
 
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,11 +29,11 @@ from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 
 
-def model_for(name: str) -> LoadedModel:
+def model_for(name: str, dtype: str) -> LoadedModel:
     if name == "bundled":
-        return dataclasses.replace(load_model(), eos_ids=())
+        return dataclasses.replace(load_model(dtype=dtype), eos_ids=())
     cfg = SHAPES[name]
-    return LoadedModel(Path(name), cfg, random_params(cfg), None, "float32", Sampling(), (), None)
+    return LoadedModel(Path(name), cfg, random_params(cfg, jnp.dtype(dtype)), None, dtype, Sampling(), (), None)
 
 
 def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> list[Request]:
@@ -45,7 +47,8 @@ def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> li
 
 def tokens_per_s(model: LoadedModel, batch_size: int, requests: list[Request], context: int, continuous: bool = True) -> tuple[float, float]:
     runner = BatchRunner(model, batch_size, context)
-    runner.run(request_set(model, batch_size, lambda rng: 4, seed=99), lambda r: None)  # compile every bucket
+    warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests]  # compiles every prompt bucket used
+    runner.run(warm_up, lambda r: None)
     done = runner.stats.generated_tokens
     start = time.perf_counter()
     runner.run(requests, lambda r: None, continuous)
@@ -60,11 +63,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--mixed-batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (XLA CPU's fast path at batch ≥ 2)")
     args = parser.parse_args()
 
-    model = model_for(args.model)
+    model = model_for(args.model, args.dtype)
     fixed = request_set(model, args.requests, lambda rng: 64)
-    print(f"{args.model}: {args.requests} requests, 32–96 prompt tokens, 64 new tokens each, float32")
+    print(f"{args.model}: {args.requests} requests, 32–96 prompt tokens, 64 new tokens each, {args.dtype}")
     base = None
     for size in (int(s) for s in args.sizes.split(",")):
         rate, seconds = tokens_per_s(model, size, fixed, args.context)
