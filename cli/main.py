@@ -107,6 +107,10 @@ def run(
         raise typer.Exit(130)
 
 
+app.command()(chat.chat)
+app.command()(batch.batch)
+
+
 @app.command()
 def convert(
     source: Path = typer.Argument(..., help="Hugging Face model directory."),
@@ -198,8 +202,6 @@ def bench(
         render.bench_table(rows, f"{loaded.path.name}, {loaded.dtype}; peaks {roofs.method}")
 
 
-app.command()(chat.chat)
-app.command()(batch.batch)
 
 
 def main() -> None:
