@@ -95,12 +95,12 @@ def run(
     except KeyboardInterrupt:
         gen.interrupt()
     result = gen.result()
+    if not json_output:
+        render.end_stream()  # before any notice the roofline may print
     if json_output or show_stats:
         result["timings"]["roofline"] = options.roofline(loaded, gen.timings, peak_flops, peak_bandwidth)
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
-    else:
-        render.end_stream()
     if show_stats:
         render.stats(result)
     if result["finish_reason"] == "interrupted":
