@@ -1,0 +1,205 @@
+"""jaxinfer against its peers on the same weights: transformers (PyTorch, CPU) and llama.cpp
+(llama-cpp-python, built from its source distribution, whose vendored converter makes the GGUF).
+
+    pip install -e ".[compare]"        # llama-cpp-python compiles llama.cpp: ~10 minutes on 2 cores
+    python scripts/compare_peers.py    # prints the table and writes BENCHMARKS.md
+
+Each shape (SmolLM-135M, TinyLlama-1.1B) becomes a random-weight float32 checkpoint made by
+transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
+converted to a float32 GGUF by llama.cpp's own `convert_hf_to_gguf.py`. Every engine then runs the
+same 512 prompt tokens and 128 greedy new tokens on the same number of threads, after a warm-up;
+the median of the repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's
+logits; decode tokens/s = generated tokens after the first / their time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import SHAPES  # noqa: E402
+
+from jaxinfer.loading import bundled_model_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkpoint(shape: str, work: Path) -> Path:
+    """A random-weight float32 HF checkpoint of `shape` (made once, kept in `work`)."""
+    import torch
+    import transformers
+
+    out = work / shape
+    if (out / "model.safetensors").is_file():
+        return out
+    cfg = SHAPES[shape]
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(bundled_model_dir() / name, out / name)
+    return out
+
+
+def llama_cpp_source(work: Path) -> Path:
+    """The llama.cpp tree vendored in the llama-cpp-python source distribution of the installed version."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    tree = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not tree.is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
+                        f"llama-cpp-python=={version}"], check=True)
+        with tarfile.open(work / f"llama_cpp_python-{version}.tar.gz") as tar:
+            tar.extractall(work, filter="data")
+    return tree
+
+
+def gguf(model_dir: Path, work: Path) -> Path:
+    out = model_dir / "model-f32.gguf"
+    if not out.is_file():
+        tree = llama_cpp_source(work)
+        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
+        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32",
+                        "--outfile", str(out)], check=True, env=env)
+    return out
+
+
+def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int) -> tuple[float, float]:
+    from jaxinfer.engine import Engine
+    from jaxinfer.loading import load_model
+    from jaxinfer.sampling import Sampling
+
+    model = load_model(model_dir, "float32")
+    results = []
+    for _ in range(repeat + 1):  # the first compiles and warms up
+        engine = Engine(model.config, model.params, len(prompt) + new, eos_ids=())  # an empty cache: no reuse
+        run = engine.generate(prompt, Sampling(), new, seed=0, stream=False)
+        list(run)
+        results.append((len(prompt) / run.timings.ttft_s, run.timings.decode_tok_s))
+    return _medians(results[1:])
+
+
+def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, threads: int) -> tuple[float, float]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    results = []
+    with torch.no_grad():
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            model(ids, use_cache=True)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            total = time.perf_counter() - start
+            results.append((len(prompt) / prefill, (new - 1) / (total - prefill)))
+    return _medians(results[1:])
+
+
+def run_llama_cpp(gguf_file: Path, prompt: list[int], new: int, repeat: int, threads: int) -> tuple[float, float]:
+    from llama_cpp import Llama, llama_get_logits
+
+    llm = Llama(str(gguf_file), n_ctx=len(prompt) + new, n_batch=len(prompt), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    results = []
+    for _ in range(repeat + 1):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(new - 1):  # greedy on the logits of the last token evaluated
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))))])
+        results.append((len(prompt) / prefill, (new - 1) / (time.perf_counter() - start)))
+    return _medians(results[1:])
+
+
+def _medians(results: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
+def versions() -> str:
+    import jax
+    import llama_cpp
+    import torch
+    import transformers
+
+    return (f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"llama-cpp-python {llama_cpp.__version__}")
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="smollm-135m,tinyllama-1.1b")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/jaxinfer-peers"))
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    prompt = np.random.default_rng(0).integers(3, 4096, args.prompt).tolist()
+    rows = []
+    for shape in args.shapes.split(","):
+        model_dir = checkpoint(shape, args.work)
+        gguf_file = gguf(model_dir, args.work)
+        ours = run_jaxinfer(model_dir, prompt, args.tokens, args.repeat)
+        peers = {
+            "transformers": run_transformers(model_dir, prompt, args.tokens, args.repeat, args.threads),
+            "llama.cpp": run_llama_cpp(gguf_file, prompt, args.tokens, args.repeat, args.threads),
+        }
+        rows.append((shape, "jaxinfer", ours, None))
+        rows += [(shape, name, rates, (ours[0] / rates[0], ours[1] / rates[1])) for name, rates in peers.items()]
+        print(json.dumps({"shape": shape, "jaxinfer": ours, **peers}), flush=True)
+
+    lines = [
+        "# jaxinfer against its peers",
+        "",
+        f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; {versions()}.",
+        f"`python scripts/compare_peers.py`: random-weight float32 models, {args.prompt} prompt tokens, {args.tokens} "
+        f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up.",
+        "",
+        "| model shape | engine | prefill tok/s | decode tok/s | jaxinfer ÷ peer, prefill | jaxinfer ÷ peer, decode |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for shape, engine, (prefill, decode), ratio in rows:
+        ratios = f"{ratio[0]:.2f} | {ratio[1]:.2f}" if ratio else "– | –"
+        lines.append(f"| {shape} | {engine} | {prefill:.1f} | {decode:.2f} | {ratios} |")
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
