@@ -17,13 +17,13 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 
-from jaxinfer.decode import decode, initial_state, prefill, retire
+from jaxinfer.decode import admission, decode, initial_state, prefill, retire
 from jaxinfer.engine import prompt_bucket
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
-from jaxinfer.runtime import CompileReport, compile_ahead
-from jaxinfer.sampling import SamplerArrays, Sampling
+from jaxinfer.runtime import CompileReport, Programs
+from jaxinfer.sampling import Sampling
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -59,10 +59,11 @@ class BatchRunner:
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
         cfg, params = model.config, model.params
         self._state = initial_state(cfg, params, batch_size, max_context, model.eos_ids)
-        self._programs: dict[tuple, object] = {}
+        self._programs = Programs()
         self.stats = BatchStats()
         self._decode_args = jax.device_put((np.int32(CHUNK_STEPS), np.bool_(True)))  # steps, stop on any finish
-        self._compiled(("decode",), decode, params, self._state, *self._decode_args, cfg=cfg)  # before any clock runs
+        # compiled before any clock runs, so per-request timings never include it
+        self._run_decode = self._programs.get(("decode",), self.stats.compile, decode, params, self._state, *self._decode_args, cfg=cfg)
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:
         """Generate every request; `on_result(record)` is called as each one finishes."""
@@ -86,29 +87,19 @@ class BatchRunner:
             if any(slots):
                 self._decode()
 
-    def _compiled(self, key: tuple, fn, *args, **static):
-        if key not in self._programs:
-            self._programs[key], report = compile_ahead(fn, *args, **static)
-            self.stats.compile.add(report)
-        return self._programs[key]
-
     def _admit(self, row: int, request: Request) -> _Slot:
         n = len(request.prompt_ids)
         if not 0 < n < n + request.max_tokens <= self.max_context:
             raise JaxinferError(f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the context of {self.max_context}")
         bucket = prompt_bucket(n, self.max_context)
-        chunk = np.zeros((1, bucket), np.int32)
-        chunk[0, :n] = request.prompt_ids
-        args = jax.device_put(
-            (np.int32([row]), chunk, np.int32([0]), np.int32([n]), np.int32([n + request.max_tokens]), np.int32([request.seed]))
-        ) + (SamplerArrays.from_settings([request.sampling]),)
+        args = admission([row], [request.prompt_ids], [0], [n + request.max_tokens], [request.seed], [request.sampling], bucket)
         cfg, params = self.model.config, self.model.params
-        run_prefill = self._compiled(("prefill", bucket), prefill, params, self._state, *args, cfg=cfg, kv_len=bucket)
+        run_prefill = self._programs.get(("prefill", bucket), self.stats.compile, prefill, params, self._state, *args, cfg=cfg, kv_len=bucket)
         self._state = run_prefill(params, self._state, *args)
         return _Slot(request, TextStream(self.model.tokenizer, request.prompt_ids, request.stop), time.perf_counter(), read=n)
 
     def _decode(self) -> None:
-        self._state = self._programs[("decode",)](self.model.params, self._state, *self._decode_args)
+        self._state = self._run_decode(self.model.params, self._state, *self._decode_args)
 
     def _collect(self, slots: list[_Slot | None], on_result, started: float) -> bool:
         """Pass new tokens to each live slot's text; hand over and free the finished ones."""

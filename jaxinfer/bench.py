@@ -18,27 +18,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import decode, initial_state, prefill
+from jaxinfer.decode import admission, decode, initial_state, prefill
+from jaxinfer.engine import percentile
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import compile_ahead
-from jaxinfer.sampling import SamplerArrays, Sampling
+from jaxinfer.sampling import Sampling
 
 
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings) -> dict:
     S = prompt_tokens + new_tokens
     state = initial_state(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
-    chunk = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens), dtype=np.int32)
-    rows, zeros, full = np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32), np.full(batch, prompt_tokens, np.int32)
-    admit = jax.device_put((rows, chunk, zeros, full, np.full(batch, S, np.int32), rows)) + (SamplerArrays.from_settings([Sampling()] * batch),)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
+    rows = list(range(batch))  # each row its own seed, too
+    admit = admission(rows, prompts, [0] * batch, [S] * batch, rows, [Sampling()] * batch, prompt_tokens)
     one, no_stop = jax.device_put((np.int32(1), np.bool_(False)))
     run_prefill, prefill_compile = compile_ahead(prefill, params, state, *admit, cfg=cfg, kv_len=prompt_tokens)
     run_decode, decode_compile = compile_ahead(decode, params, state, one, no_stop, cfg=cfg)
@@ -75,7 +71,7 @@ def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, 
         "ttft_s": _spread(ttft),
         "prefill_tok_s": batch * prompt_tokens / ttft_median,
         "decode_tok_s": _spread([batch * (new_tokens - 1) / s for s in decode_s]),
-        "itl_ms": {"p50": 1000 * _percentile(itl, 0.5), "p99": 1000 * _percentile(itl, 0.99)},
+        "itl_ms": {"p50": 1000 * percentile(itl, 0.5), "p99": 1000 * percentile(itl, 0.99)},
         "prefill": phase_report(prefill_work, ttft_median, *roofs),
         "decode": phase_report(decode_work, decode_median, *roofs),
         "roofline_ttft_s": predicted_seconds(prefill_work, *roofs),

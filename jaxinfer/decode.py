@@ -15,6 +15,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig
@@ -49,6 +50,21 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
         sampler=SamplerArrays.from_settings([Sampling()] * batch),
         eos=jnp.asarray(eos_ids or (-1,), jnp.int32),
     )
+
+
+def admission(
+    rows: list[int], prompts: list[list[int]], starts: list[int], limits: list[int], seeds: list[int],
+    samplings: list[Sampling], bucket: int,
+) -> tuple:
+    """`prefill`'s arguments after the state: each row's prompt tokens from its start on, padded to
+    `bucket`. Host values go over with one device_put (jnp.asarray would compile a conversion
+    program per call)."""
+    chunk = np.zeros((len(rows), bucket), np.int32)
+    for i, (prompt, start) in enumerate(zip(prompts, starts)):
+        chunk[i, : len(prompt) - start] = prompt[start:]
+    lengths = [len(prompt) - start for prompt, start in zip(prompts, starts)]
+    host = (rows, chunk, starts, lengths, limits, seeds)
+    return jax.device_put(tuple(np.asarray(x, np.int32) for x in host)) + (SamplerArrays.from_settings(samplings),)
 
 
 def _sample_at(seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array) -> jax.Array:

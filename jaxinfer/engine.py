@@ -21,14 +21,20 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import DecodeState, decode, initial_state, prefill
+from jaxinfer.decode import DecodeState, admission, decode, initial_state, prefill
 from jaxinfer.errors import JaxinferError
-from jaxinfer.runtime import CompileReport, compile_ahead
-from jaxinfer.sampling import SamplerArrays, Sampling
+from jaxinfer.runtime import CompileReport, Programs
+from jaxinfer.sampling import Sampling
 
 STREAM_INTERVAL_S = 0.05
 MIN_BUCKET = 16
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank ⌊q·n⌋ of the sorted values (the largest for q near 1)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def prompt_bucket(n: int, max_context: int) -> int:
@@ -62,8 +68,8 @@ class Timings:
     def itl_ms(self) -> dict[str, float]:
         if not self.itl_s:
             return {"mean": 0.0, "p50": 0.0, "p90": 0.0}
-        ms = sorted(1000 * s for s in self.itl_s)
-        return {"mean": statistics.fmean(ms), "p50": ms[len(ms) // 2], "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))]}
+        ms = [1000 * s for s in self.itl_s]
+        return {"mean": statistics.fmean(ms), "p50": percentile(ms, 0.5), "p90": percentile(ms, 0.9)}
 
     def as_dict(self) -> dict:
         return {
@@ -101,7 +107,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...]):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self._programs: dict[tuple, object] = {}  # compiled prefill per (bucket, kv_len), and decode
+        self._programs = Programs()  # prefill per (bucket, kv_len), and decode
         self._state = self._fresh_state()
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
@@ -149,13 +155,10 @@ class Engine:
         # A fresh prompt attends over its bucket; a continuation over the whole cache, as decode does
         # (one program per bucket rather than per bucket and prefix length).
         kv_len = self.max_context if start else bucket
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, : n - start] = prompt[start:]
-        # Host values go over with device_put: jnp.asarray would compile a conversion program.
-        args = jax.device_put(
-            (np.int32([0]), padded, np.int32([start]), np.int32([n - start]), np.int32([n + max_tokens]), np.int32([result.seed]))
-        ) + (SamplerArrays.from_settings([sampling]),)
-        run_prefill = self._compiled(timings, ("prefill", bucket, kv_len), prefill, self.params, self._state, *args, cfg=self.cfg, kv_len=kv_len)
+        args = admission([0], [prompt], [start], [n + max_tokens], [result.seed], [sampling], bucket)
+        run_prefill = self._programs.get(
+            ("prefill", bucket, kv_len), timings.compile, prefill, self.params, self._state, *args, cfg=self.cfg, kv_len=kv_len
+        )
         started = time.perf_counter()
         self._state = run_prefill(self.params, self._state, *args)
         tokens, length, done = self._fetch()
@@ -164,7 +167,7 @@ class Engine:
         yield [int(tokens[n])]
 
         steps, no_stop = jax.device_put((np.int32(1 if stream else max_tokens), np.bool_(False)))
-        run_decode = self._compiled(timings, ("decode",), decode, self.params, self._state, steps, no_stop, cfg=self.cfg)
+        run_decode = self._programs.get(("decode",), timings.compile, decode, self.params, self._state, steps, no_stop, cfg=self.cfg)
         while not done:
             started = time.perf_counter()
             self._state = run_decode(self.params, self._state, steps, no_stop)
@@ -179,13 +182,6 @@ class Engine:
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids else "length"
-
-    def _compiled(self, timings: Timings, key: tuple, fn, *args, **static):
-        """The compiled program for `key`, built ahead of its first call (see `compile_ahead`)."""
-        if key not in self._programs:
-            self._programs[key], report = compile_ahead(fn, *args, **static)
-            timings.compile.add(report)
-        return self._programs[key]
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
         """Row 0's tokens, length and done flag (whole arrays: slicing on the device would dispatch

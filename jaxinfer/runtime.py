@@ -117,3 +117,17 @@ def compile_ahead(fn, *args, **static):
         compiled = fn.lower(*args, **static).compile()
         report.seconds = time.perf_counter() - start
     return compiled, report
+
+
+class Programs:
+    """Compiled programs by key, each built ahead of its first use by `compile_ahead`; the cost of
+    building one is added to the CompileReport the caller is accounting to."""
+
+    def __init__(self):
+        self._compiled: dict[tuple, object] = {}
+
+    def get(self, key: tuple, report: CompileReport, fn, *args, **static):
+        if key not in self._compiled:
+            self._compiled[key], built = compile_ahead(fn, *args, **static)
+            report.add(built)
+        return self._compiled[key]
