@@ -84,8 +84,8 @@ def run(
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    engine = Engine(loaded.config, loaded.params, context, () if ignore_eos else loaded.eos_ids)
-    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop))
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop), ignore_eos=ignore_eos)
     try:
         if json_output:
             for _ in gen:
@@ -178,6 +178,7 @@ def bench(
     new_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per row at each point."),
     batches: str = typer.Option("1,8", "--batch-size", "-b", help="Batch sizes to sweep, comma-separated."),
     repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets its rows reach."),
     dtype: str = options.DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
     plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
@@ -188,11 +189,11 @@ def bench(
     from jaxinfer import bench as benchmark
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
-    options.check_positive(max_tokens=new_tokens, repeat=repeat)
+    options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
     loaded = options.load(model, dtype)
     roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
-        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress)
+        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context)
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.dtype}")
     if json_output:

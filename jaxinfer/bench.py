@@ -1,10 +1,11 @@
 """`jaxinfer bench`: both phases measured over a sweep of prompt lengths and batch sizes.
 
-Each point builds its own fixed-shape state (cache of prompt + new tokens positions) and compiles its
-prefill and decode ahead of time (compile time reported apart). After one untimed warm-up (the first
-execution of a program costs extra on XLA CPU), each repeat prefills random prompt tokens in every
-row (TTFT) and then runs the decode steps one dispatch each, so every inter-token latency is seen
-(a dispatch costs ~0.1 ms; the engine's chunked loop does not pay it per token).
+Each point builds its own fixed-shape state (a cache of prompt + new tokens positions, or
+`max_context`) and drives it through `Slots`, as run and batch do. One untimed warm-up compiles every
+program the point needs (compile time reported apart) and pays the first execution of each (it costs
+extra on XLA CPU); then each repeat prefills random prompt tokens in every row (TTFT) and runs the
+decode steps one dispatch each, so every inter-token latency is seen (a dispatch costs ~0.1 ms; the
+engine's chunked loop does not pay it per token).
 """
 
 from __future__ import annotations
@@ -18,39 +19,44 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import admission, decode, initial_state, prefill
 from jaxinfer.engine import percentile
+from jaxinfer.errors import JaxinferError
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
-from jaxinfer.runtime import compile_ahead
+from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Admission, Slots
 
 
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings) -> dict:
-    S = prompt_tokens + new_tokens
-    state = initial_state(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
+def bench_point(
+    cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings, max_context: int | None = None
+) -> dict:
+    """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
+    the new tokens); decode reads only the kv buckets the rows reach, whatever its size."""
+    S = max_context or prompt_tokens + new_tokens
+    if prompt_tokens + new_tokens > S:
+        raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
+    slots = Slots(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
-    rows = list(range(batch))  # each row its own seed, too
-    admit = admission(rows, prompts, [0] * batch, [S] * batch, rows, [Sampling()] * batch, prompt_tokens)
-    one, no_stop = jax.device_put((np.int32(1), np.bool_(False)))
-    run_prefill, prefill_compile = compile_ahead(prefill, params, state, *admit, cfg=cfg, kv_len=prompt_tokens)
-    run_decode, decode_compile = compile_ahead(decode, params, state, one, no_stop, cfg=cfg)
+    admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling()) for r in range(batch)]  # each row its own seed
 
+    compiled = CompileReport()
     ttft, decode_s, itl = [], [], []
-    for r in range(repeat + 1):  # the first is the warm-up
+    for r in range(repeat + 1):  # the first is the warm-up: it compiles every program the point needs
         start = time.perf_counter()
-        state = run_prefill(params, state, *admit)
-        jax.block_until_ready(state.length)
+        slots.admit(admit, compiled)
+        jax.block_until_ready(slots.state.length)
         first = time.perf_counter() - start
-        steps = []
-        for _ in range(new_tokens - 1 if r else 1):
+        steps, kv_read = [], []
+        for _ in range(new_tokens - 1):
             start = time.perf_counter()
-            state = run_decode(params, state, one, no_stop)
-            jax.block_until_ready(state.length)
+            ran = slots.step(1, compiled)
+            jax.block_until_ready(slots.state.length)
             steps.append(time.perf_counter() - start)
+            kv_read.append(ran.kv_len)
         if r:
             ttft.append(first)
             decode_s.append(sum(steps))
@@ -59,15 +65,17 @@ def bench_point(cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, 
     itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     prefill_work = prefill_cost(cfg, itemsize, prompt_tokens, batch=batch)
-    step = decode_step_cost(cfg, itemsize, kv_len=prompt_tokens + new_tokens // 2, batch=batch)
+    step = decode_step_cost(cfg, itemsize, kv_len=round(statistics.fmean(kv_read)), batch=batch)  # cost is linear in kv_len
     decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * (new_tokens - 1))
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
     return {
         "prompt_tokens": prompt_tokens,
         "batch": batch,
         "new_tokens": new_tokens,
+        "max_context": S,
+        "kv_buckets": sorted(set(kv_read)),
         "repeat": repeat,
-        "compile_s": prefill_compile.seconds + decode_compile.seconds,
+        "compile_s": compiled.seconds,
         "ttft_s": _spread(ttft),
         "prefill_tok_s": batch * prompt_tokens / ttft_median,
         "decode_tok_s": _spread([batch * (new_tokens - 1) / s for s in decode_s]),
@@ -88,13 +96,14 @@ def sweep(
     repeat: int,
     ceilings,
     progress: Callable[[int, int], None] | None = None,
+    max_context: int | None = None,
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
     rows = []
     for done, (p, b) in enumerate(points):
         if progress:
             progress(done, len(points))
-        rows.append(bench_point(cfg, params, p, b, new_tokens, repeat, ceilings))
+        rows.append(bench_point(cfg, params, p, b, new_tokens, repeat, ceilings, max_context))
     if progress:
         progress(len(points), len(points))
     return rows

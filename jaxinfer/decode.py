@@ -2,7 +2,8 @@
 
 `prefill` runs the (bucket-padded) prompt, or its part the cache does not hold yet, in one pass and
 samples the first token: compute-bound, it sets TTFT. `decode` is a `lax.while_loop` of single-token steps, each re-reading every weight and
-the whole cache: bandwidth-bound, it sets the inter-token latency. Both take the state donated and
+the first `kv_len` cache positions (a power-of-two bucket covering the longest live row, chosen by
+`jaxinfer.slots`): bandwidth-bound, it sets the inter-token latency. Both take the state donated and
 return it, so the cache is updated in place. The decode loop runs at most `steps` iterations, a traced
 value: the host picks the chunk length (for live streaming and prompt Ctrl-C) without recompiling,
 and one call with `steps = max_tokens` is the whole request.
@@ -33,6 +34,7 @@ class DecodeState:
     done: jax.Array  # [B] bool
     seen: jax.Array  # [B, V] bool: tokens present so far, for the repetition penalty
     seeds: jax.Array  # [B] int32: a row's token at position p is drawn with fold_in(key(seed), p)
+    ignore_eos: jax.Array  # [B] bool: the row runs to its limit whatever it samples (benchmarks)
     sampler: SamplerArrays  # [B] per field
     eos: jax.Array  # [E] int32: ids that end a row
 
@@ -47,6 +49,7 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
         done=jnp.ones((batch,), bool),
         seen=jnp.zeros((batch, cfg.vocab_size), bool),
         seeds=jnp.zeros((batch,), jnp.int32),
+        ignore_eos=jnp.zeros((batch,), bool),
         sampler=SamplerArrays.from_settings([Sampling()] * batch),
         eos=jnp.asarray(eos_ids or (-1,), jnp.int32),
     )
@@ -54,7 +57,7 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
 
 def admission(
     rows: list[int], prompts: list[list[int]], starts: list[int], limits: list[int], seeds: list[int],
-    samplings: list[Sampling], bucket: int,
+    samplings: list[Sampling], ignore_eos: list[bool], bucket: int,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens from its start on, padded to
     `bucket`. Host values go over with one device_put (jnp.asarray would compile a conversion
@@ -63,8 +66,8 @@ def admission(
     for i, (prompt, start) in enumerate(zip(prompts, starts)):
         chunk[i, : len(prompt) - start] = prompt[start:]
     lengths = [len(prompt) - start for prompt, start in zip(prompts, starts)]
-    host = (rows, chunk, starts, lengths, limits, seeds)
-    return jax.device_put(tuple(np.asarray(x, np.int32) for x in host)) + (SamplerArrays.from_settings(samplings),)
+    host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths, limits, seeds)) + (np.asarray(ignore_eos, bool),)
+    return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
 
 
 def _sample_at(seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array) -> jax.Array:
@@ -84,7 +87,7 @@ def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeSt
         state,
         tokens=state.tokens.at[rows, at].set(token, mode="drop"),
         length=length,
-        done=state.done | (active & (jnp.isin(token, state.eos) | (length >= state.limit))),
+        done=state.done | (active & ((jnp.isin(token, state.eos) & ~state.ignore_eos) | (length >= state.limit))),
         seen=state.seen.at[rows, token].max(active),
     )
 
@@ -99,13 +102,14 @@ def prefill(
     chunk_len: jax.Array,
     limit: jax.Array,
     seeds: jax.Array,
+    ignore_eos: jax.Array,
     sampler: SamplerArrays,
     cfg: ModelConfig,
     kv_len: int,
 ) -> DecodeState:
     """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
     `start` [R] on (chunk [R, T], padded to a bucket; true lengths [R]) on top of the first `start`
-    cached positions, set their budget (`limit`), seed and sampling, and sample each one's first
+    cached positions, set their budget (`limit`), seed, EOS rule and sampling, and sample each one's first
     new token. Other rows are untouched: a batch admits a request into a free slot while the rest
     keep their place.
 
@@ -130,6 +134,7 @@ def prefill(
         done=state.done.at[rows].set(False),
         seen=state.seen.at[rows].set(seen),
         seeds=state.seeds.at[rows].set(seeds),
+        ignore_eos=state.ignore_eos.at[rows].set(ignore_eos),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
     token = _sample_at(seeds, seen, sampler, model.logits(params, last), length)
@@ -137,25 +142,27 @@ def prefill(
     return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), admitted)
 
 
-def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig) -> DecodeState:
-    """Feed each live row's last token, sample the next."""
+def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int) -> DecodeState:
+    """Feed each live row's last token, sample the next, attending over the first `kv_len` cache
+    positions (every live row's last token must sit below it)."""
     active = ~state.done
     S = state.tokens.shape[1]
     position = state.length - 1  # [B]: where the last token sits
     last = jnp.take_along_axis(state.tokens, position[:, None], axis=1)  # [B, 1]
     write_at = jnp.where(active, position, S)[:, None]  # finished rows write nothing
-    hidden, cache = model.forward(params, cfg, last, write_at, state.cache, S)
+    hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache)
     token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0]), state.length)
     return _append(state, token, active)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("state",))
 def decode(
-    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, cfg: ModelConfig
+    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, cfg: ModelConfig, kv_len: int
 ) -> DecodeState:
     """Up to `steps` decode steps, ending early once every row is done, or (`stop_on_finish`, a
-    traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request."""
+    traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request.
+    The caller keeps every live row inside `kv_len` for all `steps` (it caps `steps`)."""
     running = ~state.done
 
     def cond(carry):
@@ -165,7 +172,7 @@ def decode(
 
     def body(carry):
         i, s = carry
-        return i + 1, decode_step(params, s, cfg)
+        return i + 1, decode_step(params, s, cfg, kv_len)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 

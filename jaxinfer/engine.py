@@ -1,4 +1,5 @@
-"""The host side of generation: owns the device state, drives the two compiled phases, times them.
+"""The host side of generating one sequence (run, chat): drives the two compiled phases through
+one row of `jaxinfer.slots.Slots`, keeps what the cache holds between requests, times both phases.
 
 Streaming is done by running the decode `while_loop` in chunks: each dispatch runs as many steps as
 fit in about `STREAM_INTERVAL_S` (measured on the previous chunk, passed as a traced value, so it never
@@ -10,24 +11,21 @@ against one whole-request loop.
 
 from __future__ import annotations
 
-import math
 import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import DecodeState, admission, decode, initial_state, prefill
 from jaxinfer.errors import JaxinferError
-from jaxinfer.runtime import CompileReport, Programs
+from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import MIN_BUCKET, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
-MIN_BUCKET = 16
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
 
 
@@ -35,12 +33,6 @@ def percentile(values: list[float], q: float) -> float:
     """The value at rank ⌊q·n⌋ of the sorted values (the largest for q near 1)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def prompt_bucket(n: int, max_context: int) -> int:
-    """Padded prompt length: the next power of two (≥ 16), capped by the cache, so prompts of
-    many lengths share one compiled prefill."""
-    return min(max(MIN_BUCKET, 1 << math.ceil(math.log2(max(n, 1)))), max_context)
 
 
 @dataclass
@@ -51,6 +43,7 @@ class Timings:
     ttft_s: float = 0.0  # prefill dispatch → first token on the host, compile excluded
     decode_s: float = 0.0  # wall time of the decode loop after the first token, compile excluded
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    kv_read: int = 0  # cache positions the decode steps attended over, summed over steps (the kv buckets)
     compile: CompileReport = field(default_factory=CompileReport)
 
     @property
@@ -107,12 +100,8 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...]):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self._programs = Programs()  # prefill per (bucket, kv_len), and decode
-        self._state = self._fresh_state()
+        self.slots = Slots(cfg, params, 1, max_context, eos_ids)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
-
-    def _fresh_state(self) -> DecodeState:
-        return initial_state(self.cfg, self.params, 1, self.max_context, self.eos_ids)
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """How many leading prompt tokens to take from the cache instead of prefilling them: the
@@ -135,57 +124,60 @@ class Engine:
             )
 
     def generate(
-        self, prompt: list[int], sampling: Sampling, max_tokens: int, seed: int | None = None, stream: bool = True
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        seed: int | None = None,
+        stream: bool = True,
+        ignore_eos: bool = False,
     ) -> TokenStream:
-        """Start generating after `prompt`. `stream=False` runs the whole decode as one loop."""
+        """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
+        call per kv bucket the sequence passes through)."""
         self.check_fits(len(prompt), max_tokens)
         seed = secrets.randbits(31) if seed is None else seed
         result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)))
-        result.chunks = self._run(prompt, sampling, max_tokens, stream, result)
+        result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, result)
         return result
 
-    def _run(self, prompt, sampling, max_tokens, stream, result: TokenStream) -> Iterator[list[int]]:
-        timings = result.timings
-        if self._state.cache.k.is_deleted():  # a previous call was interrupted while it held the state
-            self._state, self._cached = self._fresh_state(), self._cached[:0]
+    def _run(self, prompt, sampling, max_tokens, stream, ignore_eos, result: TokenStream) -> Iterator[list[int]]:
+        timings, slots = result.timings, self.slots
+        if slots.lost:  # a previous call was interrupted while it held the state
+            slots.reset()
+            self._cached = self._cached[:0]
         n = len(prompt)
         start = timings.cached_tokens = self.cached_prefix(prompt)
         self._cached = self._cached[:start]  # prefill overwrites what follows
-        bucket = prompt_bucket(n - start, self.max_context)
-        # A fresh prompt attends over its bucket; a continuation over the whole cache, as decode does
-        # (one program per bucket rather than per bucket and prefix length).
-        kv_len = self.max_context if start else bucket
-        args = admission([0], [prompt], [start], [n + max_tokens], [result.seed], [sampling], bucket)
-        run_prefill = self._programs.get(
-            ("prefill", bucket, kv_len), timings.compile, prefill, self.params, self._state, *args, cfg=self.cfg, kv_len=kv_len
-        )
+        admit = Admission(0, prompt, max_tokens, result.seed, sampling, start, ignore_eos)
+        compiling = timings.compile.seconds
         started = time.perf_counter()
-        self._state = run_prefill(self.params, self._state, *args)
+        slots.admit([admit], timings.compile)
         tokens, length, done = self._fetch()
-        timings.ttft_s = time.perf_counter() - started
+        timings.ttft_s = time.perf_counter() - started - (timings.compile.seconds - compiling)
         timings.generated_tokens = 1
         yield [int(tokens[n])]
 
-        steps, no_stop = jax.device_put((np.int32(1 if stream else max_tokens), np.bool_(False)))
-        run_decode = self._programs.get(("decode",), timings.compile, decode, self.params, self._state, steps, no_stop, cfg=self.cfg)
+        steps = 1 if stream else max_tokens
         while not done:
+            compiling = timings.compile.seconds
             started = time.perf_counter()
-            self._state = run_decode(self.params, self._state, steps, no_stop)
+            ran = slots.step(steps, timings.compile)
             tokens, new_length, done = self._fetch()
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started - (timings.compile.seconds - compiling)  # a new kv bucket compiles here
             made = new_length - length
             timings.decode_s += elapsed
             timings.itl_s += [elapsed / made] * made
+            timings.kv_read += made * ran.kv_len
             timings.generated_tokens += made
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
-                steps = jax.device_put(np.int32(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6))))))
+                steps = max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6))))
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
-        result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids else "length"
+        result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
-        """Row 0's tokens, length and done flag (whole arrays: slicing on the device would dispatch
-        programs of its own). Also records what the cache now holds: K/V of every token but the last."""
-        tokens, length, done = jax.device_get((self._state.tokens, self._state.length, self._state.done))
+        """Row 0's tokens, length and done flag. Also records what the cache now holds: K/V of
+        every token but the last."""
+        tokens, length, done = self.slots.fetch()
         self._cached = tokens[0, : int(length[0]) - 1].copy()
         return tokens[0], int(length[0]), bool(done[0])

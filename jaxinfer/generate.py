@@ -83,10 +83,11 @@ class Generation:
         seed: int | None = None,
         stop: tuple[str, ...] = (),
         stream: bool = True,
+        ignore_eos: bool = False,
     ):
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.finish_reason: str | None = None
-        self._tokens = engine.generate(self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream)
+        self._tokens = engine.generate(self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos)
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 
     @property

@@ -2,7 +2,7 @@
 
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-seed and stop; "custom_id" is accepted for "id". A bad line becomes an error record in the output
+seed, stop and ignore_eos; "custom_id" is accepted for "id". A bad line becomes an error record in the output
 and the job goes on. On resume, ids already in the output are skipped, and a last line cut short by
 a kill is removed first, so every id ends up there exactly once.
 """
@@ -122,7 +122,10 @@ class Job:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise JaxinferError('"stop" must be a string or a list of strings')
         stop = tuple(stop) + (self._template.stop if "messages" in item else ())
-        return Request(request_id, ids, sampling, max_tokens, seed, stop)
+        ignore_eos = item.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise JaxinferError('"ignore_eos" must be true or false')
+        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos)
 
 
 def _whole(item: dict, name: str, default: int, minimum: int = 1) -> int:

@@ -105,10 +105,11 @@ def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: 
 
 def generation_report(cfg: ModelConfig, itemsize: int, timings, ceilings) -> dict:
     """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
-    counts the K/V a step needs at its real length (the mean over the steps, as cost is linear in it)."""
+    counts the K/V its steps read: the kv buckets they attended over (the mean over the steps, as
+    cost is linear in it)."""
     prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
     prefill = prefill_cost(cfg, itemsize, timings.prefilled_tokens, kv_len=prompt)
-    step = decode_step_cost(cfg, itemsize, kv_len=round(prompt + steps / 2))
+    step = decode_step_cost(cfg, itemsize, kv_len=round(timings.kv_read / steps) if steps else prompt)
     decode = Cost(step.flops * steps, step.bytes * steps)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     return {

@@ -89,6 +89,21 @@ def test_continuous_batching_fills_a_slot_as_soon_as_it_frees(model):
     assert static.index("long") == 1  # static: the next group waited for the long one
 
 
+def test_ignore_eos_is_per_request_and_every_record_has_its_itl(model):
+    ids = model.tokenizer.encode("The capital of France is")
+    free = alone(dataclasses.replace(model, eos_ids=()), Request(0, ids, Sampling(), 12, 0))
+    eos = free.token_ids[5]
+    model = dataclasses.replace(model, eos_ids=(eos,))
+    stops, runs_on = Request("eos", ids, Sampling(), 12, 0), Request("ignore", ids, Sampling(), 12, 0, ignore_eos=True)
+    records = {r["id"]: r for r in run_batch(model, [stops, runs_on], 2)}
+    assert (records["eos"]["finish_reason"], records["eos"]["generated_tokens"]) == ("eos", free.token_ids.index(eos) + 1)
+    assert (records["ignore"]["finish_reason"], records["ignore"]["generated_tokens"]) == ("length", 12)
+    assert records["ignore"]["text"] == free.text
+    for record in records.values():
+        itl = record["timings"]["itl_ms"]
+        assert 0 < itl["p50"] <= itl["p99"] <= itl["max"]
+
+
 def test_stop_strings_in_a_batch_match_run(model):
     reqs = requests(model, stop=("a",))
     records = by_id(run_batch(model, reqs, 4))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxinfer.engine import Engine, prompt_bucket
+from jaxinfer.engine import Engine
+from jaxinfer.slots import prompt_bucket
 from jaxinfer.generate import Generation, StopStrings
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles

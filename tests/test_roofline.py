@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer import ceilings
-from jaxinfer.decode import decode_step, prefill
-from jaxinfer.engine import Engine
+from jaxinfer.decode import decode_step, initial_state, prefill
 from jaxinfer.loading import load_model
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, prefill_cost
 from jaxinfer.sampling import SamplerArrays, Sampling
@@ -28,9 +27,9 @@ def xla_cost(compiled) -> tuple[float, float]:
 
 @pytest.mark.parametrize("tokens", [16, 128])
 def test_prefill_flops_match_xla_within_5_percent(model, tokens):
-    state = Engine(model.config, model.params, S, model.eos_ids)._state
+    state = initial_state(model.config, model.params, 1, S, model.eos_ids)
     one_row = jnp.zeros((1,), jnp.int32)  # row, start, seed
-    admit = (one_row, jnp.zeros((1, tokens), jnp.int32), one_row, one_row + 1, one_row + S, one_row, SamplerArrays.from_settings([Sampling()]))
+    admit = (one_row, jnp.zeros((1, tokens), jnp.int32), one_row, one_row + 1, one_row + S, one_row, one_row == 1, SamplerArrays.from_settings([Sampling()]))
     flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
     ours = prefill_cost(model.config, 4, tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)
@@ -39,10 +38,10 @@ def test_prefill_flops_match_xla_within_5_percent(model, tokens):
 
 
 def test_decode_step_flops_and_bytes_match_xla(model):
-    state = Engine(model.config, model.params, S, model.eos_ids)._state
-    step = jax.jit(decode_step, static_argnames=("cfg",)).lower(model.params, state, cfg=model.config).compile()
+    state = initial_state(model.config, model.params, 1, S, model.eos_ids)
+    step = jax.jit(decode_step, static_argnames=("cfg", "kv_len")).lower(model.params, state, cfg=model.config, kv_len=S).compile()
     flops, bytes_accessed = xla_cost(step)
-    ours = decode_step_cost(model.config, 4, kv_len=S)  # the step attends over the whole cache
+    ours = decode_step_cost(model.config, 4, kv_len=S)  # a step attending over the whole cache
     assert ours.flops == pytest.approx(flops, rel=0.05)
     assert ours.bytes <= bytes_accessed <= 1.4 * ours.bytes  # weights and cache dominate
 
