@@ -38,7 +38,9 @@ def batch(
     if not to_stdout and output.exists() and not resume:
         raise JaxinferError(f"{output} exists: add --resume to continue that job, or choose another output")
     lines = _read_lines(input_path)
-    loaded = options.load(model, dtype)
+    from jaxinfer.model import layout_for_batch
+
+    loaded = options.load(model, dtype, layout_for_batch(batch_size))
     context = options.context_length(loaded.max_positions, max_context)
     skip = finished_ids(output) if resume else set()
     sink = sys.stdout if to_stdout else output.open("a", encoding="utf-8")

@@ -36,11 +36,11 @@ def check_positive(**flags: Optional[int]) -> None:
             raise JaxinferError(f"--{name.replace('_', '-')} must be at least 1")
 
 
-def load(model: Optional[Path], dtype: str):
+def load(model: Optional[Path], dtype: str, layout: str = "out_in"):
     from jaxinfer.loading import load_model
 
     with render.progress("loading weights") as progress:
-        return load_model(model, dtype, progress)
+        return load_model(model, dtype, progress, layout)
 
 
 def sampling(loaded, **flags):

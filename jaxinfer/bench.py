@@ -21,6 +21,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import percentile
 from jaxinfer.errors import JaxinferError
+from jaxinfer.model import in_out_layout, layout_for_batch
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -99,11 +100,15 @@ def sweep(
     max_context: int | None = None,
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
+    layouts = {"out_in": params}  # each batch size decodes on the layout it is fastest on, as run and batch do
     rows = []
     for done, (p, b) in enumerate(points):
         if progress:
             progress(done, len(points))
-        rows.append(bench_point(cfg, params, p, b, new_tokens, repeat, ceilings, max_context))
+        layout = layout_for_batch(b)
+        if layout not in layouts:
+            layouts[layout] = in_out_layout(params)
+        rows.append({**bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context), "layout": layout})
     if progress:
         progress(len(points), len(points))
     return rows
@@ -115,8 +120,6 @@ def plot(rows: list[dict], path, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        from jaxinfer.errors import JaxinferError
-
         raise JaxinferError('--plot needs matplotlib: pip install "jaxinfer[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -89,10 +89,16 @@ def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict
     return model_dir, config_from_hf(config_json), config_json
 
 
+LAYOUTS = ("out_in", "in_out")
+
+
 def load_model(
-    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None
+    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None, layout: str = "out_in"
 ) -> LoadedModel:
-    """Load a model directory; with no path, the bundled default model."""
+    """Load a model directory; with no path, the bundled default model. `layout` "in_out" stores
+    the layers' matrices transposed, the faster form for batched decode (`model.in_out_layout`)."""
+    if layout not in LAYOUTS:
+        raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     model_dir, cfg, config_json = load_config(path)
     generation = read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer(model_dir)
@@ -104,6 +110,10 @@ def load_model(
     else:
         files = weights.safetensors_files(model_dir)
         params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress)
+    if layout == "in_out":
+        from jaxinfer.model import in_out_layout
+
+        params = in_out_layout(params, consume=True)
     return LoadedModel(
         path=model_dir,
         config=cfg,

@@ -26,6 +26,7 @@ from shapes import SHAPES, random_params  # noqa: E402
 
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
+from jaxinfer.model import in_out_layout, layout_for_batch  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 
 
@@ -68,11 +69,12 @@ def main() -> None:
     args = parser.parse_args()
 
     model = model_for(args.model, args.dtype)
+    batched = dataclasses.replace(model, params=in_out_layout(model.params))  # what `jaxinfer batch` loads for B > 1
     fixed = request_set(model, args.requests, lambda rng: 64)
     print(f"{args.model}: {args.requests} requests, 32–96 prompt tokens, 64 new tokens each, {args.dtype}")
     base = None
     for size in (int(s) for s in args.sizes.split(",")):
-        rate, seconds = tokens_per_s(model, size, fixed, args.context)
+        rate, seconds = tokens_per_s(batched if layout_for_batch(size) == "in_out" else model, size, fixed, args.context)
         base = base or rate
         print(f"  B={size:>3}: {rate:8.1f} generated tok/s ({seconds:.1f} s, ×{rate / base:.1f} vs B=1)", flush=True)
 
@@ -81,7 +83,7 @@ def main() -> None:
     print(f"mixed lengths at B={args.mixed_batch}: {sum(lengths)} tokens, {min(lengths)}–{max(lengths)} per request (median {int(np.median(lengths))})")
     rates = {}
     for continuous in (True, False):
-        rates[continuous], seconds = tokens_per_s(model, args.mixed_batch, mixed, args.context, continuous)
+        rates[continuous], seconds = tokens_per_s(batched, args.mixed_batch, mixed, args.context, continuous)
         print(f"  {'continuous' if continuous else 'static':>10}: {rates[continuous]:8.1f} tok/s ({seconds:.1f} s)", flush=True)
     print(f"  continuous / static: ×{rates[True] / rates[False]:.2f}")
 

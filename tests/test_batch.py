@@ -15,6 +15,7 @@ from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
+from jaxinfer.model import in_out_layout
 from jaxinfer.sampling import Sampling
 
 PROMPTS = [
@@ -64,9 +65,11 @@ def test_greedy_results_equal_run_whatever_the_batch(model):
     for r in reqs:
         gen = alone(model, r)
         expected[r.id] = (gen.text, len(gen.token_ids), gen.finish_reason)
+    batched = dataclasses.replace(model, params=in_out_layout(model.params))  # what `jaxinfer batch` loads for B > 1
     for batch_size in (1, 3, 8):
         assert by_id(run_batch(model, reqs, batch_size)) == expected
-    assert by_id(run_batch(model, reqs[::-1], 3)) == expected  # other batch-mates, other slots
+        assert by_id(run_batch(batched, reqs, batch_size)) == expected
+    assert by_id(run_batch(batched, reqs[::-1], 3)) == expected  # other batch-mates, other slots
 
 
 def test_sampled_results_depend_only_on_the_request_seed(model):

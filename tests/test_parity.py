@@ -78,6 +78,16 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
     assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("arch", ["llama-linear", "qwen3"])  # biases; q/k norms
+def test_in_out_layout_gives_the_same_logits(tiny, arch):
+    """Batched decode loads the layers' matrices transposed: the same model, to float32 rounding."""
+    path = tiny(arch)
+    plain, transposed = load_model(path), load_model(path, layout="in_out")
+    assert "wq_io" in transposed.params["layers"][0] and "wq" not in transposed.params["layers"][0]
+    ids = plain.tokenizer.encode(PROMPT)
+    np.testing.assert_allclose(our_prompt_logits(transposed, ids)[0], our_prompt_logits(plain, ids)[0], atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     """Training runs `forward` with no cache; it must be the model `run` executes (mistral: its
