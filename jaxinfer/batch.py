@@ -3,9 +3,8 @@
 Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows
 only) and decoded together by the same `decode` loop as `run`, which here stops as soon as any row
 finishes: its result is handed over at once and a waiting request takes the slot while the others
-keep going. Every row samples with
-keys from its own seed and positions, so a result does not depend on its batch-mates, the batch
-size or its slot. `continuous=False` is static batching (a new group only once every slot is free),
+keep going. Every row samples with keys from its own seed and positions, so a result does not depend
+on its batch-mates, the batch size or its slot. `continuous=False` is static batching (a new group only once every slot is free),
 kept to measure the difference.
 """
 
@@ -47,6 +46,8 @@ class _Slot:
     first_token: float | None = None
     last_token: float = 0.0  # perf_counter when the row's latest tokens reached the host
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    compiling_s: float = 0.0  # compile time (a new kv bucket) since the row's latest tokens: not its latency
+    compiled_s: float = 0.0  # all compile time after its first token
     read: int = 0  # tokens of the row already passed to `text`
 
 
@@ -85,7 +86,10 @@ class BatchRunner:
             if freed and not exhausted and continuous:
                 continue  # fill the freed slots before decoding on
             if any(slots):
+                before = self.stats.compile.seconds
                 self.slots.step(CHUNK_STEPS, self.stats.compile, stop_on_finish=True)
+                for slot in filter(None, slots):
+                    slot.compiling_s += self.stats.compile.seconds - before
 
     def _admit(self, admitted: list[tuple[int, Request]], slots: list[_Slot | None]) -> None:
         """Prefill every newly filled slot in one call (grouped by `Slots.admit`)."""
@@ -116,8 +120,10 @@ class BatchRunner:
             if slot.first_token is None:
                 slot.first_token = now
             elif made:  # the wait since the row's last tokens, admissions of others included, spread over the new ones
-                slot.itl_s += [(now - slot.last_token) / made] * made
-            slot.last_token = now if made else slot.last_token
+                slot.itl_s += [(now - slot.last_token - slot.compiling_s) / made] * made
+                slot.compiled_s += slot.compiling_s
+            if made:
+                slot.last_token, slot.compiling_s = now, 0.0
             for token in tokens[i, slot.read : length[i]]:
                 slot.text.push(int(token))
                 if slot.text.stopped:
@@ -139,7 +145,7 @@ class BatchRunner:
         text = slot.text
         text.flush()
         generated = len(text.token_ids)
-        decode_s = now - slot.first_token
+        decode_s = now - slot.first_token - slot.compiled_s
         itl_ms = [1000 * s for s in slot.itl_s] or [0.0]
         return {
             "id": slot.request.id,
