@@ -109,5 +109,20 @@ def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
         assert p["decode_tok_s"]["median"] > 0 and p["itl_ms"]["p50"] <= p["itl_ms"]["p99"]
         assert p["prefill"]["mfu"] > 0 and p["decode"]["mbu"] > 0 and p["compile_s"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p["layout"] for p in points] == ["out_in", "out_in", "in_out", "in_out"]  # each batch size on its fastest layout
+    assert all(p["kv_buckets"] == [p["prompt_tokens"] + 6] for p in points)  # the cache is just prompt + new tokens
     bad = subprocess.run([*args[:4], "-p", "16,x"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["error: --prompt-tokens takes positive whole numbers separated by commas, not '16,x'"]
+
+
+def test_bench_with_a_large_cache_reads_only_the_buckets_reached(tiny):
+    import json
+    import subprocess
+
+    args = ["jaxinfer", "bench", "-m", tiny("llama", max_position_embeddings=1024), "-p", "16", "-n", "6", "-b", "1", "-r", "1"]
+    proc = subprocess.run([*args, "-c", "1024", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (point,) = json.loads(proc.stdout)["points"]
+    assert point["max_context"] == 1024 and point["kv_buckets"] == [128]
+    small = subprocess.run([*args, "-c", "20"], capture_output=True, text=True)
+    assert small.returncode == 1 and small.stderr.strip().splitlines() == ["error: prompt 16 + 6 new tokens exceed --max-context 20"]
