@@ -88,15 +88,11 @@ class Slots:
         """The state was donated to a call that never returned (interrupted): `reset` before use."""
         return self.state.cache.k.is_deleted()
 
-    @property
-    def live(self) -> np.ndarray:
-        return self._live.copy()
-
     def admit(self, admissions: list[Admission], report: CompileReport) -> None:
-        """Prefill the given rows (each prompt + max_tokens within max_context: callers check, in
-        their own words) (other rows keep their place) and sample each one's first token.
-        Rows are admitted in groups of a power-of-two size, longest prompts together, so the
-        programs stay few (rows × prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
+        """Prefill the given rows and sample each one's first token; other rows keep their place.
+        Each prompt + max_tokens must fit max_context (callers check, in their own words). Rows go
+        in groups of a power-of-two size, longest prompts together, so the programs stay few
+        (rows × prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
         pending = sorted(admissions, key=lambda a: len(a.prompt) - a.start, reverse=True)
         while pending:
             size = 1 << (len(pending).bit_length() - 1)
