@@ -136,13 +136,17 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
 
 
-def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny):
+def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192)
+    args = ["run", "-m", slow, "The capital", "-c", "8192", "--temp", "0", "--ignore-eos"]
+    # Ctrl-C is held while a program compiles (XLA cannot be interrupted safely): a first run fills a
+    # compile cache (and the machine's roofs), so that here it lands in the decode loop.
+    assert jaxinfer(*args, "-n", "600", cache=tmp_path).returncode == 0
     proc = subprocess.Popen(
-        ["jaxinfer", "run", "-m", slow, "The capital", "-c", "8192", "-n", "8000", "--temp", "0", "--ignore-eos"],
+        ["jaxinfer", *map(str, args), "-n", "8000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "JAXINFER_CACHE_DIR": ""},
+        env={**os.environ, "JAXINFER_CACHE_DIR": str(tmp_path)},
     )
     first = proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
