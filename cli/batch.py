@@ -22,6 +22,7 @@ def batch(
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences decoded together (slots)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
     max_context: Optional[int] = options.MAX_CONTEXT,
+    prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
 ) -> None:
@@ -31,6 +32,7 @@ def batch(
     from jaxinfer.jobs import Job, finished_ids
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
+    chunking = options.chunking(prefill_chunk)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
@@ -48,7 +50,7 @@ def batch(
     requests = list(job.requests(lines))
     if job.skipped:
         render.notice(f"resuming: {job.skipped} requests already done in {output}")
-    runner = BatchRunner(loaded, batch_size, context)
+    runner = BatchRunner(loaded, batch_size, context, **chunking)
     started = time.perf_counter()
     interrupted = False
     with render.job_progress(len(requests)) as update:

@@ -32,6 +32,7 @@ def chat(
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
     seed: Optional[int] = options.SEED,
     max_context: Optional[int] = options.MAX_CONTEXT,
+    prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
     on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
 ) -> None:
@@ -40,9 +41,10 @@ def chat(
     from jaxinfer.engine import Engine
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
+    chunking = options.chunking(prefill_chunk)
     loaded = options.load(model, dtype)
     context = options.context_length(loaded.max_positions, max_context)
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
     session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed)

@@ -63,6 +63,7 @@ def run(
     stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks)."),
     max_context: Optional[int] = options.MAX_CONTEXT,
+    prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
     show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
@@ -78,13 +79,14 @@ def run(
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
+    chunking = options.chunking(prefill_chunk)
     loaded = options.load(model, dtype)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
     gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop), ignore_eos=ignore_eos)
     try:
         if json_output:
@@ -179,6 +181,7 @@ def bench(
     batches: str = typer.Option("1,8", "--batch-size", "-b", help="Batch sizes to sweep, comma-separated."),
     repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets its rows reach."),
+    prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
     plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
@@ -190,10 +193,11 @@ def bench(
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
+    chunking = options.chunking(prefill_chunk)
     loaded = options.load(model, dtype)
     roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
-        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context)
+        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **chunking)
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.dtype}")
     if json_output:

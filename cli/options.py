@@ -24,6 +24,11 @@ SEED = typer.Option(None, "--seed", help="Random seed; the same seed gives the s
 MAX_CONTEXT = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
 PEAK_FLOPS = typer.Option(None, "--peak-flops", help="Peak FLOP/s to measure MFU against (e.g. a datasheet figure) [default: measured once per machine].")
 PEAK_BANDWIDTH = typer.Option(None, "--peak-bandwidth", help="Peak memory bandwidth in bytes/s for MBU [default: measured once per machine].")
+PREFILL_CHUNK = typer.Option(
+    None, "--prefill-chunk", metavar="N", show_default=False,
+    help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
+    "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted [default: 128].",
+)
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
 
@@ -34,6 +39,17 @@ def check_positive(**flags: Optional[int]) -> None:
     for name, value in flags.items():
         if value is not None and value < 1:
             raise JaxinferError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def chunking(prefill_chunk: Optional[int]) -> dict:
+    """`--prefill-chunk` as the keyword Engine, BatchRunner and bench take (none: the library's default)."""
+    from jaxinfer.errors import JaxinferError
+
+    if prefill_chunk is None:
+        return {}
+    if prefill_chunk != 0 and prefill_chunk < 16:
+        raise JaxinferError("--prefill-chunk must be 0 (off) or at least 16")
+    return {"prefill_chunk": prefill_chunk}
 
 
 def load(model: Optional[Path], dtype: str, layout: str = "out_in"):

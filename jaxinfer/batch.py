@@ -1,7 +1,7 @@
 """Continuous batching: B sequence slots over one preallocated cache [L, B, S, KV, hd].
 
 Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows
-only) and decoded together by the same `decode` loop as `run`, which here stops as soon as any row
+only; a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the same `decode` loop as `run`, which here stops as soon as any row
 finishes: its result is handed over at once and a waiting request takes the slot while the others
 keep going. Every row samples with keys from its own seed and positions, so a result does not depend
 on its batch-mates, the batch size or its slot. `continuous=False` is static batching (a new group only once every slot is free),
@@ -22,7 +22,7 @@ from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Slots
+from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -59,9 +59,9 @@ class BatchStats:
 
 
 class BatchRunner:
-    def __init__(self, model: LoadedModel, batch_size: int, max_context: int):
+    def __init__(self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
-        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids)
+        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk)
         self.stats = BatchStats()
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:
@@ -111,10 +111,11 @@ class BatchRunner:
     def _collect(self, slots: list[_Slot | None], on_result, started: float) -> bool:
         """Pass new tokens to each live slot's text; hand over and free the finished ones."""
         tokens, length, done = self.slots.fetch()
+        prefilling = self.slots.prefilling
         now = time.perf_counter()
         finished = np.zeros(len(slots), bool)
         for i, slot in enumerate(slots):
-            if slot is None:
+            if slot is None or prefilling[i]:  # a long prompt between chunks: no token yet
                 continue
             made = int(length[i]) - slot.read
             if slot.first_token is None:

@@ -25,7 +25,7 @@ from jaxinfer.model import in_out_layout, layout_for_batch
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Slots
+from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size
 
 
 def _spread(values: list[float]) -> dict:
@@ -33,14 +33,16 @@ def _spread(values: list[float]) -> dict:
 
 
 def bench_point(
-    cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings, max_context: int | None = None
+    cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings,
+    max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
-    the new tokens); decode reads only the kv buckets the rows reach, whatever its size."""
+    the new tokens); decode reads only the kv buckets the rows reach, whatever its size. Prompts
+    longer than `prefill_chunk` are prefilled in chunks, as run does."""
     S = max_context or prompt_tokens + new_tokens
     if prompt_tokens + new_tokens > S:
         raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
-    slots = Slots(cfg, params, batch, S, eos_ids=())  # no EOS: every row runs all its steps
+    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk)  # no EOS: every row runs all its steps
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
     admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling()) for r in range(batch)]  # each row its own seed
 
@@ -75,6 +77,7 @@ def bench_point(
         "new_tokens": new_tokens,
         "max_context": S,
         "kv_buckets": sorted(set(kv_read)),
+        "prefill_chunk": chunk_size(prefill_chunk),
         "repeat": repeat,
         "compile_s": compiled.seconds,
         "ttft_s": _spread(ttft),
@@ -98,6 +101,7 @@ def sweep(
     ceilings,
     progress: Callable[[int, int], None] | None = None,
     max_context: int | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
     layouts = {"out_in": params}  # each batch size decodes on the layout it is fastest on, as run and batch do
@@ -108,7 +112,8 @@ def sweep(
         layout = layout_for_batch(b)
         if layout not in layouts:
             layouts[layout] = in_out_layout(params)
-        rows.append({**bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context), "layout": layout})
+        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk)
+        rows.append({**point, "layout": layout})
     if progress:
         progress(len(points), len(points))
     return rows

@@ -56,17 +56,19 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
 
 
 def admission(
-    rows: list[int], prompts: list[list[int]], starts: list[int], limits: list[int], seeds: list[int],
+    rows: list[int], prompts: list[list[int]], starts: list[int], ends: list[int], limits: list[int], seeds: list[int],
     samplings: list[Sampling], ignore_eos: list[bool], bucket: int,
 ) -> tuple:
-    """`prefill`'s arguments after the state: each row's prompt tokens from its start on, padded to
-    `bucket`. Host values go over with one device_put (jnp.asarray would compile a conversion
-    program per call)."""
+    """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
+    `bucket`; the chunk is final where `end` is the prompt's end. Host values go over with one
+    device_put (jnp.asarray would compile a conversion program per call)."""
     chunk = np.zeros((len(rows), bucket), np.int32)
-    for i, (prompt, start) in enumerate(zip(prompts, starts)):
-        chunk[i, : len(prompt) - start] = prompt[start:]
-    lengths = [len(prompt) - start for prompt, start in zip(prompts, starts)]
-    host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths, limits, seeds)) + (np.asarray(ignore_eos, bool),)
+    for i, (prompt, start, end) in enumerate(zip(prompts, starts, ends)):
+        chunk[i, : end - start] = prompt[start:end]
+    lengths = [end - start for start, end in zip(starts, ends)]
+    final = [end == len(prompt) for prompt, end in zip(prompts, ends)]
+    host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths)) + (np.asarray(final, bool),)
+    host += tuple(np.asarray(x, np.int32) for x in (limits, seeds)) + (np.asarray(ignore_eos, bool),)
     return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
 
 
@@ -100,6 +102,7 @@ def prefill(
     chunk: jax.Array,
     start: jax.Array,
     chunk_len: jax.Array,
+    final: jax.Array,
     limit: jax.Array,
     seeds: jax.Array,
     ignore_eos: jax.Array,
@@ -114,7 +117,9 @@ def prefill(
     keep their place.
 
     `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the row already holds (a
-    chat's earlier turns). `kv_len` (static) covers start + T, so attention reads no further.
+    chat's earlier turns, or a long prompt's earlier chunks). A row whose chunk is not `final` [R]
+    samples nothing and stays done, so decode passes it by; its next chunk starts at its `length`.
+    `kv_len` (static) covers start + T, so attention reads no further.
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
@@ -131,15 +136,15 @@ def prefill(
         tokens=tokens,
         length=state.length.at[rows].set(length),
         limit=state.limit.at[rows].set(limit),
-        done=state.done.at[rows].set(False),
+        done=state.done.at[rows].set(~final),
         seen=state.seen.at[rows].set(seen),
         seeds=state.seeds.at[rows].set(seeds),
         ignore_eos=state.ignore_eos.at[rows].set(ignore_eos),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
     token = _sample_at(seeds, seen, sampler, model.logits(params, last), length)
-    admitted = jnp.zeros(B, bool).at[rows].set(True)
-    return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), admitted)
+    started = jnp.zeros(B, bool).at[rows].set(final)
+    return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), started)
 
 
 def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int) -> DecodeState:

@@ -23,7 +23,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import MIN_BUCKET, Admission, Slots
+from jaxinfer.slots import MIN_BUCKET, PREFILL_CHUNK, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
@@ -98,9 +98,9 @@ class Engine:
     earlier turns, or the same prompt again) prefills only the rest.
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...]):
+    def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self.slots = Slots(cfg, params, 1, max_context, eos_ids)
+        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
     def cached_prefix(self, prompt: list[int]) -> int:

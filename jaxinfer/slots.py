@@ -8,6 +8,11 @@ cache read costs more than the weights (SmolLM-135M shape: decode at `-c 8192` r
 speed of `-c 256` before this). Shapes stay static: one decode program per kv bucket, compiled when
 a row first crosses into it, and a decode call never runs a row past its bucket (the host caps its
 traced step count), so the next call picks the next bucket.
+
+Prompts longer than `prefill_chunk` tokens are prefilled a chunk per call (Sarathi's chunked
+prefill): attention scores stay [chunk, kv bucket] instead of [T, T] per head, and while other rows
+are decoding each `step` runs one chunk and then one decode step, so a long admission delays the
+running rows by a chunk at a time instead of stalling them for its whole prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jaxinfer.sampling import Sampling
 
 MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
+PREFILL_CHUNK = 128  # prompt tokens per prefill call (measured: see README, "Chunked prefill")
 
 
 def _pow2_bucket(n: int, smallest: int, largest: int) -> int:
@@ -40,6 +46,12 @@ def prompt_bucket(n: int, max_context: int) -> int:
 def kv_bucket(n: int, max_context: int) -> int:
     """Cache positions attended by a program whose queries sit below position n."""
     return _pow2_bucket(n, MIN_KV_BUCKET, max_context)
+
+
+def chunk_size(n: int) -> int:
+    """The prefill chunk for `--prefill-chunk n`: a power of two (rounded down; every chunk but a
+    prompt's last fills its bucket exactly), at least MIN_BUCKET; 0 means no chunking."""
+    return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
 
 
 @dataclass
@@ -71,8 +83,11 @@ class Slots:
     since rows may finish early on the device): enough to choose kv buckets without a round trip.
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...]):
+    def __init__(
+        self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK
+    ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
+        self.prefill_chunk = chunk_size(prefill_chunk)
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.reset()
 
@@ -82,46 +97,82 @@ class Slots:
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
+        self._queue: dict[int, tuple[Admission, int]] = {}  # row → its admission, prompt tokens prefilled so far
 
     @property
     def lost(self) -> bool:
         """The state was donated to a call that never returned (interrupted): `reset` before use."""
         return self.state.cache.k.is_deleted()
 
-    def admit(self, admissions: list[Admission], report: CompileReport) -> None:
-        """Prefill the given rows and sample each one's first token; other rows keep their place.
-        Each prompt + max_tokens must fit max_context (callers check, in their own words). Rows go
-        in groups of a power-of-two size, longest prompts together, so the programs stay few
-        (rows × prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
-        pending = sorted(admissions, key=lambda a: len(a.prompt) - a.start, reverse=True)
-        while pending:
-            size = 1 << (len(pending).bit_length() - 1)
-            group, pending = pending[:size], pending[size:]
-            self._prefill(group, report)
+    @property
+    def prefilling(self) -> np.ndarray:
+        """[B] bool: rows admitted whose prompt is still being prefilled (no token yet)."""
+        return np.isin(np.arange(self.batch), list(self._queue))
 
-    def _prefill(self, group: list[Admission], report: CompileReport) -> None:
-        bucket = prompt_bucket(max(len(a.prompt) - a.start for a in group), self.max_context)
-        starts = [a.start for a in group]
+    def admit(self, admissions: list[Admission], report: CompileReport) -> None:
+        """Start the given rows (replacing whatever they held); other rows keep their place. Each
+        prompt + max_tokens must fit max_context (callers check, in their own words). With no row
+        decoding, every prompt is prefilled now and each row has its first token; otherwise prompts
+        longer than a chunk are only queued, and `step` prefills them a chunk at a time."""
+        rows = np.zeros(self.batch, bool)
+        rows[[a.row for a in admissions]] = True
+        if (self._live & rows).any():  # their earlier sequences stop decoding now
+            self.retire(rows)
+        self._queue.update({a.row: (a, a.start) for a in admissions})
+        if self._live.any():  # rows are decoding: only what takes one call
+            self._prefill_round(report, whole_only=True)
+        while self._queue and not self._live.any():
+            self._prefill_round(report)
+
+    def _prefill_round(self, report: CompileReport, whole_only: bool = False) -> None:
+        """One chunk of every queued prompt (`whole_only`: of those whose rest fits one chunk). Rows
+        go in groups of a power-of-two size, longest rest first, so the programs stay few (rows ×
+        prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
+        chunk = self.prefill_chunk or self.max_context
+        rest = lambda row: len(self._queue[row][0].prompt) - self._queue[row][1]  # noqa: E731
+        rows = sorted((row for row in self._queue if not whole_only or rest(row) <= chunk), key=rest, reverse=True)
+        while rows:
+            size = 1 << (len(rows).bit_length() - 1)
+            group, rows = rows[:size], rows[size:]
+            self._prefill([self._queue[row] for row in group], min(rest(group[0]), chunk), report)
+
+    def _prefill(self, group: list[tuple[Admission, int]], most: int, report: CompileReport) -> None:
+        """Prefill up to `most` prompt tokens of each row of the group, from where it stands."""
+        bucket = prompt_bucket(most, self.max_context)
+        starts = [start for _, start in group]
+        ends = [min(len(a.prompt), start + most) for a, start in group]
         # A fresh prompt attends over its own bucket; a continuation over the kv bucket that holds it.
         kv_len = kv_bucket(max(starts) + bucket, self.max_context) if any(starts) else bucket
-        limits = [len(a.prompt) + a.max_tokens for a in group]
+        limits = [len(a.prompt) + a.max_tokens for a, _ in group]
+        admissions = [a for a, _ in group]
         args = admission(
-            [a.row for a in group], [a.prompt for a in group], starts, limits, [a.seed for a in group],
-            [a.sampling for a in group], [a.ignore_eos for a in group], bucket,
+            [a.row for a in admissions], [a.prompt for a in admissions], starts, ends, limits, [a.seed for a in admissions],
+            [a.sampling for a in admissions], [a.ignore_eos for a in admissions], bucket,
         )
         run = self._programs.get(("prefill", len(group), bucket, kv_len), report, prefill, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len)
         self.state = run(self.params, self.state, *args)
-        for a, limit in zip(group, limits):
-            self._length[a.row], self._limit[a.row], self._live[a.row] = len(a.prompt) + 1, limit, True
+        for a, end, limit in zip(admissions, ends, limits):
+            if end < len(a.prompt):
+                self._queue[a.row] = (a, end)
+            else:
+                del self._queue[a.row]
+                self._length[a.row], self._limit[a.row], self._live[a.row] = len(a.prompt) + 1, limit, True
 
     def step(self, max_steps: int, report: CompileReport, stop_on_finish: bool = False) -> Step:
         """Run up to `max_steps` decode steps of every live row (fewer if one would leave its kv
-        bucket; stopping at the first finished row with `stop_on_finish`). Returns what it ran."""
+        bucket; stopping at the first finished row with `stop_on_finish`). Returns what it ran.
+        While prompts are queued, a chunk of each first and then one decode step: every running row
+        gets a token per chunk (Sarathi's stall-free schedule)."""
+        chunked = bool(self._queue)
+        if chunked:
+            self._prefill_round(report)
+        while self._queue and not self._live.any():
+            self._prefill_round(report)
         if not self._live.any():
             return Step(0, 0)
         longest = int(self._length[self._live].max())  # the next step's query sits at longest - 1
         kv_len = kv_bucket(longest, self.max_context)
-        steps = max(1, min(max_steps, kv_len - longest + 1))
+        steps = 1 if chunked else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
         args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish)))
         run = self._programs.get(("decode", kv_len), report, decode, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len)
         self.state = run(self.params, self.state, *args)
@@ -132,7 +183,7 @@ class Slots:
         """tokens [B, S], length [B], done [B] on the host (whole arrays: slicing on the device would
         dispatch programs of its own); the host's view of the rows becomes exact."""
         tokens, length, done = jax.device_get((self.state.tokens, self.state.length, self.state.done))
-        self._length[:], self._live[:] = length, ~done
+        self._length[:], self._live[:] = length, ~done  # a prefilling row reads done, with no token yet
         return tokens, length, done
 
     def retire(self, rows: np.ndarray) -> None:

@@ -133,6 +133,7 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--top-p", "0"), "--top-p")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--dtype", "int4"), "--dtype")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
+    assert_one_line_error(jaxinfer("batch", "-m", model, "-", "--prefill-chunk", "8"), "--prefill-chunk")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
 
 

@@ -2,14 +2,13 @@
 programs; the machine ceilings; MFU/MBU in the run output."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from jaxinfer import ceilings
-from jaxinfer.decode import decode_step, initial_state, prefill
+from jaxinfer.decode import admission, decode_step, initial_state, prefill
 from jaxinfer.loading import load_model
 from jaxinfer.roofline import Cost, decode_step_cost, phase_report, prefill_cost
-from jaxinfer.sampling import SamplerArrays, Sampling
+from jaxinfer.sampling import Sampling
 
 S = 256
 
@@ -28,8 +27,7 @@ def xla_cost(compiled) -> tuple[float, float]:
 @pytest.mark.parametrize("tokens", [16, 128])
 def test_prefill_flops_match_xla_within_5_percent(model, tokens):
     state = initial_state(model.config, model.params, 1, S, model.eos_ids)
-    one_row = jnp.zeros((1,), jnp.int32)  # row, start, seed
-    admit = (one_row, jnp.zeros((1, tokens), jnp.int32), one_row, one_row + 1, one_row + S, one_row, one_row == 1, SamplerArrays.from_settings([Sampling()]))
+    admit = admission([0], [[1] * tokens], [0], [tokens], [S], [0], [Sampling()], [False], tokens)
     flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
     ours = prefill_cost(model.config, 4, tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)

@@ -1,0 +1,115 @@
+"""Chunked prefill: a long prompt is prefilled a chunk per call, attending over what earlier chunks
+cached. Alone (run, chat) the chunks run back to back and the tokens are transformers'; in a batch
+they interleave with the running rows' decode steps, one chunk per step, and every row's result is
+what it would be alone."""
+
+import dataclasses
+
+import pytest
+
+from jaxinfer.batch import BatchRunner, Request
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.runtime import CompileReport, watch_compiles
+from jaxinfer.sampling import Sampling
+from cli import options
+from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
+from reference import greedy_reference, reference
+
+S = 512
+TEXT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a sliding window of 24, shorter than most chunks' reach
+def models(tiny, request):
+    path = tiny(request.param, max_position_embeddings=S)
+    return dataclasses.replace(load_model(path), eos_ids=()), reference(path)
+
+
+def test_chunk_size_is_a_power_of_two_and_the_flag_states_the_default():
+    assert [chunk_size(n) for n in (0, -1, 1, 16, 100, 256, 300)] == [0, 0, 16, 16, 64, 256, 256]
+    assert f"[default: {PREFILL_CHUNK}]" in options.PREFILL_CHUNK.help  # the CLI keeps jax out of its imports
+
+
+@pytest.mark.parametrize("chunk", [16, 48])  # 48 → 32: chunks that do not divide the prompt
+def test_a_prompt_in_chunks_matches_transformers(models, chunk):
+    model, hf = models
+    ids = model.tokenizer.encode(TEXT * 4)
+    assert len(ids) > 4 * chunk_size(chunk) and len(ids) % chunk_size(chunk)
+    expected = greedy_reference(hf, ids, 24)
+    engine = Engine(model.config, model.params, S, (), prefill_chunk=chunk)
+    with watch_compiles() as compiles:
+        gen = Generation(model, engine, ids, Sampling(), 24)
+        list(gen)
+    assert gen.token_ids == expected
+    prefills, start = set(), 0  # one program per (chunk bucket, kv bucket) the chunks reach
+    while start < len(ids):
+        bucket = prompt_bucket(min(len(ids) - start, chunk_size(chunk)), S)
+        prefills.add((bucket, kv_bucket(start + bucket, S) if start else bucket))
+        start += min(len(ids) - start, chunk_size(chunk))
+    decodes = {kv_bucket(n, S) for n in range(len(ids) + 1, len(ids) + 24)}
+    # a handful, whatever the prompt's length (fewer where an earlier test compiled the same shapes)
+    assert 0 < compiles.programs <= len(prefills) + len(decodes) <= 6
+
+    follow_up = ids + gen.token_ids + model.tokenizer.encode(TEXT * 2, add_special_tokens=False)
+    again = Generation(model, engine, follow_up, Sampling(), 16)  # a chat turn: its new part in chunks too
+    list(again)
+    assert again.timings.cached_tokens > 0
+    assert again.token_ids == greedy_reference(hf, follow_up, 16)
+
+
+def test_chunked_and_whole_prefill_agree(models):
+    model, _ = models
+    ids = model.tokenizer.encode(TEXT * 3)
+    outputs = []
+    for chunk in (0, 16, 64):
+        gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=chunk), ids, Sampling(temperature=0.8), 32, seed=7)
+        list(gen)
+        outputs.append(gen.token_ids)
+    assert outputs[0] == outputs[1] == outputs[2]  # sampling keys come from positions, not calls
+
+
+def test_a_long_admission_runs_a_chunk_per_decode_step(models):
+    model, _ = models
+    long_ids = model.tokenizer.encode(TEXT * 4)
+    slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=32)
+    report = CompileReport()
+    slots.admit([Admission(0, model.tokenizer.encode("x"), 100, 0, Sampling())], report)
+    slots.step(3, report)
+    _, length, _ = slots.fetch()
+    running = int(length[0])
+
+    slots.admit([Admission(1, long_ids, 8, 1, Sampling())], report)
+    assert slots.prefilling.tolist() == [False, True]  # only queued: the running row is not held up
+    chunks = -(-len(long_ids) // 32)
+    for n in range(1, chunks + 1):
+        slots.step(64, report)
+        tokens, length, done = slots.fetch()
+        assert int(length[0]) == running + n  # one token of the running row per chunk
+        assert slots.prefilling[1] == (n < chunks) and bool(done[1]) == (n < chunks)
+    assert int(length[1]) == len(long_ids) + 2  # its first token, then one decode step: back on the host at once
+    slots.step(64, report)
+    _, after, _ = slots.fetch()
+    assert int(after[0]) > int(length[0]) + 1  # queue empty: decode runs whole chunks again
+
+
+def test_batch_rows_with_a_chunked_admission_equal_run(models):
+    model, _ = models
+    reqs = [
+        Request(0, model.tokenizer.encode("x"), Sampling(), max_tokens=120, seed=0),
+        Request(1, model.tokenizer.encode(TEXT * 4), Sampling(temperature=0.9), max_tokens=30, seed=1),
+        Request(2, model.tokenizer.encode(TEXT * 2), Sampling(), max_tokens=40, seed=2),
+        Request(3, model.tokenizer.encode("def"), Sampling(), max_tokens=10, seed=3),
+    ]
+    expected = {}
+    for r in reqs:
+        gen = Generation(model, Engine(model.config, model.params, S, ()), r.prompt_ids, r.sampling, r.max_tokens, r.seed)
+        list(gen)
+        expected[r.id] = (gen.text, len(gen.token_ids))
+    out = []
+    BatchRunner(model, 2, S, prefill_chunk=16).run(reqs, out.append)
+    assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
+    assert all(r["generated_tokens"] == reqs[r["id"]].max_tokens for r in out)
+    itl = {r["id"]: r["timings"]["itl_ms"] for r in out}
+    assert all(v["p50"] > 0 and v["max"] >= v["p50"] for v in itl.values())
