@@ -29,7 +29,7 @@ def batch(
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
     from jaxinfer.batch import BatchRunner
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.jobs import Job, finished_ids
+    from jaxinfer.jobs import Job, open_output
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
     chunking = options.chunking(prefill_chunk)
@@ -44,9 +44,10 @@ def batch(
 
     loaded = options.load(model, dtype, layout_for_batch(batch_size))
     context = options.context_length(loaded.max_positions, max_context)
-    skip = finished_ids(output) if resume else set()
-    sink = sys.stdout if to_stdout else output.open("a", encoding="utf-8")
-    job = Job(loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, sink, skip)
+    earlier = None if to_stdout else open_output(output, resume)
+    if earlier and earlier.dropped:
+        render.notice(f"resuming: removed a record cut short at the end of {output}: {earlier.dropped[:60]}…")
+    job = Job(loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, earlier.file if earlier else sys.stdout, earlier)
     requests = list(job.requests(lines))
     if job.skipped:
         render.notice(f"resuming: {job.skipped} requests already done in {output}")

@@ -68,7 +68,8 @@ def admission(
     lengths = [end - start for start, end in zip(starts, ends)]
     final = [end == len(prompt) for prompt, end in zip(prompts, ends)]
     host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths)) + (np.asarray(final, bool),)
-    host += tuple(np.asarray(x, np.int32) for x in (limits, seeds)) + (np.asarray(ignore_eos, bool),)
+    seeds = np.asarray([seed % 2**32 for seed in seeds], np.uint32).view(np.int32)  # any integer: its low 32 bits
+    host += (np.asarray(limits, np.int32), seeds, np.asarray(ignore_eos, bool))
     return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
 
 

@@ -7,6 +7,7 @@ temperature, top-k, top-p, min-p.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import jax
@@ -28,12 +29,13 @@ class Sampling:
     repeat_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        # Named as a batch line's field and as the flag; NaN fails every comparison.
         checks = (
-            (self.temperature >= 0, "--temp must be ≥ 0 (0 is greedy)"),
-            (self.top_k >= 0, "--top-k must be ≥ 0 (0 turns it off)"),
-            (0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
-            (0 <= self.min_p < 1, "--min-p must be in [0, 1)"),
-            (self.repeat_penalty > 0, "--repeat-penalty must be > 0 (1 turns it off)"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature (--temp) must be ≥ 0 (0 is greedy)"),
+            (_whole(self.top_k) and self.top_k >= 0, "top_k (--top-k) must be a whole number ≥ 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, "top_p (--top-p) must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p (--min-p) must be in [0, 1)"),
+            (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty (--repeat-penalty) must be > 0 (1 turns it off)"),
         )
         for ok, message in checks:
             if not ok:
@@ -67,11 +69,10 @@ class SamplerArrays:
 
     @classmethod
     def from_settings(cls, rows: list[Sampling]) -> SamplerArrays:
-        dtypes = {"top_k": np.int32}
+        columns = {f.name: [getattr(r, f.name) for r in rows] for f in fields(Sampling)}
+        columns["top_k"] = [min(k, 2**31 - 1) for k in columns["top_k"]]  # int32; any k ≥ the vocabulary is off
         # numpy, then one device_put: building on the device would dispatch a conversion program
-        return jax.device_put(
-            cls(**{f.name: np.asarray([getattr(r, f.name) for r in rows], dtypes.get(f.name, np.float32)) for f in fields(Sampling)})
-        )
+        return jax.device_put(cls(**{name: np.asarray(values, np.int32 if name == "top_k" else np.float32) for name, values in columns.items()}))
 
 
 def _filter(logits: jax.Array, p: SamplerArrays) -> jax.Array:
@@ -104,3 +105,7 @@ def sample(logits: jax.Array, seen: jax.Array, keys: jax.Array, p: SamplerArrays
 
     # The sort in the filters costs more than a small model's whole step: skip it when all rows are greedy.
     return jax.lax.cond(jnp.all(p.temperature == 0), lambda: greedy, sampled)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -13,7 +13,9 @@ import pytest
 
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
+from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.model import in_out_layout
 from jaxinfer.sampling import Sampling
@@ -159,6 +161,58 @@ def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
     out.write_text("precious\n")
     proc = jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"))
     assert proc.returncode == 1 and "--resume" in proc.stderr and out.read_text() == "precious\n"
+
+
+def test_resume_keeps_whole_records_drops_only_a_cut_one_and_refuses_other_files(tmp_path):
+    out = tmp_path / "out.jsonl"
+    whole = json.dumps({"id": 1, "text": "a"})
+    out.write_text(whole)  # complete, only its newline missing
+    earlier = open_output(out, resume=True)
+    assert earlier.done == {"1"} and not earlier.dropped
+    earlier.file.write(json.dumps({"id": 2}) + "\n")
+    earlier.file.close()
+    assert out.read_text().splitlines() == [whole, '{"id": 2}']
+
+    out.write_text(f"{whole}\n{whole[:9]}")  # cut short by a kill
+    earlier = open_output(out, resume=True)
+    earlier.file.close()
+    assert earlier.done == {"1"} and earlier.dropped == whole[:9] and out.read_text() == whole + "\n"
+
+    for text in ("precious", "precious\nnotes", '{"no": "id"}\n', f"{whole}\n[1, 2]"):
+        out.write_text(text)
+        with pytest.raises(JaxinferError, match="not a jaxinfer batch record"):
+            open_output(out, resume=True)
+        assert out.read_text() == text  # refused untouched
+
+
+def test_resume_records_each_bad_line_once_any_seed_runs_and_a_locked_output_is_refused(tiny, tmp_path):
+    path = tiny("llama")
+    sampled = {"prompt": "The capital of France is", "temperature": 0.9, "max_tokens": 8}
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "zero", "seed": 0, **sampled},
+        {"id": "huge", "seed": 2**40, **sampled},  # 2**40 mod 2**32 = 0: the same draws
+        {"id": "minus one", "seed": -1, "top_k": 10**12, **sampled},
+        {"id": "max", "seed": 2**32 - 1, **sampled},
+        "{broken",
+        '{"id": "nan", "prompt": "x", "max_tokens": 4, "temperature": NaN}',
+        {"id": "half k", "prompt": "x", "max_tokens": 4, "top_k": 2.5},
+    ])
+    out = tmp_path / "out.jsonl"
+    jaxinfer_batch(inp, "-o", out, "-m", path, "-b", "2", check=3)
+    first = out.read_text()
+    records = {r["id"]: r for r in map(json.loads, first.splitlines())}
+    assert records["zero"]["text"] == records["huge"]["text"] and records["minus one"]["text"] == records["max"]["text"]
+    assert records["huge"]["seed"] == 2**40 and records["zero"]["text"] != records["max"]["text"]
+    assert "temperature" in records["nan"]["error"] and "top_k" in records["half k"]["error"]
+    assert records[None]["line"] == 5
+    jaxinfer_batch(inp, "-o", out, "-m", path, "-b", "2", "--resume", check=0)
+    assert out.read_text() == first  # nothing run twice, the id-less error not appended again
+
+    held = open_output(out, resume=False)  # as a running job holds it
+    proc = jaxinfer_batch(inp, "-o", out, "-m", path, "--resume")
+    held.file.close()
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("wait for it, or choose another output"), proc.stderr
+    assert out.read_text() == first
 
 
 def test_a_job_killed_at_a_random_moment_resumes_to_the_same_results(tiny, tmp_path):
