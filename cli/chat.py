@@ -15,7 +15,7 @@ HELP = """commands:
   /reset, /clear      forget the conversation (the system prompt stays)
   /system TEXT        set the system prompt (empty: none)
   /stats              context used and the last turn's figures
-  /save FILE          write the conversation as JSON
+  /save FILE          write the conversation as JSON (/save! FILE replaces an existing file)
   /load FILE          read a conversation saved by /save
   /exit, /bye         leave (Ctrl-D does too)
 a line of \"\"\" opens a multi-line message, and another closes it; Ctrl-C stops a reply"""
@@ -119,9 +119,11 @@ def _command(session, line: str, last: dict | None) -> bool:
             render.notice(f"{len(session.messages)} messages, context {session.context_used} / {session.engine.max_context} tokens")
             if last:
                 render.turn_stats(last, session.context_used, session.engine.max_context)
-        elif name in ("/save", "/load") and not arg:
+        elif name in ("/save", "/save!", "/load") and not arg:
             render.error(f"{name} needs a file name")
-        elif name == "/save":
+        elif name == "/save" and Path(arg).exists():
+            render.error(f"{arg} exists: /save! {arg} replaces it")
+        elif name in ("/save", "/save!"):
             session.save(Path(arg))
             render.notice(f"saved {len(session.messages)} messages to {arg}")
         elif name == "/load":

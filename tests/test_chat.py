@@ -155,7 +155,11 @@ def test_three_turns_commands_and_transcripts(chat_model, tmp_path):
     assert first[1] == 0 and 0 < second[1] < third[1]  # the exact counts: test_each_turn_prefills_only...
     child.sendline("/wat")
     child.expect_exact("unknown command /wat")
+    (tmp_path / "chat.json").write_text("precious\n")
     child.sendline(f"/save {tmp_path / 'chat.json'}")
+    child.expect_exact("exists")  # never replaced silently
+    assert (tmp_path / "chat.json").read_text() == "precious\n"
+    child.sendline(f"/save! {tmp_path / 'chat.json'}")
     child.expect_exact("saved 6 messages")
     child.sendline("/reset")
     child.expect_exact("conversation cleared")
@@ -193,7 +197,8 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_session(tiny, tmp_path):
     slow = with_template(slow, tmp_path / "slow")
     child = spawn(slow, "-c", "8192", "-n", "6000", "--temp", "0")
     child.sendline("Tell me a long story.")
-    time.sleep(3)  # well into the reply
+    child.expect_exact("Tell me a long story.")  # the echo
+    child.expect(r"(?s).{300}")  # decode is streaming (past its compile, which holds Ctrl-C by design)
     child.sendintr()
     interrupted = time.perf_counter()
     child.expect(FOOTER)
