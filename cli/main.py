@@ -36,7 +36,10 @@ def _options(
     _debug = debug
     from jaxinfer.runtime import enable_compilation_cache
 
-    enable_compilation_cache(compile_cache)
+    try:
+        enable_compilation_cache(compile_cache)
+    except OSError as e:  # optional: a read-only home must not stop anything
+        render.notice(f"warning: no compile cache ({e.filename}: {e.strerror}); programs are compiled on every run")
 
 
 def _read_prompt(prompt: Optional[str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -23,12 +24,15 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
     """Persist compiled programs so a second identical run does not compile again.
 
     `path` (or $JAXINFER_CACHE_DIR) overrides the default; an empty string turns the cache off.
+    Raises OSError where the directory cannot be made or written (a read-only home).
     """
     chosen = os.environ.get(CACHE_ENV, default_cache_dir()) if path is None else path
     if not str(chosen):
         return None
     directory = Path(chosen).expanduser().resolve()  # jax wants an absolute path
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)  # OSError: the caller runs without the cache
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(errno.EACCES, "not writable", str(directory))
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # Cache everything: our small programs compile in well under JAX's default 1 s threshold.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -58,6 +58,16 @@ def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp
     assert json.loads(as_json.stdout)["timings"]["compile_cache"] == "hit"
 
 
+def test_a_home_that_cannot_be_written_only_costs_the_caches(model, tmp_path):
+    home = tmp_path / "home"
+    home.write_text("a file: no directory can be made under it, even by root")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXINFER_CACHE_DIR", "XDG_CACHE_HOME")} | {"HOME": str(home)}
+    proc = subprocess.run(["jaxinfer", "run", "-m", model, "Hello", "-n", "4", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["generated_tokens"] >= 1  # the roofs measured, not stored
+    assert proc.stderr.count("warning: no compile cache") == 1 and "Traceback" not in proc.stderr
+
+
 def test_bundled_model_is_the_default_from_any_directory(tmp_path):
     from jaxinfer.loading import bundled_model_dir
 
