@@ -37,11 +37,11 @@ def model(tiny):
 
 
 def test_json_output_and_stdin_prompt(model):
-    proc = jaxinfer("run", "-m", model, "-", "--json", "-n", "12", "--seed", "5", "--temp", "0.8", stdin="The capital of France is")
+    proc = jaxinfer("run", "-m", model, "-", "--json", "-n", "12", "--seed", str(2**32 + 5), "--temp", "0.8", stdin="The capital of France is")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result) == {"text", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "seed", "timings"}
-    assert result["seed"] == 5 and result["finish_reason"] in ("eos", "length")
+    assert result["seed"] == 2**32 + 5 and result["finish_reason"] in ("eos", "length")  # any integer is a seed
     assert set(result["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "itl_ms", "compile_s", "roofline"}
     roofline = result["timings"]["roofline"]
     assert roofline["prefill"]["mfu"] > 0 and roofline["decode"]["mbu"] > 0 and roofline["decode"]["bound"] == "memory"
