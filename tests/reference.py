@@ -6,6 +6,8 @@ import torch
 import transformers
 
 from jaxinfer import model as M
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
 from jaxinfer.kvcache import KVCache
 
 
@@ -36,3 +38,11 @@ def greedy_reference(hf, ids, n):
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     return out[0, len(ids) :].tolist()
+
+
+def alone(model, request, context=128):
+    """A batch request through the batch-1 engine `jaxinfer run` uses: what its result must equal."""
+    engine = Engine(model.config, model.params, context, model.eos_ids)
+    gen = Generation(model, engine, request.prompt_ids, request.sampling, request.max_tokens, request.seed, request.stop)
+    list(gen)
+    return gen

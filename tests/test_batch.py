@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.batch import BatchRunner, Request
-from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
-from jaxinfer.generate import Generation
 from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.model import in_out_layout
 from jaxinfer.sampling import Sampling
+from reference import alone
 
 PROMPTS = [
     "The capital of France is",
@@ -47,14 +46,6 @@ def run_batch(model, reqs, batch_size, continuous=True):
     out = []
     BatchRunner(model, batch_size, 128).run(reqs, out.append, continuous)
     return out
-
-
-def alone(model, request):
-    """The same request through the batch-1 engine `jaxinfer run` uses."""
-    engine = Engine(model.config, model.params, 128, model.eos_ids)
-    gen = Generation(model, engine, request.prompt_ids, request.sampling, request.max_tokens, request.seed, request.stop)
-    list(gen)
-    return gen
 
 
 def by_id(records):

@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 
+from cli import options
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
-from cli import options
 from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
-from reference import greedy_reference, reference
+from reference import alone, greedy_reference, reference
 
 S = 512
 TEXT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -102,11 +102,7 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
         Request(2, model.tokenizer.encode(TEXT * 2), Sampling(), max_tokens=40, seed=2),
         Request(3, model.tokenizer.encode("def"), Sampling(), max_tokens=10, seed=3),
     ]
-    expected = {}
-    for r in reqs:
-        gen = Generation(model, Engine(model.config, model.params, S, ()), r.prompt_ids, r.sampling, r.max_tokens, r.seed)
-        list(gen)
-        expected[r.id] = (gen.text, len(gen.token_ids))
+    expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
     BatchRunner(model, 2, S, prefill_chunk=16).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected

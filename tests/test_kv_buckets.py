@@ -14,7 +14,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import MIN_KV_BUCKET, kv_bucket
-from reference import greedy_reference, reference
+from reference import alone, greedy_reference, reference
 
 S = 4 * MIN_KV_BUCKET  # three kv buckets: 128, 256, 512
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
@@ -84,11 +84,7 @@ def test_batch_rows_crossing_buckets_equal_run(models):
     model = dataclasses.replace(model, eos_ids=())  # lengths exactly as asked
     prompts = [PROMPT, "x", PROMPT * 4, "Def fibonacci(n):"]
     reqs = [Request(i, model.tokenizer.encode(p), Sampling(), max_tokens=(20, 300, 150, 60)[i], seed=i) for i, p in enumerate(prompts)]
-    expected = {}
-    for r in reqs:
-        gen = Generation(model, Engine(model.config, model.params, S, ()), r.prompt_ids, r.sampling, r.max_tokens, r.seed)
-        list(gen)
-        expected[r.id] = (gen.text, len(gen.token_ids))
+    expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
     BatchRunner(model, 2, S).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
