@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,12 +20,13 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-_debug = False
+_debug = os.environ.get("JAXINFER_DEBUG", "") not in ("", "0")
+GLOBAL_FLAGS = ("--debug", "--compile-cache")  # accepted after the command too
 
 
 @app.callback()
 def _options(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."),
     compile_cache: Optional[str] = typer.Option(
         None,
         "--compile-cache",
@@ -33,7 +35,7 @@ def _options(
     ),
 ) -> None:
     global _debug
-    _debug = debug
+    _debug = _debug or debug
     from jaxinfer.runtime import enable_compilation_cache
 
     try:
@@ -78,6 +80,8 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
 
+    if model is None and prompt and Path(prompt).is_dir():  # the ollama / llama.cpp habit
+        raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
     text = _read_prompt(prompt)
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
@@ -217,7 +221,7 @@ def main() -> None:
     from jaxinfer.errors import JaxinferError
 
     try:
-        code = app(standalone_mode=False)
+        code = app(args=_global_flags_first(sys.argv[1:]), standalone_mode=False)
     except JaxinferError as e:
         if _debug:
             raise
@@ -234,3 +238,22 @@ def main() -> None:
         render.error(f"unexpected {type(e).__name__}: {e} (run with --debug for the traceback)")
         code = 1
     sys.exit(code or 0)
+
+
+def _global_flags_first(args: list[str]) -> list[str]:
+    """`jaxinfer run ... --debug` as `jaxinfer --debug run ...` (the hint on an error says
+    "run with --debug" whatever the user typed before); the same for --compile-cache."""
+    front, rest, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest += args[i:]
+            break
+        takes_value = arg == "--compile-cache" and i + 1 < len(args)
+        if arg in GLOBAL_FLAGS or arg.startswith("--compile-cache="):
+            front += args[i : i + 1 + takes_value]
+            i += takes_value
+        else:
+            rest.append(arg)
+        i += 1
+    return front + rest

@@ -10,7 +10,7 @@ import time
 import pytest
 
 
-def jaxinfer(*args, stdin=None, cache="", cwd=None):
+def jaxinfer(*args, stdin=None, cache="", cwd=None, env=()):
     return subprocess.run(
         ["jaxinfer", *map(str, args)],
         input=stdin,
@@ -18,7 +18,7 @@ def jaxinfer(*args, stdin=None, cache="", cwd=None):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "JAXINFER_CACHE_DIR": str(cache)},
+        env={**os.environ, "JAXINFER_CACHE_DIR": str(cache), **dict(env)},
     )
 
 
@@ -145,6 +145,16 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
     assert_one_line_error(jaxinfer("batch", "-m", model, "-", "--prefill-chunk", "8"), "--prefill-chunk")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
+
+
+def test_global_flags_after_the_command_and_a_model_directory_given_as_the_prompt(model, tmp_path):
+    for args, env in ((("--debug",), {}), ((), {"JAXINFER_DEBUG": "1"})):
+        proc = jaxinfer("run", "-m", tmp_path / "missing", "hi", *args, env=env)
+        assert proc.returncode != 0 and "Traceback" in proc.stderr, proc.stderr
+    cache = tmp_path / "compiled"
+    assert jaxinfer("run", "-m", model, "hi", "-n", "2", "--compile-cache", cache).returncode == 0
+    assert any(cache.iterdir())
+    assert_one_line_error(jaxinfer("run", model), "is a directory", f"-m {model}")
 
 
 def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
