@@ -42,6 +42,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
+    # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
+    # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
+    sampled_vocab: int = 0
 
 
 def _rope(d: dict) -> tuple[float, tuple]:

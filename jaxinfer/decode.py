@@ -73,11 +73,14 @@ def admission(
     return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
 
 
-def _sample_at(seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array) -> jax.Array:
-    """One token per row. Keys come from the row's own seed and position only: a result never
-    depends on chunking, on other rows, or on which slot the row occupies."""
+def _sample_at(
+    seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array, cfg: ModelConfig
+) -> jax.Array:
+    """One token per row, among the ids the tokenizer has. Keys come from the row's own seed and
+    position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
-    return sample(logits, seen, keys, sampler)
+    n = cfg.sampled_vocab or cfg.vocab_size
+    return sample(logits[:, :n], seen[:, :n], keys, sampler)
 
 
 def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeState:
@@ -143,7 +146,7 @@ def prefill(
         ignore_eos=state.ignore_eos.at[rows].set(ignore_eos),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    token = _sample_at(seeds, seen, sampler, model.logits(params, last), length)
+    token = _sample_at(seeds, seen, sampler, model.logits(params, last), length, cfg)
     started = jnp.zeros(B, bool).at[rows].set(final)
     return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), started)
 
@@ -158,7 +161,7 @@ def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
     write_at = jnp.where(active, position, S)[:, None]  # finished rows write nothing
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache)
-    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0]), state.length)
+    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0]), state.length, cfg)
     return _append(state, token, active)
 
 

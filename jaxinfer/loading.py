@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -102,6 +102,13 @@ def load_model(
     model_dir, cfg, config_json = load_config(path)
     generation = read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer(model_dir)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise JaxinferError(
+            f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} rows: "
+            "they do not belong to the same model"
+        )
+    if tokenizer.vocab_size < cfg.vocab_size:
+        cfg = replace(cfg, sampled_vocab=tokenizer.vocab_size)
     chosen = resolve_dtype(dtype, config_json)
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params

@@ -20,6 +20,8 @@ def _token_text(value) -> str | None:
 
 
 class Tokenizer:
+    vocab_size: int  # one past the highest id: what decode can turn into text
+
     def __init__(self, model_dir: Path):
         config_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -31,7 +33,7 @@ class Tokenizer:
             except Exception as e:  # the library raises plain Exception for a bad file
                 raise JaxinferError(f"{model_dir / 'tokenizer.json'}: cannot be read ({e})") from None
             self._sp = None
-            self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+            self.vocab_size = max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         elif (model_dir / "tokenizer.model").is_file():
             import sentencepiece
 
@@ -95,7 +97,9 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ids, special tokens left out."""
+        """Text of ids, special tokens left out, and ids outside the vocabulary too (sentencepiece
+        raises on them; an embedding padded past the tokenizer has such rows)."""
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)
         return self._sp.decode([i for i in ids if not self._sp.is_control(i)])

@@ -120,6 +120,8 @@ def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: Progr
             array = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxinferError(f"cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
+        if array.dtype.kind in "iub":  # ml_dtypes' bfloat16 is kind "V"
+            raise JaxinferError(f"tensor {name} holds {array.dtype} values: jaxinfer reads float32, bfloat16 and float16 weights (not quantized checkpoints)")
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
         leaves[path] = jnp.asarray(array, dtype=dtype)

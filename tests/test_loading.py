@@ -5,6 +5,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -41,3 +42,39 @@ def test_auto_dtype_never_stores_half_precision_on_cpu():
     assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == "float32"
     assert resolve_dtype("auto", {"dtype": "float16"}) == "float32"
     assert resolve_dtype("bfloat16", {"dtype": "float32"}) == "bfloat16"
+
+
+def test_an_embedding_padded_past_the_tokenizer_never_samples_a_padding_id(tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.generate import Generation
+    from reference import greedy_reference, reference
+
+    path = shutil.copytree(tiny("llama", tokenizer="sp", vocab_size=512), tmp_path / "padded")  # 400 pieces
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"][400:] = 5 * tensors["lm_head.weight"][:112]  # the padding rows would win
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(path)
+    ids = model.tokenizer.encode("The capital of France is")
+    assert max(greedy_reference(reference(path), ids, 8)) >= 400  # transformers samples padding ids here
+    for sampling in (Sampling(), Sampling(temperature=1.5)):
+        gen = Generation(model, Engine(model.config, model.params, 64, model.eos_ids), ids, sampling, 24, seed=3)
+        list(gen)
+        assert len(gen.token_ids) > 0 and max(gen.token_ids) < 400
+    assert model.tokenizer.decode([450, 5, 511]) == model.tokenizer.decode([5])  # decoding never fails on an id
+
+
+def test_checkpoints_that_cannot_be_right_are_refused(tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.errors import JaxinferError
+
+    with pytest.raises(JaxinferError, match="ids up to 399 but the embedding table has 300 rows"):
+        load_model(tiny("llama", tokenizer="sp", vocab_size=300))  # a 400-piece tokenizer
+    path = shutil.copytree(tiny("llama"), tmp_path / "int8")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].astype(np.int8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(JaxinferError, match="model.layers.0.mlp.up_proj.weight holds int8"):
+        load_model(path)
