@@ -37,9 +37,12 @@ def batch(
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
     output = Path(output_path)
+    if not to_stdout and output.is_dir():
+        raise JaxinferError(f"{output} is a directory: -o names the results file")
     if not to_stdout and output.exists() and not resume:
         raise JaxinferError(f"{output} exists: add --resume to continue that job, or choose another output")
     lines = _read_lines(input_path)
+    batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
     from jaxinfer.model import layout_for_batch
 
     loaded = options.load(model, dtype, layout_for_batch(batch_size))
@@ -78,11 +81,10 @@ def batch(
 def _read_lines(path: str) -> list[str]:
     from jaxinfer.errors import JaxinferError
 
+    # Bytes that are not UTF-8 are kept as surrogates: the lines holding them become error records.
     if path == "-":
-        return sys.stdin.read().splitlines()
+        return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape").splitlines()
     try:
-        return Path(path).read_text(encoding="utf-8").splitlines()
+        return Path(path).read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     except OSError as e:
         raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise JaxinferError(f"{path} is not UTF-8 text") from None

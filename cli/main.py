@@ -36,8 +36,10 @@ def _options(
 ) -> None:
     global _debug
     _debug = _debug or debug
-    from jaxinfer.runtime import enable_compilation_cache
+    from jaxinfer.runtime import check_backend, enable_compilation_cache
 
+    if os.environ.get("JAX_PLATFORMS"):  # the only way to ask for a backend that is not there
+        check_backend()
     try:
         enable_compilation_cache(compile_cache)
     except OSError as e:  # optional: a read-only home must not stop anything

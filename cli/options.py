@@ -65,6 +65,8 @@ def sampling(loaded, **flags):
 
 
 def context_length(max_positions: int, max_context: Optional[int]) -> int:
+    if max_context and max_context > max_positions:
+        render.notice(f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect worse text past them")
     return max_context or min(max_positions, DEFAULT_MAX_CONTEXT)
 
 

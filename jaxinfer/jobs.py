@@ -105,7 +105,12 @@ class Job:
         self._template: ChatTemplate | None = None
 
     def write(self, record: dict) -> None:
-        self.output.write(json.dumps(record, ensure_ascii=False) + "\n")
+        text = json.dumps(record, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # an id holding a lone surrogate: JSON can carry it escaped
+            text = json.dumps(record)
+        self.output.write(text + "\n")
         self.output.flush()
         self.written += 1
 
@@ -115,6 +120,11 @@ class Job:
             if not line.strip():
                 continue
             request_id = None
+            try:
+                line.encode("utf-8")  # not UTF-8 bytes were read as surrogates
+            except UnicodeEncodeError:
+                self._fail(number, None, "the line is not UTF-8 text")
+                continue
             try:
                 item = json.loads(line)
                 if not isinstance(item, dict):

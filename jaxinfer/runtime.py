@@ -12,12 +12,27 @@ from pathlib import Path
 
 import jax
 
+from jaxinfer.errors import JaxinferError
+
 CACHE_ENV = "JAXINFER_CACHE_DIR"
 
 
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "jaxinfer" / "xla"
+
+
+def check_backend() -> str:
+    """The JAX platform in use; one clear error where JAX_PLATFORMS asks for one this install or
+    machine lacks (JAX itself fails later with an empty AssertionError)."""
+    try:
+        return jax.default_backend()
+    except (RuntimeError, AssertionError) as e:
+        raise JaxinferError(
+            f"JAX cannot start the backend JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r} asks for"
+            + (f" ({e})" if str(e) else "")
+            + "; NVIDIA GPUs need the cuda12 or cuda13 extra and a driver, and JAX_PLATFORMS=cpu runs on the CPU"
+        ) from None
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:

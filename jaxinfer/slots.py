@@ -23,8 +23,11 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.decode import DecodeState, admission, decode, initial_state, prefill, retire
+from jaxinfer.errors import JaxinferError
+from jaxinfer.roofline import kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs
 from jaxinfer.sampling import Sampling
 
@@ -52,6 +55,17 @@ def chunk_size(n: int) -> int:
     """The prefill chunk for `--prefill-chunk n`: a power of two (rounded down; every chunk but a
     prompt's last fills its bucket exactly), at least MIN_BUCKET; 0 means no chunking."""
     return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
+
+
+def _check_memory(cfg: ModelConfig, itemsize: int, batch: int, max_context: int) -> None:
+    """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap)."""
+    per_position = batch * (kv_bytes_per_token(cfg, itemsize) + 4)  # K and V, and the token buffer
+    free = device_memory_bytes(free=True)
+    if per_position * max_context > free:
+        raise JaxinferError(
+            f"a {max_context}-position cache for {batch} rows needs {per_position * max_context / 2**30:.1f} GiB, and "
+            f"{free / 2**30:.1f} GiB is free: the longest context that fits is {free // per_position} positions"
+        )
 
 
 @dataclass
@@ -88,6 +102,7 @@ class Slots:
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
         self.prefill_chunk = chunk_size(prefill_chunk)
+        _check_memory(cfg, jax.tree.leaves(params)[0].dtype.itemsize, batch, max_context)
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.reset()
 

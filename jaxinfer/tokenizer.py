@@ -72,6 +72,10 @@ class Tokenizer:
         return None if i == self._sp.unk_id() and text != self._sp.id_to_piece(i) else i
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")  # bytes read as surrogates, or a lone surrogate from a JSON escape
+        except UnicodeEncodeError:
+            raise JaxinferError("the text is not valid UTF-8") from None
         if self._hf is not None:
             # tokenizer.json's post-processor adds BOS/EOS the way the model was trained.
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids

@@ -157,6 +157,28 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
     assert_one_line_error(jaxinfer("run", model), "is a directory", f"-m {model}")
 
 
+def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(model, tmp_path):
+    proc = subprocess.run(["jaxinfer", "run", "-m", str(model), "-"], input=b"caf\xe9 \xff", capture_output=True, timeout=300)
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode()), "not valid UTF-8")
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", env={"JAX_PLATFORMS": "cuda"}), "JAX_PLATFORMS", "cpu")
+    proc = jaxinfer("run", "-m", model, "hi", "-c", "1000000000")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    warning, error = proc.stderr.strip().splitlines()  # nothing allocated: XLA would have tried terabytes
+    assert "beyond the 256 positions" in warning and error.startswith("error: a 1000000000-position cache") and "longest context that fits" in error
+
+
+def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'{"id": 1, "prompt": "caf\xe9"}\n{"id": 2, "prompt": "Hello", "max_tokens": 3}\n{"id": "\\udcff", "prompt": "x", "max_tokens": 2}\n')
+    assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path, "-m", model), "is a directory")
+    assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path / "missing" / "out.jsonl", "-m", model), "cannot write")
+    proc = jaxinfer("batch", inp, "-m", model, "-b", "10000000", "-c", "256")  # slots capped by the 3 requests
+    assert proc.returncode == 1, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records[0] == {"id": None, "line": 1, "error": "the line is not UTF-8 text"}
+    assert {r["id"] for r in records[1:]} == {2, "\udcff"} and all("text" in r for r in records[1:])
+
+
 def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192)
     args = ["run", "-m", slow, "The capital", "-c", "8192", "--temp", "0", "--ignore-eos"]
