@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from cli import options, render
+from jaxinfer.cli import options, render
 
 MAX_EXIT_CODE = 125  # the exit code counts failed lines, capped below the codes shells reserve
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from cli import options, render
+from jaxinfer.cli import options, render
 
 HELP = """commands:
   /help               this list

@@ -10,12 +10,11 @@ from typing import Optional
 
 import typer
 
-from cli import batch, chat, options, render
+from jaxinfer.cli import batch, chat, options, render
 
 app = typer.Typer(
     help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -24,8 +23,17 @@ _debug = os.environ.get("JAXINFER_DEBUG", "") not in ("", "0")
 GLOBAL_FLAGS = ("--debug", "--compile-cache")  # accepted after the command too
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"jaxinfer {version('jaxinfer')}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."),
     compile_cache: Optional[str] = typer.Option(
         None,
@@ -223,7 +231,7 @@ def main() -> None:
     from jaxinfer.errors import JaxinferError
 
     try:
-        code = app(args=_global_flags_first(sys.argv[1:]), standalone_mode=False)
+        code = app(args=_global_flags_first(sys.argv[1:]) or ["--help"], standalone_mode=False)
     except JaxinferError as e:
         if _debug:
             raise

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from cli import render
+from jaxinfer.cli import render
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
 DEFAULT_MAX_TOKENS = 256

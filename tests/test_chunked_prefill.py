@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from cli import options
 from jaxinfer.batch import BatchRunner, Request
+from jaxinfer.cli import options
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model

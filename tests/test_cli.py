@@ -5,7 +5,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +69,30 @@ def test_a_home_that_cannot_be_written_only_costs_the_caches(model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["generated_tokens"] >= 1  # the roofs measured, not stored
     assert proc.stderr.count("warning: no compile cache") == 1 and "Traceback" not in proc.stderr
+
+
+def test_the_wheel_installs_the_front_end_inside_jaxinfer(tmp_path):
+    """No top-level `cli` package another distribution could shadow, or lose when uninstalled."""
+    pytest.importorskip("setuptools")
+    repo, source = Path(__file__).parent.parent, tmp_path / "source"
+    for name in ("jaxinfer", "cli", "models"):
+        shutil.copytree(repo / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, source / name)
+    build = [sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    wheel = zipfile.ZipFile(next(tmp_path.glob("jaxinfer-*.whl")))
+    assert {name.split("/")[0] for name in wheel.namelist()} == {"jaxinfer", wheel.filename.split("/")[-1].split("-py3")[0] + ".dist-info"}
+    assert "jaxinfer/cli/main.py" in wheel.namelist() and "jaxinfer/__main__.py" in wheel.namelist()
+    entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
+    assert "jaxinfer = jaxinfer.cli.main:main" in wheel.read(entry_points).decode()
+
+
+def test_version_python_dash_m_and_a_bare_command_showing_help():
+    version = subprocess.run([sys.executable, "-m", "jaxinfer", "--version"], capture_output=True, text=True, timeout=300)
+    assert version.returncode == 0 and version.stdout.startswith("jaxinfer ")
+    bare = jaxinfer()
+    assert bare.returncode == 0 and "Commands:" in bare.stdout and "run" in bare.stdout and not bare.stderr
 
 
 def test_bundled_model_is_the_default_from_any_directory(tmp_path):

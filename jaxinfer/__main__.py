@@ -1,0 +1,5 @@
+"""`python -m jaxinfer`: the `jaxinfer` command."""
+
+from jaxinfer.cli.main import main
+
+main()
