@@ -94,7 +94,7 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     directory.mkdir(parents=True, exist_ok=True)
     (bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer)(directory)
     settings = dict(
-        vocab_size=384 if tokenizer == "bpe" else 400,
+        vocab_size=_vocab_size(directory),  # the tokenizer's size; a padded embedding is test_loading's case
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -117,3 +117,14 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
+
+
+def _vocab_size(directory: Path) -> int:
+    """One past the highest id of the tokenizer just written (BPE training may stop short of its target)."""
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return max(Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab(with_added_tokens=True).values()) + 1
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=str(directory / "tokenizer.model")).get_piece_size()
