@@ -31,6 +31,8 @@ def chat(
     min_p: Optional[float] = options.MIN_P,
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
     seed: Optional[int] = options.SEED,
+    stop: list[str] = options.STOP,
+    ignore_eos: bool = options.IGNORE_EOS,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
@@ -47,7 +49,7 @@ def chat(
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
-    session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed)
+    session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed, tuple(map(options.unescape, stop)), ignore_eos)
     if session.template.is_fallback:
         render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
     render.notice(f"chatting with {loaded.path.name} (context {context} tokens); /help for commands, Ctrl-D to leave")

@@ -54,19 +54,30 @@ def _options(
         render.notice(f"warning: no compile cache ({e.filename}: {e.strerror}); programs are compiled on every run")
 
 
-def _read_prompt(prompt: Optional[str]) -> str:
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
-    if prompt is None:
-        from jaxinfer.errors import JaxinferError
+def _read_prompt(argument: Optional[str], option: Optional[str], file: Optional[Path], escape: bool) -> str:
+    """The prompt from PROMPT, -p or -f (one of them), or stdin; escapes read in typed text only."""
+    from jaxinfer.errors import JaxinferError
 
-        raise JaxinferError("give a prompt, or '-' to read it from stdin")
-    return prompt
+    if sum(x is not None for x in (argument, option, file)) > 1:
+        raise JaxinferError("give the prompt once: as PROMPT, -p/--prompt or -f/--file")
+    text = argument if argument is not None else option
+    if text == "-" or str(file) == "-" or (text is None and file is None and not sys.stdin.isatty()):
+        return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")  # the tokenizer names bad bytes
+    if file is not None:
+        try:
+            return file.read_bytes().decode("utf-8", errors="surrogateescape")
+        except OSError as e:
+            raise JaxinferError(f"cannot read {file}: {e.strerror}") from None
+    if text is None:
+        raise JaxinferError("give a prompt (PROMPT, -p or -f FILE), or '-' to read it from stdin")
+    return options.unescape(text) if escape else text
 
 
 @app.command()
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
+    prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as llama.cpp and mlx-lm take it."),
+    prompt_file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin)."),
     model: Optional[Path] = options.MODEL,
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
     temp: Optional[float] = options.TEMP,
@@ -75,8 +86,9 @@ def run(
     min_p: Optional[float] = options.MIN_P,
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
     seed: Optional[int] = options.SEED,
-    stop: list[str] = typer.Option([], "--stop", help="Stop at this text (repeatable); it is not printed."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks)."),
+    stop: list[str] = options.STOP,
+    ignore_eos: bool = options.IGNORE_EOS,
+    escape: bool = options.ESCAPE,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
@@ -92,7 +104,7 @@ def run(
 
     if model is None and prompt and Path(prompt).is_dir():  # the ollama / llama.cpp habit
         raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
-    text = _read_prompt(prompt)
+    text = _read_prompt(prompt, prompt_option, prompt_file, escape)
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
@@ -104,7 +116,7 @@ def run(
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
-    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(stop), ignore_eos=ignore_eos)
+    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(map(options.unescape, stop)), ignore_eos=ignore_eos)
     try:
         if json_output:
             for _ in gen:

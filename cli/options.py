@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -15,13 +16,13 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_CONTEXT = 4096
 
 MODEL = typer.Option(None, "--model", "-m", help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].")
-TEMP = typer.Option(None, "--temp", help="Sampling temperature; 0 is greedy [default: the model's].")
+TEMP = typer.Option(None, "--temp", "--temperature", help="Sampling temperature; 0 is greedy [default: the model's].")
 TOP_K = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off.")
 TOP_P = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whose probability reaches p.")
 MIN_P = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one.")
-REPEAT_PENALTY = typer.Option(None, "--repeat-penalty", help="Penalise tokens already present (1 is off).")
+REPEAT_PENALTY = typer.Option(None, "--repeat-penalty", "--repetition-penalty", help="Penalise tokens already present (1 is off).")
 SEED = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported].")
-MAX_CONTEXT = typer.Option(None, "--max-context", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
+MAX_CONTEXT = typer.Option(None, "--max-context", "--ctx-size", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
 PEAK_FLOPS = typer.Option(None, "--peak-flops", help="Peak FLOP/s to measure MFU against (e.g. a datasheet figure) [default: measured once per machine].")
 PEAK_BANDWIDTH = typer.Option(None, "--peak-bandwidth", help="Peak memory bandwidth in bytes/s for MBU [default: measured once per machine].")
 PREFILL_CHUNK = typer.Option(
@@ -29,7 +30,18 @@ PREFILL_CHUNK = typer.Option(
     help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
     "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted [default: 128].",
 )
+STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
+IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")
+ESCAPE = typer.Option(True, "--escape/--no-escape", help="Read \\n, \\t, \\r, \\\\, \\' and \\\" in a typed prompt as llama.cpp's -e does (--stop always reads them).")
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
+
+
+def unescape(text: str) -> str:
+    """llama.cpp's escapes; a backslash before anything else stays as typed."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
 def check_positive(**flags: Optional[int]) -> None:

@@ -30,11 +30,14 @@ class ChatSession:
         system: str | None = None,
         on_full: str = "drop-oldest",
         seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
     ):
         if on_full not in ON_FULL:
             raise JaxinferError(f"--on-full must be one of {', '.join(ON_FULL)}, not {on_full!r}")
         self.model, self.engine, self.sampling = model, engine, sampling
         self.max_tokens, self.on_full, self.seed = max_tokens, on_full, seed
+        self.stop, self.ignore_eos = stop, ignore_eos  # on top of the template's own stop strings
         self.system = system
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
@@ -61,7 +64,7 @@ class ChatSession:
             raise
         budget = min(self.max_tokens, self.engine.max_context - len(ids))
         seed = None if self.seed is None else self.seed + len(self.messages)  # reproducible, not repeated
-        gen = Generation(self.model, self.engine, ids, self.sampling, budget, seed, self.template.stop)
+        gen = Generation(self.model, self.engine, ids, self.sampling, budget, seed, self.template.stop + self.stop, ignore_eos=self.ignore_eos)
         return gen, notices
 
     def record(self, gen: Generation) -> None:

@@ -91,6 +91,22 @@ def test_context_full_drops_oldest_turns_or_refuses(chat_model):
         strict.ask("Paris " * 200)
 
 
+def test_stop_strings_and_ignore_eos_on_top_of_the_template(chat_model):
+    model = load_model(chat_model)
+
+    def reply(**settings):
+        session = ChatSession(model, Engine(model.config, model.params, 256, model.eos_ids), Sampling(), 40, **settings)
+        gen, _ = session.ask("What is the capital of France?")
+        list(gen)
+        return gen
+
+    free = reply(ignore_eos=True)
+    assert len(free.token_ids) == 40  # EOS off: the whole budget
+    stop = free.text[6:9]
+    stopped = reply(ignore_eos=True, stop=(stop,))
+    assert stopped.text == free.text[: free.text.find(stop)] and stopped.finish_reason == "stop"
+
+
 def test_save_and_load_round_trip_and_bad_files(chat_model, tmp_path):
     model = load_model(chat_model)
     session = ChatSession(model, Engine(model.config, model.params, 256, model.eos_ids), Sampling(), 8)

@@ -174,6 +174,28 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
 
 
+def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
+    from jaxinfer.cli.options import unescape
+
+    assert unescape(r"a\n\tb\\n \"q\" \x") == 'a\n\tb\\n "q" \\x'  # llama.cpp's set; others stay as typed
+    (tmp_path / "prompt.txt").write_text("The capital\tof France is")
+    results = [
+        jaxinfer("run", "-m", model, *args, "-n", "6", "--temp", "0", "--json", stdin=stdin)
+        for args, stdin in (
+            (["-p", "The capital\\tof France is"], None),
+            (["-f", tmp_path / "prompt.txt"], None),
+            (["The capital\\tof France is"], None),
+            (["-"], "The capital\tof France is"),
+        )
+    ]
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    assert len({(json.loads(r.stdout)["prompt_tokens"], json.loads(r.stdout)["text"]) for r in results}) == 1  # one prompt, four ways
+    verbatim = jaxinfer("run", "-m", model, "The capital\\tof France is", "--no-escape", "-n", "6", "--temp", "0", "--json")
+    assert json.loads(verbatim.stdout)["prompt_tokens"] != json.loads(results[0].stdout)["prompt_tokens"]
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-p", "hi"), "give the prompt once")
+    assert_one_line_error(jaxinfer("run", "-m", model, "-f", tmp_path / "missing.txt"), "cannot read")
+
+
 def test_global_flags_after_the_command_and_a_model_directory_given_as_the_prompt(model, tmp_path):
     for args, env in ((("--debug",), {}), ((), {"JAXINFER_DEBUG": "1"})):
         proc = jaxinfer("run", "-m", tmp_path / "missing", "hi", *args, env=env)
