@@ -19,6 +19,21 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+EXAMPLES = {
+    "run": ['jaxinfer run "def fibonacci(n):"', 'jaxinfer run -m path/to/hf-model -p "The capital of France is" -n 64 --temp 0', 'cat notes.txt | jaxinfer run -m path/to/hf-model - --json'],
+    "chat": ['jaxinfer chat -m path/to/instruct-model', 'jaxinfer chat -m path/to/instruct-model --system "Be brief." --temp 0.7'],
+    "batch": ['jaxinfer batch requests.jsonl -o results.jsonl -b 16', 'jaxinfer batch requests.jsonl -o results.jsonl --resume', 'cat requests.jsonl | jaxinfer batch - > results.jsonl'],
+    "convert": ['jaxinfer convert path/to/hf-model path/to/converted', 'jaxinfer run -m path/to/converted "Hello"'],
+    "info": ['jaxinfer info -m path/to/hf-model', 'jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json'],
+    "bench": ['jaxinfer bench -m path/to/hf-model -p 128,512 -b 1,8', 'jaxinfer bench -p 64 -n 64 -b 1,16 -r 3 --json'],
+}
+
+
+def _epilog(command: str) -> str:
+    # \b keeps click from rewrapping the lines
+    return "\b\nExamples:\n" + "\n".join("  " + line for line in EXAMPLES[command])
+
+
 _debug = os.environ.get("JAXINFER_DEBUG", "") not in ("", "0")
 GLOBAL_FLAGS = ("--debug", "--compile-cache")  # accepted after the command too
 
@@ -73,7 +88,7 @@ def _read_prompt(argument: Optional[str], option: Optional[str], file: Optional[
     return options.unescape(text) if escape else text
 
 
-@app.command()
+@app.command(epilog=_epilog("run"))
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
     prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as llama.cpp and mlx-lm take it."),
@@ -138,11 +153,11 @@ def run(
         raise typer.Exit(130)
 
 
-app.command()(chat.chat)
-app.command()(batch.batch)
+app.command(epilog=_epilog("chat"))(chat.chat)
+app.command(epilog=_epilog("batch"))(batch.batch)
 
 
-@app.command()
+@app.command(epilog=_epilog("convert"))
 def convert(
     source: Path = typer.Argument(..., help="Hugging Face model directory."),
     destination: Path = typer.Argument(..., help="New directory for the converted model."),
@@ -159,7 +174,7 @@ def convert(
     render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
 
 
-@app.command()
+@app.command(epilog=_epilog("info"))
 def info(
     model: Optional[Path] = options.MODEL,
     max_context: Optional[int] = options.MAX_CONTEXT,
@@ -202,7 +217,7 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-@app.command()
+@app.command(epilog=_epilog("bench"))
 def bench(
     model: Optional[Path] = options.MODEL,
     prompts: str = typer.Option("128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -93,6 +94,17 @@ def test_version_python_dash_m_and_a_bare_command_showing_help():
     assert version.returncode == 0 and version.stdout.startswith("jaxinfer ")
     bare = jaxinfer()
     assert bare.returncode == 0 and "Commands:" in bare.stdout and "run" in bare.stdout and not bare.stderr
+
+
+def test_every_command_help_ends_with_examples_that_parse():
+    from jaxinfer.cli.main import EXAMPLES
+
+    for command, lines in EXAMPLES.items():
+        assert jaxinfer(command, "--help").stdout.rstrip().endswith(lines[-1])
+        for line in lines:
+            words = shlex.split(line.split("|")[-1].split(">")[0])[1:]  # the jaxinfer part of a pipeline
+            proc = jaxinfer(*words, "--help")  # click checks every flag before it shows the help
+            assert proc.returncode == 0 and not proc.stderr, (line, proc.stderr)
 
 
 def test_bundled_model_is_the_default_from_any_directory(tmp_path):
