@@ -2,8 +2,9 @@
 
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-seed, stop and ignore_eos; "custom_id" is accepted for "id". A bad line becomes an error record in the output
-and the job goes on. The output is locked while a job writes it. On resume, ids already in the
+seed, stop and ignore_eos; "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
+({"custom_id", "method", "url", "body"}) gets its result in that API's output shape. A bad line,
+unknown fields included, becomes an error record in the output and the job goes on. The output is locked while a job writes it. On resume, ids already in the
 output are skipped (and bad lines already recorded), and a last record cut short by a kill is
 removed first, so every id ends up there exactly once.
 """
@@ -14,6 +15,7 @@ import fcntl
 import io
 import json
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, TextIO
@@ -24,6 +26,14 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
+FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", *SAMPLING_FIELDS}
+
+# OpenAI Batch API lines (also vLLM's run-batch): the endpoint decides prompt or messages, and the
+# result is written in its output shape. vLLM's extensions (top_k, min_p, ...) are read as well.
+OPENAI_ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+OPENAI_LINE = {"custom_id", "method", "url", "body"}
+OPENAI_RENAMED = {"max_completion_tokens": "max_tokens", "repetition_penalty": "repeat_penalty"}
+OPENAI_ACCEPTED = {"model": None, "user": None, "n": 1, "stream": False, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
 
 
 def _key(request_id) -> str:
@@ -80,8 +90,9 @@ def _read_earlier(path: Path, raw, output: Output) -> None:
             output.dropped = tail.decode("utf-8", errors="replace")
             raw.truncate(len(complete))
     for record in records:
-        if record["id"] is not None:
-            output.done.add(_key(record["id"]))
+        request_id = record.get("custom_id", record["id"])  # an OpenAI-shaped record: the request's custom_id
+        if request_id is not None:
+            output.done.add(_key(request_id))
         elif "error" in record and isinstance(record.get("line"), int):
             output.bad_lines.add(record["line"])
 
@@ -102,9 +113,14 @@ class Job:
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self._seen: set[str] = set()
+        self._openai: dict[str, tuple[str, str]] = {}  # key → endpoint and model of an OpenAI-shaped request
         self._template: ChatTemplate | None = None
 
     def write(self, record: dict) -> None:
+        """Write one record as it finishes: a result, or an error; in the OpenAI shape where the
+        request came in it."""
+        if "id" in record and _key(record["id"]) in self._openai:
+            record = _openai_result(record, *self._openai[_key(record["id"])])
         text = json.dumps(record, ensure_ascii=False)
         try:
             text.encode("utf-8")
@@ -125,13 +141,18 @@ class Job:
             except UnicodeEncodeError:
                 self._fail(number, None, "the line is not UTF-8 text")
                 continue
+            openai = False
             try:
-                item = json.loads(line)
+                try:
+                    item = json.loads(line)
+                except ValueError as e:  # json.JSONDecodeError included
+                    raise JaxinferError(f"not valid JSON ({e})") from None
                 if not isinstance(item, dict):
                     raise JaxinferError("a request must be a JSON object")
-                request_id = item.get("id", item.get("custom_id"))
+                openai = "body" in item or "url" in item
+                request_id = item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
                 if request_id is None:
-                    raise JaxinferError('a request needs an "id" (or "custom_id")')
+                    raise JaxinferError('an OpenAI batch line needs a "custom_id"' if openai else 'a request needs an "id" (or "custom_id")')
                 key = _key(request_id)
                 if key in self.earlier.done:
                     self.skipped += 1
@@ -139,20 +160,29 @@ class Job:
                 if key in self._seen:
                     raise JaxinferError(f"duplicate id {request_id!r}")
                 self._seen.add(key)
+                if openai:
+                    url, item = _from_openai(item)
+                    self._openai[key] = (url, item.pop("model", None) or self.model.path.name)
                 yield self._request(request_id, item)
-            except ValueError as e:  # json.JSONDecodeError included
-                self._fail(number, request_id, f"not valid JSON ({e})")
             except JaxinferError as e:
-                self._fail(number, request_id, str(e))
+                self._fail(number, request_id, str(e), openai)
+            except (ValueError, TypeError, ArithmeticError) as e:  # a value no check foresaw: still this line only
+                self._fail(number, request_id, f"bad value ({type(e).__name__}: {e})", openai)
 
-    def _fail(self, number: int, request_id, message: str) -> None:
+    def _fail(self, number: int, request_id, message: str, openai: bool = False) -> None:
         if request_id is None and number in self.earlier.bad_lines:  # recorded by the run resumed
             self.skipped += 1
             return
         self.failed += 1
-        self.write({"id": request_id, "line": number, "error": message})
+        if openai and request_id is not None:
+            self.write({"id": _batch_id(), "custom_id": request_id, "response": None, "error": {"code": "invalid_request", "message": message, "line": number}})
+        else:
+            self.write({"id": request_id, "line": number, "error": message})
 
     def _request(self, request_id, item: dict) -> Request:
+        unknown = sorted(set(item) - FIELDS)
+        if unknown:
+            raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}")
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
@@ -194,3 +224,55 @@ def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
         raise JaxinferError(f'"{name}" must be a whole number' + (f" ≥ {minimum}" if minimum is not None else ""))
     return value
+
+
+def _from_openai(line: dict) -> tuple[str, dict]:
+    """An OpenAI batch line as (endpoint, our request fields, with "model" if given)."""
+    unknown = sorted(set(line) - OPENAI_LINE)
+    if unknown:
+        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} in an OpenAI batch line")
+    if line.get("method", "POST") != "POST":
+        raise JaxinferError('"method" must be "POST"')
+    url, body = line.get("url"), line.get("body")
+    if url not in OPENAI_ENDPOINTS:
+        raise JaxinferError(f'"url" must be one of {", ".join(OPENAI_ENDPOINTS)}, not {url!r}')
+    if not isinstance(body, dict):
+        raise JaxinferError('"body" must be a JSON object')
+    item = {}
+    for name, value in body.items():
+        if name in OPENAI_ACCEPTED:
+            if OPENAI_ACCEPTED[name] is not None and value not in (None, OPENAI_ACCEPTED[name]):
+                raise JaxinferError(f'"{name}": only {json.dumps(OPENAI_ACCEPTED[name])} is supported')
+            if name == "model":
+                item["model"] = value
+        elif name in ("prompt", "messages") and name != OPENAI_ENDPOINTS[url]:
+            raise JaxinferError(f'{url} takes "{OPENAI_ENDPOINTS[url]}", not "{name}"')
+        else:
+            item[OPENAI_RENAMED.get(name, name)] = value
+    return url, item
+
+
+def _batch_id() -> str:
+    return f"batch_req_{secrets.token_hex(12)}"
+
+
+def _openai_result(record: dict, url: str, model: str) -> dict:
+    """Our result record in the OpenAI batch output shape (error records already are)."""
+    if "text" not in record:
+        return record
+    chat = url == "/v1/chat/completions"
+    output = {"message": {"role": "assistant", "content": record["text"]}} if chat else {"text": record["text"], "logprobs": None}
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, **output, "finish_reason": "length" if record["finish_reason"] == "length" else "stop"}],
+        "usage": {
+            "prompt_tokens": record["prompt_tokens"],
+            "completion_tokens": record["generated_tokens"],
+            "total_tokens": record["prompt_tokens"] + record["generated_tokens"],
+        },
+        "jaxinfer": {"finish_reason": record["finish_reason"], "seed": record["seed"], "timings": record["timings"]},
+    }
+    return {"id": _batch_id(), "custom_id": record["id"], "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}

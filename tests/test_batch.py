@@ -206,6 +206,41 @@ def test_resume_records_each_bad_line_once_any_seed_runs_and_a_locked_output_is_
     assert out.read_text() == first
 
 
+def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
+    chat, completion = "/v1/chat/completions", "/v1/completions"
+    prompt = "The capital of France is"
+
+    def line(custom_id, url, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        line("chat", chat, model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, n=1),
+        line("completion", completion, prompt=prompt, max_completion_tokens=6, temperature=0, repetition_penalty=1.0, top_k=0),
+        {"id": "own", "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        line("embeddings", "/v1/embeddings", input="x"),
+        line("unknown", completion, prompt="x", best_of=3),
+        line("two", completion, prompt="x", n=2),
+        line("wrong key", chat, prompt="x"),
+        {"id": "own unknown", "prompt": "x", "extra": 1},
+    ])
+    out = tmp_path / "out.jsonl"
+    jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "-b", "2", check=5)
+    records = {r.get("custom_id", r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    body = records["chat"]["response"]["body"]
+    assert records["chat"]["response"]["status_code"] == 200 and records["chat"]["error"] is None
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] <= 5 and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    text = records["completion"]["response"]["body"]["choices"][0]
+    assert text["text"] == records["own"]["text"] and text["finish_reason"] in ("stop", "length")  # the same request, either shape
+    errors = {key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key")}
+    assert "/v1/completions" in errors["embeddings"] and "'best_of'" in errors["unknown"] and '"n"' in errors["two"] and '"messages"' in errors["wrong key"]
+    assert all(records[key]["response"] is None and records[key]["id"].startswith("batch_req_") for key in errors)
+    assert "'extra'" in records["own unknown"]["error"]
+    first = out.read_text()
+    jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "--resume", check=0)
+    assert out.read_text() == first  # OpenAI records are recognised as done by their custom_id
+
+
 def test_a_job_killed_at_a_random_moment_resumes_to_the_same_results(tiny, tmp_path):
     N = 32
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=1024)
