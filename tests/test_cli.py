@@ -139,6 +139,21 @@ def broken(model, tmp_path):
     return copy
 
 
+def test_hub_ids_from_the_local_hub_cache_offline(model, tmp_path):
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny-llama"
+    shutil.copytree(model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    offline = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    local = jaxinfer("run", "-m", model, "Hello", "-n", "4", "--temp", "0", "--json")
+    for name in ("acme/tiny-llama", "acme/tiny-llama@main"):
+        proc = jaxinfer("run", "-m", name, "Hello", "-n", "4", "--temp", "0", "--json", env=offline)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert_one_line_error(jaxinfer("run", "-m", "acme/missing", "Hello", env=offline), "acme/missing", str(cache), "HF_HUB_OFFLINE")
+
+
 def test_missing_and_empty_model_directories(tmp_path):
     assert_one_line_error(jaxinfer("run", "-m", tmp_path / "nope", "hi"), "does not exist")
     assert_one_line_error(jaxinfer("run", "-m", tmp_path, "hi"), "config.json")
