@@ -163,22 +163,27 @@ def model_info(facts: dict) -> None:
 
 
 def bench_table(rows: list[dict], caption: str) -> None:
-    """`jaxinfer bench`: one row per (prompt, batch) point, on stdout."""
+    """`jaxinfer bench`: one row per (prompt, batch) point, on stdout; ranges on a second line, so
+    it fits 80 columns, and cells fold rather than being cut."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(caption=caption, caption_justify="left")
-    for name in ("prompt", "batch", "TTFT ms (min–max)", "prefill tok/s", "MFU", "decode tok/s (min–max)", "ITL p50/p99 ms", "MBU", "compile s"):
-        table.add_column(name, justify="right")
+    def ms(x: float) -> str:
+        return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+    table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1), pad_edge=False)
+    for name in ("prompt", "batch", "TTFT ms\n(min–max)", "prefill\ntok/s", "MFU", "decode\ntok/s\n(min–max)", "ITL ms\np50/p99", "MBU", "compile\ns"):
+        table.add_column(name, justify="right", overflow="fold")
     for r in rows:
-        ttft, dec = r["ttft_s"], r["decode_tok_s"]
+        ttft, dec = {k: v * 1000 for k, v in r["ttft_s"].items()}, r["decode_tok_s"]
         table.add_row(
             str(r["prompt_tokens"]),
             str(r["batch"]),
-            f"{ttft['median'] * 1000:.1f} ({ttft['min'] * 1000:.1f}–{ttft['max'] * 1000:.1f})",
+            f"{ms(ttft['median'])}\n({ms(ttft['min'])}–{ms(ttft['max'])})",
             f"{r['prefill_tok_s']:.0f}",
             f"{r['prefill']['mfu']:.1%}",
-            f"{dec['median']:.1f} ({dec['min']:.1f}–{dec['max']:.1f})",
-            f"{r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f}",
+            f"{ms(dec['median'])}\n({ms(dec['min'])}–{ms(dec['max'])})",
+            f"{r['itl_ms']['p50']:.2f}\n{r['itl_ms']['p99']:.2f}",
             f"{r['decode']['mbu']:.1%}",
             f"{r['compile_s']:.2f}",
         )

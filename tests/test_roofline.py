@@ -124,3 +124,28 @@ def test_bench_with_a_large_cache_reads_only_the_buckets_reached(tiny):
     assert point["max_context"] == 1024 and point["kv_buckets"] == [128]
     small = subprocess.run([*args, "-c", "20"], capture_output=True, text=True)
     assert small.returncode == 1 and small.stderr.strip().splitlines() == ["error: prompt 16 + 6 new tokens exceed --max-context 20"]
+
+
+def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from jaxinfer.cli import render
+
+    def row(scale):  # the README's B=16 point; scaled up, figures wider than any column allows
+        return {
+            "prompt_tokens": 448, "batch": 16, "prefill_tok_s": 13950.4 * scale, "prefill": {"mfu": 0.763}, "decode": {"mbu": 0.203},
+            "ttft_s": {"median": 0.5138 * scale, "min": 0.5071 * scale, "max": 0.5302 * scale},
+            "decode_tok_s": {"median": 2261.3 * scale, "min": 2210.4 * scale, "max": 2290.9 * scale},
+            "itl_ms": {"p50": 7.01, "p99": 9.29}, "compile_s": 4.96,
+        }
+
+    for scale, folded in ((1, False), (10_000, True)):
+        monkeypatch.setattr(render, "out", Console(file=io.StringIO(), width=80, highlight=False, soft_wrap=True))
+        render.bench_table([row(scale)], "caption")
+        text = render.out.file.getvalue()
+        assert "…" not in text and max(map(len, text.splitlines())) <= 80  # folded onto more lines, never cut
+        if not folded:
+            for figure in ("448", "514", "(507–530)", "13950", "76.3%", "2261", "(2210–2291)", "7.01", "9.29", "20.3%", "4.96"):
+                assert figure in text, figure
