@@ -184,6 +184,7 @@ def info(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
+    measure: bool = typer.Option(False, "--measure", help="Probe the machine's roofs again (on an idle machine); each roof keeps its best probe."),
 ) -> None:
     """Sizes, memory and the roofline's TTFT and ITL for a model on this machine (weights not loaded)."""
     import jax.numpy as jnp
@@ -196,7 +197,7 @@ def info(
     model_dir, cfg, config_json = load_config(model)
     chosen = resolve_dtype(dtype, config_json)
     context = options.context_length(cfg.max_position_embeddings, max_context)
-    roofs = options.ceilings(chosen, peak_flops, peak_bandwidth)
+    roofs = options.ceilings(chosen, peak_flops, peak_bandwidth, remeasure=measure)
     facts = model_facts(cfg, jnp.dtype(chosen).itemsize, context, batch_size, prompt_tokens, roofs, device_memory_bytes())
     facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, **facts}
     if json_output:

@@ -82,12 +82,13 @@ def context_length(max_positions: int, max_context: Optional[int]) -> int:
     return max_context or min(max_positions, DEFAULT_MAX_CONTEXT)
 
 
-def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[float]):
-    """This machine's peaks for dtype: the flags where given, else measured (the first time, with a notice)."""
+def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[float], remeasure: bool = False):
+    """This machine's peaks for dtype: the flags where given, else measured (the first time, or
+    again with `remeasure`, with a notice)."""
     from jaxinfer.ceilings import machine_ceilings
 
-    announce = lambda: render.notice("measuring this machine's peak FLOP/s and memory bandwidth (once)…")  # noqa: E731
-    return machine_ceilings(dtype, peak_flops, peak_bandwidth, announce)
+    announce = lambda: render.notice(f"measuring this machine's peak FLOP/s and memory bandwidth{'' if remeasure else ' (once)'}…")  # noqa: E731
+    return machine_ceilings(dtype, peak_flops, peak_bandwidth, announce, remeasure)
 
 
 def roofline(loaded, timings, peak_flops: Optional[float], peak_bandwidth: Optional[float]) -> dict:

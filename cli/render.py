@@ -98,7 +98,8 @@ def _si(value: float, unit: str) -> str:
 def _roof(phase: dict, headline: str) -> str:
     """Where a phase sits: its achieved rate against the roof that bounds it."""
     achieved = f"{_si(phase['flop_s'], 'FLOP/s')}, MFU {phase['mfu']:.1%}" if headline == "mfu" else f"{_si(phase['bytes_s'], 'B/s')}, MBU {phase['mbu']:.1%}"
-    return f" · {achieved} ({phase['bound']}-bound, {phase['intensity']:.1f} FLOP/B)"
+    above = "; above 100%: data in cache, or roofs probed under load: jaxinfer info --measure" if phase[headline] > 1 else ""
+    return f" · {achieved} ({phase['bound']}-bound, {phase['intensity']:.1f} FLOP/B{above})"
 
 
 def stats(result: dict) -> None:

@@ -66,6 +66,12 @@ def test_ceilings_are_measured_once_per_machine_and_overrides_win(tmp_path, monk
     assert (first.peak_flops, first.peak_bandwidth) == (1e11, 2e10)  # the higher of copy and read
     given = ceilings.machine_ceilings("bfloat16", peak_flops=5e14, peak_bandwidth=3e12)
     assert calls == ["float32"] and (given.peak_flops, given.peak_bandwidth) == (5e14, 3e12) and "given" in given.method
+    # jaxinfer info --measure: probe again, and keep each roof's best (a busy machine probes low)
+    monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: calls.append(dtype) or 5e10)
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 3e10))
+    again = ceilings.machine_ceilings("float32", remeasure=True)
+    assert calls == ["float32"] * 2 and (again.peak_flops, again.peak_bandwidth) == (1e11, 3e10) and "best of 2 probes" in again.method
+    assert ceilings.machine_ceilings("float32") == again  # kept
 
 
 def test_the_measurements_themselves_are_plausible():
