@@ -35,7 +35,8 @@ def _epilog(command: str) -> str:
 
 
 _debug = os.environ.get("JAXINFER_DEBUG", "") not in ("", "0")
-GLOBAL_FLAGS = ("--debug", "--compile-cache")  # accepted after the command too
+GLOBAL_FLAGS = ("--debug", "--compile-cache", "--threads", "-t")  # accepted after the command too
+GLOBAL_WITH_VALUE = ("--compile-cache", "--threads", "-t")
 
 
 def _print_version(value: bool) -> None:
@@ -50,6 +51,9 @@ def _print_version(value: bool) -> None:
 def _options(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", "-t", help="CPU cores XLA may use (llama.cpp's -t): the process is pinned to that many [default: all]."
+    ),
     compile_cache: Optional[str] = typer.Option(
         None,
         "--compile-cache",
@@ -61,6 +65,8 @@ def _options(
     _debug = _debug or debug
     from jaxinfer.runtime import check_backend, enable_compilation_cache
 
+    if threads is not None:
+        _pin_to_cores(threads)
     if os.environ.get("JAX_PLATFORMS"):  # the only way to ask for a backend that is not there
         check_backend()
     try:
@@ -278,17 +284,30 @@ def main() -> None:
     sys.exit(code or 0)
 
 
+def _pin_to_cores(threads: int) -> None:
+    """XLA CPU sizes its thread pool from the cores the process may run on, read when the backend
+    starts (before any command touches JAX): pinning is how a thread count reaches it."""
+    from jaxinfer.errors import JaxinferError
+
+    if not hasattr(os, "sched_setaffinity"):
+        raise JaxinferError("-t/--threads needs CPU affinity, which this platform does not offer")
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 <= threads <= len(cores):
+        raise JaxinferError(f"-t/--threads must be between 1 and the {len(cores)} cores this process may use")
+    os.sched_setaffinity(0, cores[:threads])
+
+
 def _global_flags_first(args: list[str]) -> list[str]:
     """`jaxinfer run ... --debug` as `jaxinfer --debug run ...` (the hint on an error says
-    "run with --debug" whatever the user typed before); the same for --compile-cache."""
+    "run with --debug" whatever the user typed before); the same for --compile-cache and -t."""
     front, rest, i = [], [], 0
     while i < len(args):
         arg = args[i]
         if arg == "--":
             rest += args[i:]
             break
-        takes_value = arg == "--compile-cache" and i + 1 < len(args)
-        if arg in GLOBAL_FLAGS or arg.startswith("--compile-cache="):
+        takes_value = arg in GLOBAL_WITH_VALUE and i + 1 < len(args)
+        if arg in GLOBAL_FLAGS or arg.startswith(("--compile-cache=", "--threads=")):
             front += args[i : i + 1 + takes_value]
             i += takes_value
         else:

@@ -231,6 +231,8 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
     assert jaxinfer("run", "-m", model, "hi", "-n", "2", "--compile-cache", cache).returncode == 0
     assert any(cache.iterdir())
     assert_one_line_error(jaxinfer("run", model), "is a directory", f"-m {model}")
+    assert jaxinfer("run", "-m", model, "hi", "-n", "2", "-t", "1").returncode == 0  # XLA's pool sized by the cores pinned
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-t", str(os.cpu_count() + 1)), "-t/--threads")
 
 
 def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(model, tmp_path):
