@@ -71,9 +71,12 @@ def machine_ceilings(
     else measured now (about two seconds; `announce()` is called first) and stored. `remeasure`
     probes again and keeps, per roof, the best of every probe so far: a probe on a busy machine
     reads low, and a roof is what the machine can do."""
-    store = _store()
     try:
-        known = json.loads(store.read_text())
+        store: Path | None = _store()
+    except OSError:
+        store = None  # no home at all: measured each time, never stored
+    try:
+        known = json.loads(store.read_text()) if store else {}
     except (OSError, ValueError):
         known = {}
     key = f"{machine_key()}:{dtype}"
@@ -94,8 +97,9 @@ def machine_ceilings(
             )
         ) | {"probes": probes}
         try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            store.write_text(json.dumps(known, indent=1) + "\n")
+            if store:
+                store.parent.mkdir(parents=True, exist_ok=True)
+                store.write_text(json.dumps(known, indent=1) + "\n")
         except OSError:
             pass  # a read-only home: measure again next time
     stored = known.get(key, {})

@@ -18,7 +18,11 @@ CACHE_ENV = "JAXINFER_CACHE_DIR"
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    """~/.cache/jaxinfer/xla (or under $XDG_CACHE_HOME); OSError where there is no home at all."""
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no $HOME and no passwd entry (a bare container user)
+        raise FileNotFoundError(errno.ENOENT, "no home directory", "~") from None
     return Path(base) / "jaxinfer" / "xla"
 
 
@@ -41,7 +45,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
     `path` (or $JAXINFER_CACHE_DIR) overrides the default; an empty string turns the cache off.
     Raises OSError where the directory cannot be made or written (a read-only home).
     """
-    chosen = os.environ.get(CACHE_ENV, default_cache_dir()) if path is None else path
+    chosen = (os.environ[CACHE_ENV] if CACHE_ENV in os.environ else default_cache_dir()) if path is None else path
     if not str(chosen):
         return None
     directory = Path(chosen).expanduser().resolve()  # jax wants an absolute path

@@ -155,3 +155,21 @@ def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
         if not folded:
             for figure in ("448", "514", "(507–530)", "13950", "76.3%", "2261", "(2210–2291)", "7.01", "9.29", "20.3%", "4.96"):
                 assert figure in text, figure
+
+
+def test_no_home_at_all_costs_only_the_caches(monkeypatch):
+    from pathlib import Path
+
+    from jaxinfer import runtime
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")  # no $HOME and no passwd entry
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("JAXINFER_CACHE_DIR", raising=False)
+    with pytest.raises(OSError):  # the CLI turns it into one warning and runs without the cache
+        runtime.enable_compilation_cache()
+    monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10))
+    assert ceilings.machine_ceilings("float32").peak_bandwidth == 2e10  # measured, not stored
