@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from contextlib import contextmanager
@@ -26,7 +27,13 @@ def notice(message: str) -> None:
 
 
 def stream(pieces: Iterable[str]) -> None:
-    """Print text pieces as they come: through rich on a terminal, plain and flushed when piped."""
+    """Print text pieces as they come: through rich on a terminal, plain and flushed when piped.
+    On a terminal a spinner fills the wait for the first piece (a first compile takes seconds)."""
+    pieces = iter(pieces)
+    if out.is_terminal and err.is_terminal:
+        with err.status("compiling and prefilling…", spinner="dots"):
+            first = next(pieces, None)
+        pieces = itertools.chain([] if first is None else [first], pieces)
     for piece in pieces:
         if out.is_terminal:
             out.print(piece, end="", markup=False)

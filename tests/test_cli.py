@@ -257,6 +257,17 @@ def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model,
     assert {r["id"] for r in records[1:]} == {2, "\udcff"} and all("text" in r for r in records[1:])
 
 
+def test_a_terminal_sees_a_spinner_until_the_first_token(model):
+    import pexpect
+
+    env = {**os.environ, "JAXINFER_CACHE_DIR": "", "TERM": "xterm", "COLUMNS": "120"}
+    child = pexpect.spawn("jaxinfer", ["run", "-m", str(model), "Hello", "-n", "4", "--no-stats"], encoding="utf-8", timeout=300, env=env)
+    child.expect_exact("compiling and prefilling")  # while the first compile runs
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "Traceback" not in child.before
+
+
 def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192)
     args = ["run", "-m", slow, "The capital", "-c", "8192", "--temp", "0", "--ignore-eos"]
