@@ -45,14 +45,18 @@ def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
     return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
 
 
-def measure_bandwidth(nbytes: int = COPY_BYTES) -> tuple[float, float]:
-    """(copy, read) bytes/s: a copy counts bytes read + written; a sum reads only. On XLA CPU the
-    copy runs far below the read (12 vs 64 GB/s measured on our 2-core machine), and decode mostly
-    reads, so the higher of the two is the roof."""
+def measure_bandwidth(nbytes: int = COPY_BYTES) -> tuple[float, float, float]:
+    """(copy, sum, matvec) bytes/s: a copy counts bytes read + written; a sum and a matrix-vector
+    product (decode's own read: every weight once) read only. On XLA CPU the copy runs far below
+    the reads (12 vs 64 GB/s measured on our 2-core machine) and the matvec above the sum (40 vs
+    33 GB/s), so the highest of the three is the roof: the fastest reader sets it."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = 2.0 * nbytes / _best_seconds(jax.jit(lambda v: v + 1.0), x)
     read = nbytes / _best_seconds(jax.jit(jnp.sum), x)
-    return copy, read
+    side = int((nbytes // 4) ** 0.5)
+    matrix, vector = x[: side * side].reshape(side, side), jnp.ones((side,), jnp.float32)
+    matvec = 4.0 * side * side / _best_seconds(jax.jit(lambda a, b: a @ b), matrix, vector)
+    return copy, read, matvec
 
 
 def machine_key() -> str:
@@ -83,17 +87,18 @@ def machine_ceilings(
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
             announce()
-        copy, read = measure_bandwidth()
+        copy, read, matvec = measure_bandwidth()
         earlier = known.get(key, {})
         probes = earlier.get("probes", 1 if earlier else 0) + 1
         known[key] = asdict(
             Ceilings(
                 max(measure_peak_flops(dtype), earlier.get("peak_flops", 0.0)),
-                max(copy, read, earlier.get("peak_bandwidth", 0.0)),
+                max(copy, read, matvec, earlier.get("peak_bandwidth", 0.0)),
                 dtype,
                 f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls (2N³ FLOPs); bandwidth the higher of a {COPY_BYTES // 2**20} MiB copy "
-                f"({copy / 1e9:.1f} GB/s, read + written) and sum ({read / 1e9:.1f} GB/s, read), best of {REPEATS}",
+                f"{MATMUL_SIZE}² {dtype} matmuls (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
+                f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )
         ) | {"probes": probes}
         try:

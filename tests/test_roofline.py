@@ -59,16 +59,16 @@ def test_ceilings_are_measured_once_per_machine_and_overrides_win(tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
     monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: calls.append(dtype) or 1e11)
-    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10))
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10, 1.5e10))
     first = ceilings.machine_ceilings("float32")
     again = ceilings.machine_ceilings("float32")
     assert calls == ["float32"] and first == again and "measured" in first.method
-    assert (first.peak_flops, first.peak_bandwidth) == (1e11, 2e10)  # the higher of copy and read
+    assert (first.peak_flops, first.peak_bandwidth) == (1e11, 2e10)  # the highest of copy, sum and matvec
     given = ceilings.machine_ceilings("bfloat16", peak_flops=5e14, peak_bandwidth=3e12)
     assert calls == ["float32"] and (given.peak_flops, given.peak_bandwidth) == (5e14, 3e12) and "given" in given.method
     # jaxinfer info --measure: probe again, and keep each roof's best (a busy machine probes low)
     monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: calls.append(dtype) or 5e10)
-    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 3e10))
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 1e10, 3e10))
     again = ceilings.machine_ceilings("float32", remeasure=True)
     assert calls == ["float32"] * 2 and (again.peak_flops, again.peak_bandwidth) == (1e11, 3e10) and "best of 2 probes" in again.method
     assert ceilings.machine_ceilings("float32") == again  # kept
@@ -171,5 +171,5 @@ def test_no_home_at_all_costs_only_the_caches(monkeypatch):
     with pytest.raises(OSError):  # the CLI turns it into one warning and runs without the cache
         runtime.enable_compilation_cache()
     monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: 1e11)
-    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10))
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10, 1.5e10))
     assert ceilings.machine_ceilings("float32").peak_bandwidth == 2e10  # measured, not stored
