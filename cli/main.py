@@ -165,7 +165,7 @@ app.command(epilog=_epilog("batch"))(batch.batch)
 
 @app.command(epilog=_epilog("convert"))
 def convert(
-    source: Path = typer.Argument(..., help="Hugging Face model directory."),
+    source: Path = typer.Argument(..., help="Hugging Face model directory, or a hub id (org/name)."),
     destination: Path = typer.Argument(..., help="New directory for the converted model."),
     dtype: str = typer.Option("auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."),
 ) -> None:

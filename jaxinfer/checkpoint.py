@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxinfer import weights
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading import ORBAX_DIR, is_converted, load_model, read_json
+from jaxinfer.loading import ORBAX_DIR, is_converted, load_model, model_directory, read_json
 
 # Everything a run needs besides the weights.
 SIDE_FILES = (
@@ -43,9 +43,9 @@ def restore_params(directory: Path, abstract: dict) -> dict:
 
 
 def convert(source: Path, destination: Path, dtype: str = "auto", progress: weights.ProgressFn | None = None) -> Path:
-    """Hugging Face directory → converted directory, stored in `dtype` (auto: the checkpoint's own,
-    whatever the machine computes in; loading casts). Refuses to overwrite anything."""
-    source, destination = Path(source).expanduser(), Path(destination).expanduser()
+    """Hugging Face directory (or hub id) → converted directory, stored in `dtype` (auto: the
+    checkpoint's own, whatever the machine computes in; loading casts). Refuses to overwrite anything."""
+    source, destination = model_directory(source), Path(destination).expanduser()
     if is_converted(source):
         raise JaxinferError(f"{source} is already a converted model")
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):

@@ -152,6 +152,9 @@ def test_hub_ids_from_the_local_hub_cache_offline(model, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
     assert_one_line_error(jaxinfer("run", "-m", "acme/missing", "Hello", env=offline), "acme/missing", str(cache), "HF_HUB_OFFLINE")
+    assert jaxinfer("convert", "acme/tiny-llama", tmp_path / "converted", env=offline).returncode == 0
+    proc = jaxinfer("run", "-m", tmp_path / "converted", "Hello", "-n", "4", "--temp", "0", "--json")
+    assert json.loads(proc.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
 
 
 def test_missing_and_empty_model_directories(tmp_path):
