@@ -119,8 +119,9 @@ class Job:
     def write(self, record: dict) -> None:
         """Write one record as it finishes: a result, or an error; in the OpenAI shape where the
         request came in it."""
-        if "id" in record and _key(record["id"]) in self._openai:
-            record = _openai_result(record, *self._openai[_key(record["id"])])
+        shape = self._openai.get(_key(record["id"]))
+        if shape:
+            record = _openai_result(record, *shape)
         text = json.dumps(record, ensure_ascii=False)
         try:
             text.encode("utf-8")
@@ -180,9 +181,7 @@ class Job:
             self.write({"id": request_id, "line": number, "error": message})
 
     def _request(self, request_id, item: dict) -> Request:
-        unknown = sorted(set(item) - FIELDS)
-        if unknown:
-            raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}")
+        _refuse_unknown(item, FIELDS)
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
@@ -226,11 +225,15 @@ def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
     return value
 
 
+def _refuse_unknown(item: dict, known: set[str], where: str = "") -> None:
+    unknown = sorted(set(item) - known)
+    if unknown:
+        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}{where}")
+
+
 def _from_openai(line: dict) -> tuple[str, dict]:
     """An OpenAI batch line as (endpoint, our request fields, with "model" if given)."""
-    unknown = sorted(set(line) - OPENAI_LINE)
-    if unknown:
-        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} in an OpenAI batch line")
+    _refuse_unknown(line, OPENAI_LINE, " in an OpenAI batch line")
     if line.get("method", "POST") != "POST":
         raise JaxinferError('"method" must be "POST"')
     url, body = line.get("url"), line.get("body")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxinfer.tokenizer import Tokenizer
+
 CORPUS = (
     "The capital of France is Paris. The capital of Italy is Rome. Def fibonacci(n): return n if n < 2 "
     "else fibonacci(n - 1) + fibonacci(n - 2). 東京は日本の首都です。 Emoji 🙂🚀 and ünïcödé text. "
@@ -94,7 +96,7 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     directory.mkdir(parents=True, exist_ok=True)
     (bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer)(directory)
     settings = dict(
-        vocab_size=_vocab_size(directory),  # the tokenizer's size; a padded embedding is test_loading's case
+        vocab_size=Tokenizer(directory).vocab_size,  # the tokenizer's size; a padded embedding is test_loading's case
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -117,14 +119,3 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
-
-
-def _vocab_size(directory: Path) -> int:
-    """One past the highest id of the tokenizer just written (BPE training may stop short of its target)."""
-    if (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return max(Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab(with_added_tokens=True).values()) + 1
-    import sentencepiece
-
-    return sentencepiece.SentencePieceProcessor(model_file=str(directory / "tokenizer.model")).get_piece_size()
