@@ -24,6 +24,8 @@ def batch(
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
 ) -> None:
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
@@ -45,7 +47,7 @@ def batch(
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
     from jaxinfer.model import layout_for_batch
 
-    loaded = options.load(model, dtype, layout_for_batch(batch_size))
+    loaded = options.load(model, dtype, layout_for_batch(batch_size), quantize, kv_dtype)
     context = options.context_length(loaded.max_positions, max_context)
     earlier = None if to_stdout else open_output(output, resume)
     if earlier and earlier.dropped:

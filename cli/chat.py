@@ -36,6 +36,8 @@ def chat(
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
     on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
 ) -> None:
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
@@ -44,7 +46,7 @@ def chat(
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     chunking = options.chunking(prefill_chunk)
-    loaded = options.load(model, dtype)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)

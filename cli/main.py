@@ -25,6 +25,7 @@ EXAMPLES = {
     "batch": ['jaxinfer batch requests.jsonl -o results.jsonl -b 16', 'jaxinfer batch requests.jsonl -o results.jsonl --resume', 'cat requests.jsonl | jaxinfer batch - > results.jsonl'],
     "convert": ['jaxinfer convert path/to/hf-model path/to/converted', 'jaxinfer run -m path/to/converted "Hello"'],
     "info": ['jaxinfer info -m path/to/hf-model', 'jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json'],
+    "perplexity": ['jaxinfer perplexity -m path/to/hf-model wiki.test.raw -c 512', 'jaxinfer perplexity -m path/to/hf-model notes.txt --quantize int4 --kl --json'],
     "bench": ['jaxinfer bench -m path/to/hf-model -p 128,512 -b 1,8', 'jaxinfer bench -p 64 -n 64 -b 1,16 -r 3 --json'],
 }
 
@@ -113,6 +114,8 @@ def run(
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
     show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
@@ -130,7 +133,7 @@ def run(
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     chunking = options.chunking(prefill_chunk)
-    loaded = options.load(model, dtype)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
@@ -168,6 +171,7 @@ def convert(
     source: Path = typer.Argument(..., help="Hugging Face model directory, or a hub id (org/name)."),
     destination: Path = typer.Argument(..., help="New directory for the converted model."),
     dtype: str = typer.Option("auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", metavar="int8|int4", show_default=False, help="Store the weight matrices quantized (as run --quantize does at load); running the result needs no flag."),
 ) -> None:
     """Convert a Hugging Face checkpoint to an orbax checkpoint (with its config and tokenizer)."""
     import time
@@ -176,8 +180,41 @@ def convert(
 
     start = time.perf_counter()
     with render.progress("converting") as progress:
-        out = convert_model(source, destination, dtype, progress)
+        out = convert_model(source, destination, dtype, progress, quantize)
     render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
+
+
+@app.command(epilog=_epilog("perplexity"))
+def perplexity(
+    file: Path = typer.Argument(..., help="Text file to score ('-': stdin)."),
+    model: Optional[Path] = options.MODEL,
+    max_context: int = typer.Option(512, "--max-context", "--ctx-size", "-c", help="Tokens per window (llama-perplexity's -c)."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens a window advances; each scores only tokens the previous did not [default: half the window]."),
+    dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
+    kl: bool = typer.Option(False, "--kl", help="Also run the unquantized model (weights and KV cache): KL divergence from it and top-1 agreement, per token."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
+) -> None:
+    """Perplexity of a text under the model, over sliding windows: how to judge a quantization."""
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.perplexity import perplexity as measure
+
+    options.check_positive(max_context=max_context, stride=stride)
+    text = _read_prompt(None, None, file, escape=False)
+    if kl and not (quantize or kv_dtype):
+        raise JaxinferError("--kl compares against the unquantized model: give --quantize or --kv-dtype too")
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    plain = options.load(model, dtype) if kl else None
+    reference = (plain.config, plain.params) if kl else None
+    ids = loaded.tokenizer.encode(text)
+    with render.progress("scoring") as progress:
+        result = measure(loaded.config, loaded.params, ids, max_context, stride, reference, progress)
+    result = {"model": str(loaded.path), "dtype": loaded.dtype, "quantize": loaded.quantize, "kv_dtype": loaded.config.kv_dtype, **result}
+    if json_output:
+        render.print_json(json.dumps(result))
+    else:
+        render.perplexity(result)
 
 
 @app.command(epilog=_epilog("info"))
@@ -187,25 +224,30 @@ def info(
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Sequences decoded together."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", "-p", help="Prompt length for the predicted TTFT."),
     dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
     measure: bool = typer.Option(False, "--measure", help="Probe the machine's roofs again (on an idle machine); each roof keeps its best probe."),
 ) -> None:
     """Sizes, memory and the roofline's TTFT and ITL for a model on this machine (weights not loaded)."""
-    import jax.numpy as jnp
+    from dataclasses import replace
 
     from jaxinfer.ceilings import device_memory_bytes
-    from jaxinfer.loading import load_config, resolve_dtype
-    from jaxinfer.roofline import model_facts
+    from jaxinfer.kvcache import check_kv_dtype
+    from jaxinfer.loading import load_config, resolve_dtype, stored_quantization
+    from jaxinfer.roofline import Storage, model_facts
 
     options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
     model_dir, cfg, config_json = load_config(model)
     chosen = resolve_dtype(dtype, config_json)
+    quantize = stored_quantization(config_json, quantize)
+    cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context_length(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(chosen, peak_flops, peak_bandwidth, remeasure=measure)
-    facts = model_facts(cfg, jnp.dtype(chosen).itemsize, context, batch_size, prompt_tokens, roofs, device_memory_bytes())
-    facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, **facts}
+    facts = model_facts(cfg, Storage.of(chosen, quantize), context, batch_size, prompt_tokens, roofs, device_memory_bytes())
+    facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, "quantize": quantize, "kv_dtype": cfg.kv_dtype, **facts}
     if json_output:
         render.print_json(json.dumps(facts))
     else:
@@ -234,6 +276,8 @@ def bench(
     max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets its rows reach."),
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
     json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
     plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
@@ -245,17 +289,18 @@ def bench(
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
     chunking = options.chunking(prefill_chunk)
-    loaded = options.load(model, dtype)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
         rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **chunking)
     if plot_file:
-        benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.dtype}")
+        benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
     if json_output:
-        render.print_json(json.dumps({"model": str(loaded.path), "dtype": loaded.dtype, "peak_flops": roofs.peak_flops,
+        render.print_json(json.dumps({"model": str(loaded.path), "dtype": loaded.dtype, "quantize": loaded.quantize,
+                                      "kv_dtype": loaded.config.kv_dtype, "peak_flops": roofs.peak_flops,
                                       "peak_bandwidth": roofs.peak_bandwidth, "method": roofs.method, "points": rows}))
     else:
-        render.bench_table(rows, f"{loaded.path.name}, {loaded.dtype}; peaks {roofs.method}")
+        render.bench_table(rows, f"{loaded.path.name}, {loaded.storage}; peaks {roofs.method}")
 
 
 

@@ -135,6 +135,13 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def perplexity(result: dict) -> None:
+    line = f"perplexity {result['perplexity']:.4f} (nll {result['nll']:.4f}/token) over {result['tokens']} tokens, {result['windows']} windows of {result['context']}"
+    if "kl_divergence" in result:
+        line += f"; vs unquantized: KL {result['kl_divergence']:.5f}/token, top-1 agreement {100 * result['top1_agreement']:.2f}%"
+    out.print(line)
+
+
 def model_info(facts: dict) -> None:
     """`jaxinfer info`: a two-column table on stdout."""
     from rich.table import Table
@@ -143,9 +150,9 @@ def model_info(facts: dict) -> None:
     rows = [
         ("model", f"{facts['model']} ({facts['architecture']})"),
         ("parameters", f"{facts['parameters']:,}"),
-        ("weights", f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16/float16"),
-        ("running dtype", facts["dtype"]),
-        ("KV cache per token", _bytes(facts["kv_bytes_per_token"])),
+        ("weights", f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16 · {_bytes(w['int8'])} int8 · {_bytes(w['int4'])} int4"),
+        ("running", facts["dtype"] + (f", matrices {facts['quantize']} ({_bytes(facts['stored_weight_bytes'])})" if facts["quantize"] else "")),
+        ("KV cache per token", _bytes(facts["kv_bytes_per_token"]) + (f" ({facts['kv_dtype']})" if facts["kv_dtype"] else "")),
         (
             f"memory at context {facts['context']:,} × batch {facts['batch']}",
             f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache)",

@@ -15,14 +15,13 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.model import in_out_layout, layout_for_batch
-from jaxinfer.roofline import Cost, decode_step_cost, phase_report, predicted_seconds, prefill_cost
+from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size
@@ -65,10 +64,10 @@ def bench_point(
             decode_s.append(sum(steps))
             itl += steps
 
-    itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize
+    storage = Storage.of_params(params)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
-    prefill_work = prefill_cost(cfg, itemsize, prompt_tokens, batch=batch)
-    step = decode_step_cost(cfg, itemsize, kv_len=round(statistics.fmean(kv_read)), batch=batch)  # cost is linear in kv_len
+    prefill_work = prefill_cost(cfg, storage, prompt_tokens, batch=batch)
+    step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)  # cost is linear in kv_len
     decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * (new_tokens - 1))
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
     return {

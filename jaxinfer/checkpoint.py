@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxinfer import weights
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading import ORBAX_DIR, is_converted, load_model, model_directory, read_json
+from jaxinfer.loading import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_model, model_directory, read_json
 
 # Everything a run needs besides the weights.
 SIDE_FILES = (
@@ -42,9 +42,12 @@ def restore_params(directory: Path, abstract: dict) -> dict:
         raise JaxinferError(f"{directory}: orbax checkpoint does not match config.json ({e})") from None
 
 
-def convert(source: Path, destination: Path, dtype: str = "auto", progress: weights.ProgressFn | None = None) -> Path:
+def convert(
+    source: Path, destination: Path, dtype: str = "auto", progress: weights.ProgressFn | None = None, quantize: str | None = None
+) -> Path:
     """Hugging Face directory (or hub id) → converted directory, stored in `dtype` (auto: the
-    checkpoint's own, whatever the machine computes in; loading casts). Refuses to overwrite anything."""
+    checkpoint's own, whatever the machine computes in; loading casts), its matrices packed by
+    `quantize` ("int8", "int4") if given. Refuses to overwrite anything."""
     source, destination = model_directory(source), Path(destination).expanduser()
     if is_converted(source):
         raise JaxinferError(f"{source} is already a converted model")
@@ -52,12 +55,13 @@ def convert(source: Path, destination: Path, dtype: str = "auto", progress: weig
         raise JaxinferError(f"{destination} exists and is not empty; choose a new output directory")
     config_json = read_json(source / "config.json")
     stored = dtype if dtype != "auto" else (weights.checkpoint_dtype(config_json) or "float32")
-    model = load_model(source, stored, progress)
+    model = load_model(source, stored, progress, quantize=quantize)
     destination.mkdir(parents=True, exist_ok=True)
     save_params(model.params, destination / ORBAX_DIR)
     for name in SIDE_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, destination / name)
     config_json.pop("torch_dtype", None)
-    (destination / "config.json").write_text(json.dumps({**config_json, "dtype": stored}, indent=2))
+    quantized = {QUANTIZED_KEY: quantize} if quantize else {}
+    (destination / "config.json").write_text(json.dumps({**config_json, "dtype": stored, **quantized}, indent=2))
     return destination

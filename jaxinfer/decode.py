@@ -42,7 +42,7 @@ class DecodeState:
 def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...]) -> DecodeState:
     """An empty state: zero cache in the weights' dtype, every row done."""
     return DecodeState(
-        cache=KVCache.zeros(cfg, batch, max_context, jax.tree.leaves(params)[0].dtype),
+        cache=KVCache.zeros(cfg, batch, max_context, model.compute_dtype(params)),
         tokens=jnp.zeros((batch, max_context), jnp.int32),
         length=jnp.zeros((batch,), jnp.int32),
         limit=jnp.zeros((batch,), jnp.int32),

@@ -2,6 +2,11 @@
 
 Its shape never changes, so decode compiles once per cache size; every jit that returns it donates it,
 so XLA updates it in place instead of copying gigabytes per step.
+
+`--kv-dtype int8` stores each head's vector of K and V at a position as int8 with one float32
+scale (max|x| / 127), quantized once when written: 68 bytes per 64-value head instead of 256, so
+3.8× the context fits (1.9× against bfloat16). A scale is constant along the head dimension, so
+attention never dequantizes: K's scales multiply the scores, V's the attention weights.
 """
 
 from __future__ import annotations
@@ -12,6 +17,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+
+
+KV_DTYPES = ("auto", "int8")
+
+
+def check_kv_dtype(name: str | None) -> str | None:
+    """`--kv-dtype` as `ModelConfig.kv_dtype`: auto (or none) is None, the compute dtype."""
+    if name not in (None, *KV_DTYPES):
+        raise JaxinferError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {name!r}")
+    return None if name in (None, "auto") else name
+
+
+def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., hd] → (int8 [..., hd], float32 scale [...]): symmetric, one scale per head vector."""
+    x = x.astype(jnp.float32)
+    scale = jnp.abs(x).max(-1) / 127
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1)[..., None])
+    return q.astype(jnp.int8), scale
 
 
 @jax.tree_util.register_dataclass
@@ -19,11 +43,25 @@ from jaxinfer.config import ModelConfig
 class KVCache:
     k: jax.Array  # [L, B, S, KV, hd]
     v: jax.Array  # [L, B, S, KV, hd]
+    k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
+    v_scale: jax.Array | None = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+        """An empty cache in `dtype`, or in int8 with scales where `cfg.kv_dtype` says so."""
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.kv_dtype == "int8":
+            scales = jnp.zeros(shape[:-1], jnp.float32)
+            return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def read(self, layer: int, kv_len: int, rows: jax.Array | None = None):
+        """(k, v, k_scale, v_scale) of the first `kv_len` positions of `layer` for cache rows `rows`
+        (default: all): [B, S, KV, hd] each, the scales [B, S, KV] or None. All rows: a slice;
+        some rows (a batch slot's prefill): a gather of just those."""
+        pick = (lambda a: a[layer, :, :kv_len]) if rows is None else (lambda a: a[layer, rows, :kv_len])
+        scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
+        return pick(self.k), pick(self.v), *scales
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None
@@ -35,7 +73,16 @@ class KVCache:
         keeps the update in place.
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
+        at = (layer, rows, positions)
+        if self.k_scale is None:
+            return KVCache(
+                k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
+                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"),
+            )
+        (kq, ks), (vq, vs) = quantize_heads(k), quantize_heads(v)
         return KVCache(
-            k=self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+            k=self.k.at[at].set(kq, mode="drop"),
+            v=self.v.at[at].set(vq, mode="drop"),
+            k_scale=self.k_scale.at[at].set(ks, mode="drop"),
+            v_scale=self.v_scale.at[at].set(vs, mode="drop"),
         )

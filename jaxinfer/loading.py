@@ -13,12 +13,14 @@ import jax
 from jaxinfer import weights
 from jaxinfer.config import ModelConfig, config_from_hf
 from jaxinfer.errors import JaxinferError
+from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
+QUANTIZED_KEY = "jaxinfer_quantize"  # config.json of a converted model stored quantized: "int8" / "int4"
 
 
 @dataclass
@@ -28,9 +30,16 @@ class LoadedModel:
     params: dict
     tokenizer: Tokenizer
     dtype: str  # storage (and compute) dtype of the weights
+    quantize: str | None  # "int8" / "int4": the matrices are block-quantized (`jaxinfer.quant`)
     sampling: Sampling  # defaults from generation_config.json
     eos_ids: tuple[int, ...]
     max_new_tokens: int | None  # generation_config.json's, if it sets one
+
+    @property
+    def storage(self) -> str:
+        """How the weights and cache are held, in words: "float32", "float32, int8 weights, int8 KV"."""
+        parts = [self.dtype] + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
+        return ", ".join(parts)
 
     @property
     def max_positions(self) -> int:
@@ -124,14 +133,33 @@ def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict
 LAYOUTS = ("out_in", "in_out")
 
 
+def stored_quantization(config_json: dict, quantize: str | None) -> str | None:
+    """The quantization a model runs with: a converted model's own, else `quantize`."""
+    from jaxinfer.quant import check_method
+
+    stored = config_json.get(QUANTIZED_KEY)
+    if stored and quantize:
+        raise JaxinferError(f"this model is already stored quantized ({stored}); run it without --quantize")
+    return check_method(stored or quantize)
+
+
 def load_model(
-    path: str | Path | None = None, dtype: str = "auto", progress: weights.ProgressFn | None = None, layout: str = "out_in"
+    path: str | Path | None = None,
+    dtype: str = "auto",
+    progress: weights.ProgressFn | None = None,
+    layout: str = "out_in",
+    quantize: str | None = None,
+    kv_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a model directory; with no path, the bundled default model. `layout` "in_out" stores
-    the layers' matrices transposed, the faster form for batched decode (`model.in_out_layout`)."""
+    the layers' matrices transposed, the faster form for batched decode (`model.in_out_layout`);
+    `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
+    the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`)."""
     if layout not in LAYOUTS:
         raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     model_dir, cfg, config_json = load_config(path)
+    quantize = stored_quantization(config_json, quantize)
+    cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     generation = read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer(model_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -145,10 +173,11 @@ def load_model(
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params
 
-        params = restore_params(model_dir / ORBAX_DIR, weights.abstract_params(cfg, weights.dtype_from_name(chosen)))
+        abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize)
+        params = restore_params(model_dir / ORBAX_DIR, abstract)
     else:
         files = weights.safetensors_files(model_dir)
-        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress)
+        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize)
     if layout == "in_out":
         from jaxinfer.model import in_out_layout
 
@@ -159,6 +188,7 @@ def load_model(
         params=params,
         tokenizer=tokenizer,
         dtype=chosen,
+        quantize=quantize,
         sampling=Sampling.from_generation_config(generation),
         eos_ids=_eos_ids(config_json, generation, tokenizer),
         max_new_tokens=generation.get("max_new_tokens"),

@@ -13,10 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig, rope_inv_freq
-from jaxinfer.kvcache import KVCache
+from jaxinfer.kvcache import KVCache, quantize_heads
 
 Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
+
+
+def compute_dtype(params: Params):
+    """The dtype activations (and the KV cache) are computed in: the weights' float dtype, which
+    the final norm always has (quantized matrices are integers)."""
+    return params["norm"].dtype
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -27,10 +34,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
-    """x [..., in] @ w (+ bias, when the checkpoint has one); w is `w{name}` [out, in], or
-    `w{name}_io` [in, out] in a tree made for batched decode by `in_out_layout`."""
-    if f"w{name}" in layer:
-        y = jnp.einsum("...i,oi->...o", x, layer[f"w{name}"])
+    """x [..., in] @ w (+ bias, when the checkpoint has one); w is `w{name}` [out, in] (or its
+    `quant` packing), or `w{name}_io` [in, out] in a tree made for batched decode by `in_out_layout`."""
+    w = layer.get(f"w{name}")
+    if quant.is_quantized(w):
+        y = quant.matmul(x, w).astype(x.dtype)
+    elif w is not None:
+        y = jnp.einsum("...i,oi->...o", x, w)
     else:
         y = jnp.einsum("...i,io->...o", x, layer[f"w{name}_io"])
     bias = layer.get(f"b{name}")
@@ -51,7 +61,7 @@ def in_out_layout(params: Params, consume: bool = False) -> Params:
     for layer in params["layers"]:
         moved = {}
         for key, value in layer.items():
-            if key.startswith("w") and value.ndim == 2:
+            if key.startswith("w") and not quant.is_quantized(value) and value.ndim == 2:
                 moved[f"{key}_io"] = jnp.asarray(value.T)
                 if consume:
                     value.delete()
@@ -101,13 +111,14 @@ def attention(
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-    if cache is None:  # a whole sequence from position 0 (training): attend over its own keys
-        keys, values, kv_len = k, v, T
+    if cache is None:  # a whole sequence from position 0 (training, perplexity): its own keys
+        kv_len, k_scale, v_scale = T, None, None
+        keys, values = k, v
+        if cfg.kv_dtype == "int8":  # as a cache would store them: perplexity judges the cache's int8
+            (keys, k_scale), (values, v_scale) = quantize_heads(k), quantize_heads(v)
     else:
         cache = cache.write(i, k, v, positions, rows)
-        # all rows: a slice; some rows (a batch slot's prefill): a gather of just those
-        keys = cache.k[i, :, :kv_len] if rows is None else cache.k[i, rows, :kv_len]  # [B, S, KV, hd]
-        values = cache.v[i, :, :kv_len] if rows is None else cache.v[i, rows, :kv_len]
+        keys, values, k_scale, v_scale = cache.read(i, kv_len, rows)  # [B, S, KV, hd], scales [B, S, KV]
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     mask = attention_mask(positions, kv_len, cfg.sliding_windows[i])  # [B, T, S]
@@ -115,14 +126,24 @@ def attention(
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     t = "t" if T > 1 else ""
     q, mask = (q, mask[:, None, None]) if t else (q[:, 0], mask[:, None])
-    scores = jnp.einsum(f"b{t}kgh,bskh->bkg{t}s", q, keys, preferred_element_type=jnp.float32) * hd**-0.5
+
+    def per_key(scale: jax.Array) -> jax.Array:
+        """int8 K/V: a head's scale [B, S, KV] is constant along hd, so it multiplies the scores
+        (K) and the attention weights (V) [b, k, g, (t), s] instead of dequantizing the cache."""
+        return jnp.expand_dims(jnp.moveaxis(scale, 1, -1), (2, 3) if t else 2)
+
+    scores = jnp.einsum(f"b{t}kgh,bskh->bkg{t}s", q, keys.astype(q.dtype), preferred_element_type=jnp.float32) * hd**-0.5
+    if k_scale is not None:
+        scores = scores * per_key(k_scale)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     # Softmax normalised after the value product: one pass over [.., T, S] fewer (SmolLM-135M
     # shape: a 64-token prefill chunk over 4096 keys 437 → 364 ms, a 1024-token prompt's TTFT
     # 1685 → 1261 ms; decode unchanged within noise).
     weights = jnp.exp(scores - scores.max(-1, keepdims=True))
     total = weights.sum(-1)  # [b, k, g, (t)]
-    out = jnp.einsum(f"bkg{t}s,bskh->b{t}kgh", weights.astype(x.dtype), values, preferred_element_type=jnp.float32)
+    if v_scale is not None:
+        weights = weights * per_key(v_scale)
+    out = jnp.einsum(f"bkg{t}s,bskh->b{t}kgh", weights.astype(x.dtype), values.astype(x.dtype), preferred_element_type=jnp.float32)
     total = jnp.moveaxis(total, -1, 1) if t else total
     out = (out / total[..., None]).astype(x.dtype).reshape(B, T, H * hd)
     return linear(out, layer, "o"), cache
@@ -149,7 +170,8 @@ def forward(
     cache in decode). With no cache (training), tokens are a whole sequence at positions 0..T-1 and
     see only each other.
     """
-    x = params["embed"][tokens]  # [B, T, D]
+    embed = params["embed"]
+    x = quant.take_rows(embed, tokens, compute_dtype(params)) if quant.is_quantized(embed) else embed[tokens]  # [B, T, D]
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             normed = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
@@ -162,4 +184,6 @@ def forward(
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] → float32 logits [..., V] (tied embeddings when there is no lm_head)."""
     head = params.get("lm_head", params["embed"])
+    if quant.is_quantized(head):
+        return quant.matmul(hidden, head)
     return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)

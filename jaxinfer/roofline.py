@@ -19,7 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.weights import weight_table
+from jaxinfer.weights import quantized_here, weight_table
+
+# Bytes per weight of a packed matrix: 32 values and a bfloat16 scale per block.
+PACKED_BYTES = {"int8": 34 / 32, "int4": 18 / 32}
 
 
 @dataclass(frozen=True)
@@ -33,19 +36,49 @@ class Cost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
-def _sizes(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(parameters in the layers' matrices, in the LM head, in everything else: embedding, norms, biases)."""
-    layer_matrices = head = other = 0
+@dataclass(frozen=True)
+class Storage:
+    """How the model is stored, as bytes per value: float leaves in `itemsize`, the matrices packed
+    by `quantize` where they fit the packing, the KV cache in `itemsize` too."""
+
+    itemsize: int = 4
+    quantize: str | None = None
+
+    @classmethod
+    def of(cls, dtype, quantize: str | None = None) -> Storage:
+        return cls(np.dtype(dtype).itemsize, quantize)
+
+    @classmethod
+    def of_params(cls, params: dict) -> Storage:
+        """As a loaded parameter tree stores its weights."""
+        from jaxinfer import quant
+
+        packed = [leaf for leaf in (params["embed"], *params["layers"][0].values()) if quant.is_quantized(leaf)]
+        return cls(params["norm"].dtype.itemsize, quant.method_of(packed[0]) if packed else None)
+
+    def bytes_per_value(self, path: tuple, shape: tuple[int, ...]) -> float:
+        if self.quantize and quantized_here(path, shape):
+            return PACKED_BYTES[self.quantize]
+        return self.itemsize
+
+
+def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, float, float]:
+    """(the layers' matrices, the LM head, everything else: embedding, norms, biases) in parameters,
+    or in bytes as `storage` stores them."""
+    layer_matrices = head = other = 0.0
+    embed_per_value = 1.0
     for name, (path, shape) in weight_table(cfg).items():
-        n = int(np.prod(shape))
+        n = int(np.prod(shape)) * (storage.bytes_per_value(path, shape) if storage else 1)
         if path[0] == "layers" and len(shape) == 2:
             layer_matrices += n
         elif path[0] == "lm_head":
             head += n
         else:
             other += n
+        if path == ("embed",):
+            embed_per_value = n / int(np.prod(shape))
     if cfg.tie_word_embeddings:
-        head = cfg.vocab_size * cfg.hidden_size  # the embedding, read again as the head
+        head = cfg.vocab_size * cfg.hidden_size * embed_per_value  # the embedding, read again as the head
     return layer_matrices, head, other
 
 
@@ -53,38 +86,47 @@ def parameter_count(cfg: ModelConfig) -> int:
     return sum(int(np.prod(shape)) for _, shape in weight_table(cfg).values())
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+def weight_bytes(cfg: ModelConfig, storage: Storage) -> int:
+    """The weights' size in memory as `storage` stores them."""
+    return round(sum(int(np.prod(shape)) * storage.bytes_per_value(path, shape) for path, shape in weight_table(cfg).values()))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, storage: Storage) -> int:
+    """K and V of one position: in the compute dtype, or int8 with a float32 scale per head."""
+    per_head = cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * storage.itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
     return 4.0 * queries * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
 
 
-def _weight_bytes_read(cfg: ModelConfig, itemsize: int, tokens: int) -> float:
+def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float:
     """Every matrix once; of the embedding only the rows looked up (unless it is also the head)."""
-    layer_matrices, head, other = _sizes(cfg)
-    rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * cfg.hidden_size
-    norms = other - cfg.vocab_size * cfg.hidden_size
-    return (layer_matrices + head + norms + rows) * itemsize
+    layer_matrices, head, other = _sizes(cfg, storage)
+    embed_shape = (cfg.vocab_size, cfg.hidden_size)
+    row = cfg.hidden_size * storage.bytes_per_value(("embed",), embed_shape)
+    rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * row
+    norms = other - cfg.vocab_size * row
+    return layer_matrices + head + norms + rows
 
 
-def prefill_cost(cfg: ModelConfig, itemsize: int, tokens: int, kv_len: int | None = None, batch: int = 1) -> Cost:
+def prefill_cost(cfg: ModelConfig, storage: Storage, tokens: int, kv_len: int | None = None, batch: int = 1) -> Cost:
     """One prefill of `tokens` positions per row attending over `kv_len` keys (default: themselves),
     sampling the last position."""
     layer_matrices, head, _ = _sizes(cfg)
     kv_len = tokens if kv_len is None else kv_len
     flops = batch * (2.0 * tokens * layer_matrices + 2.0 * head + _attention_flops(cfg, tokens, kv_len))
-    kv = batch * kv_bytes_per_token(cfg, itemsize) * (tokens + kv_len)  # written, then read by attention
-    return Cost(flops, _weight_bytes_read(cfg, itemsize, batch * tokens) + kv)
+    kv = batch * kv_bytes_per_token(cfg, storage) * (tokens + kv_len)  # written, then read by attention
+    return Cost(flops, _weight_bytes_read(cfg, storage, batch * tokens) + kv)
 
 
-def decode_step_cost(cfg: ModelConfig, itemsize: int, kv_len: int, batch: int = 1) -> Cost:
+def decode_step_cost(cfg: ModelConfig, storage: Storage, kv_len: int, batch: int = 1) -> Cost:
     """One decode step: one token per row, attending over `kv_len` cached positions."""
     layer_matrices, head, _ = _sizes(cfg)
     flops = batch * (2.0 * (layer_matrices + head) + _attention_flops(cfg, 1, kv_len))
-    kv = batch * kv_bytes_per_token(cfg, itemsize) * (kv_len + 1)
-    return Cost(flops, _weight_bytes_read(cfg, itemsize, batch) + kv)
+    kv = batch * kv_bytes_per_token(cfg, storage) * (kv_len + 1)
+    return Cost(flops, _weight_bytes_read(cfg, storage, batch) + kv)
 
 
 def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: float) -> dict:
@@ -103,13 +145,13 @@ def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: 
     }
 
 
-def generation_report(cfg: ModelConfig, itemsize: int, timings, ceilings) -> dict:
+def generation_report(cfg: ModelConfig, storage: Storage, timings, ceilings) -> dict:
     """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
     counts the K/V its steps read: the kv buckets they attended over (the mean over the steps, as
     cost is linear in it)."""
     prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
-    prefill = prefill_cost(cfg, itemsize, timings.prefilled_tokens, kv_len=prompt)
-    step = decode_step_cost(cfg, itemsize, kv_len=round(timings.kv_read / steps) if steps else prompt)
+    prefill = prefill_cost(cfg, storage, timings.prefilled_tokens, kv_len=prompt)
+    step = decode_step_cost(cfg, storage, kv_len=round(timings.kv_read / steps) if steps else prompt)
     decode = Cost(step.flops * steps, step.bytes * steps)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     return {
@@ -127,19 +169,21 @@ def predicted_seconds(cost: Cost, peak_flops: float, peak_bandwidth: float) -> f
 
 
 def model_facts(
-    cfg: ModelConfig, itemsize: int, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int
+    cfg: ModelConfig, storage: Storage, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int
 ) -> dict:
     """Sizes, memory for a context and batch, the longest context that fits, and the roofline's
     TTFT and ITL: what `jaxinfer info` shows, from the config alone."""
     params = parameter_count(cfg)
-    weights = params * itemsize
-    kv_token = kv_bytes_per_token(cfg, itemsize)
+    weights = weight_bytes(cfg, storage)
+    kv_token = kv_bytes_per_token(cfg, storage)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
-    ttft = predicted_seconds(prefill_cost(cfg, itemsize, prompt_tokens, batch=batch), *roofs)
-    itl = predicted_seconds(decode_step_cost(cfg, itemsize, context, batch), *roofs)
+    ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
+    itl = predicted_seconds(decode_step_cost(cfg, storage, context, batch), *roofs)
+    forms = {"float32": Storage(4), "bfloat16": Storage(2), "int8": Storage(storage.itemsize, "int8"), "int4": Storage(storage.itemsize, "int4")}
     return {
         "parameters": params,
-        "weight_bytes": {name: params * size for name, size in (("float32", 4), ("bfloat16", 2), ("float16", 2))},
+        "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},
+        "stored_weight_bytes": weights,
         "kv_bytes_per_token": kv_token,
         "context": context,
         "batch": batch,

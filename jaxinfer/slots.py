@@ -27,7 +27,7 @@ from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.decode import DecodeState, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
-from jaxinfer.roofline import kv_bytes_per_token
+from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs
 from jaxinfer.sampling import Sampling
 
@@ -57,9 +57,9 @@ def chunk_size(n: int) -> int:
     return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
 
 
-def _check_memory(cfg: ModelConfig, itemsize: int, batch: int, max_context: int) -> None:
+def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int) -> None:
     """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap)."""
-    per_position = batch * (kv_bytes_per_token(cfg, itemsize) + 4)  # K and V, and the token buffer
+    per_position = batch * (kv_bytes_per_token(cfg, storage) + 4)  # K and V, and the token buffer
     free = device_memory_bytes(free=True)
     if per_position * max_context > free:
         raise JaxinferError(
@@ -102,7 +102,7 @@ class Slots:
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
         self.prefill_chunk = chunk_size(prefill_chunk)
-        _check_memory(cfg, jax.tree.leaves(params)[0].dtype.itemsize, batch, max_context)
+        _check_memory(cfg, Storage.of_params(params), batch, max_context)
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.reset()
 

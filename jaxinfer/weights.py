@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 
@@ -58,6 +59,12 @@ def weight_table(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]
     return table
 
 
+def quantized_here(path: TreePath, shape: tuple[int, ...]) -> bool:
+    """Whether `--quantize` packs this leaf: the embedding, the head and the layers' matrices,
+    where their dimensions fit the packing (else they stay float)."""
+    return (path[-1] in ("embed", "lm_head") or path[-1].startswith("w")) and quant.quantizable(shape)
+
+
 def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     tree: dict = {"layers": [{} for _ in range(cfg.num_layers)]}
     for path, leaf in leaves.items():
@@ -68,11 +75,15 @@ def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     return tree
 
 
-def abstract_params(cfg: ModelConfig, dtype) -> dict:
+def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None) -> dict:
     """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation)."""
-    return tree_from_leaves(
-        cfg, {path: jax.ShapeDtypeStruct(shape, dtype) for path, shape in weight_table(cfg).values()}
-    )
+
+    def leaf(path: TreePath, shape: tuple[int, ...]):
+        if quantize and quantized_here(path, shape):
+            return {name: jax.ShapeDtypeStruct(*packed) for name, packed in quant.packed_shapes(shape, quantize).items()}
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape in weight_table(cfg).values()})
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -95,8 +106,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     )
 
 
-def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None) -> dict:
-    """Load every tensor through the table into a tree of jax arrays of `dtype`."""
+def read_safetensors(
+    cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None, quantize: str | None = None
+) -> dict:
+    """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices
+    packed by `quantize` as they are read (peak memory: the quantized model and one float matrix)."""
     from safetensors import SafetensorError, safe_open
 
     table = weight_table(cfg)
@@ -126,6 +140,8 @@ def read_safetensors(cfg: ModelConfig, files: list[Path], dtype, progress: Progr
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
         leaves[path] = jnp.asarray(array, dtype=dtype)
         del array
+        if quantize and quantized_here(path, shape):
+            leaves[path] = quant.quantize(leaves[path], quantize)
         if progress:
             progress(done, len(names))
     missing = sorted(set(table) - seen)

@@ -22,7 +22,7 @@ def hf_logits(hf, ids):
 
 def our_prompt_logits(model, ids, S=64):
     """Logits [T, V] of one fresh prefill, and the cache it filled."""
-    cache = KVCache.zeros(model.config, 1, S, model.params["embed"].dtype)
+    cache = KVCache.zeros(model.config, 1, S, M.compute_dtype(model.params))
     hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
     return np.asarray(M.logits(model.params, hidden))[0], cache
 

@@ -7,7 +7,7 @@ import pytest
 from jaxinfer import ceilings
 from jaxinfer.decode import admission, decode_step, initial_state, prefill
 from jaxinfer.loading import load_model
-from jaxinfer.roofline import Cost, decode_step_cost, phase_report, prefill_cost
+from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, prefill_cost
 from jaxinfer.sampling import Sampling
 
 S = 256
@@ -29,7 +29,7 @@ def test_prefill_flops_match_xla_within_5_percent(model, tokens):
     state = initial_state(model.config, model.params, 1, S, model.eos_ids)
     admit = admission([0], [[1] * tokens], [0], [tokens], [S], [0], [Sampling()], [False], tokens)
     flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
-    ours = prefill_cost(model.config, 4, tokens)
+    ours = prefill_cost(model.config, Storage(4), tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)
     # XLA also counts every intermediate (attention scores, activations): ours is the floor
     assert ours.bytes <= bytes_accessed
@@ -39,16 +39,16 @@ def test_decode_step_flops_and_bytes_match_xla(model):
     state = initial_state(model.config, model.params, 1, S, model.eos_ids)
     step = jax.jit(decode_step, static_argnames=("cfg", "kv_len")).lower(model.params, state, cfg=model.config, kv_len=S).compile()
     flops, bytes_accessed = xla_cost(step)
-    ours = decode_step_cost(model.config, 4, kv_len=S)  # a step attending over the whole cache
+    ours = decode_step_cost(model.config, Storage(4), kv_len=S)  # a step attending over the whole cache
     assert ours.flops == pytest.approx(flops, rel=0.05)
     assert ours.bytes <= bytes_accessed <= 1.4 * ours.bytes  # weights and cache dominate
 
 
 def test_intensity_decides_the_bound_and_batch_raises_it(model):
     cfg = model.config
-    one, eight = decode_step_cost(cfg, 4, 64), decode_step_cost(cfg, 4, 64, batch=8)  # weights shared by the rows
+    one, eight = decode_step_cost(cfg, Storage(4), 64), decode_step_cost(cfg, Storage(4), 64, batch=8)  # weights shared by the rows
     assert eight.intensity > 4 * one.intensity
-    assert prefill_cost(cfg, 4, 512).intensity > 50 * one.intensity
+    assert prefill_cost(cfg, Storage(4), 512).intensity > 50 * one.intensity
     roofs = dict(peak_flops=100e9, peak_bandwidth=10e9)  # balance: 10 FLOP/byte
     report = phase_report(Cost(flops=2e9, bytes=1e8), 0.1, **roofs)  # 20 FLOP/byte
     assert report["bound"] == "compute" and report["mfu"] == pytest.approx(0.2) and report["mbu"] == pytest.approx(0.1)
@@ -173,3 +173,14 @@ def test_no_home_at_all_costs_only_the_caches(monkeypatch):
     monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: 1e11)
     monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 2e10, 1.5e10))
     assert ceilings.machine_ceilings("float32").peak_bandwidth == 2e10  # measured, not stored
+
+
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_weight_bytes_are_what_the_loaded_tree_holds(tiny, method):
+    """The roofline and `info` count the bytes as stored: quantized blocks and their scales."""
+    from jaxinfer.roofline import weight_bytes
+
+    loaded = load_model(tiny("llama3-scaled"), quantize=method)  # tied embedding, head_dim 24
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.params))
+    assert weight_bytes(loaded.config, Storage.of_params(loaded.params)) == held
+    assert Storage.of_params(loaded.params) == Storage(4, method)

@@ -1,0 +1,287 @@
+// y[M, N] = x[M, K] @ W[N, K]^T for block-quantized W: the decode matmul of `jaxinfer.quant`.
+//
+// An XLA FFI custom call for the CPU, because XLA CPU never sends a dot with M == 1 to its int8
+// kernels and rebuilds the float weight when dequantizing in the graph (../shared/JAX-ON-CPU.md).
+// Like llama.cpp's q8_0 it is W8A8: each row of x is quantized per block of 32 to int8 with one
+// float scale, and each block's dot is an integer dot.
+//
+// Layout (written by quant.pack): 16 outputs ("a group") side by side, so one 64-byte vector holds
+// 4 consecutive k of 16 outputs and `vpdpbusd` with 4 broadcast activation bytes advances all 16
+// dots at once, with no horizontal sums:
+//   int8: q [N/16, K/32, 8, 16, 4] int8;  int4: q [N/16, K/32, 4, 16, 4] uint8, nibble j of byte
+//   (c, n, i) being k = 4 (c + 4 j) + i;  scale [N/16, K/32, 16] bfloat16.
+// int8 weights are read as unsigned (q ^ 0x80 = q + 128) and int4 nibbles are q + 8, so every
+// weight byte is an unsigned operand and the offset comes back as `offset * sum(xq)` per block.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlock = 32;  // k per scale
+constexpr int kGroup = 16;  // outputs side by side
+
+struct Problem {
+  const float* x;
+  const uint8_t* q;
+  const uint16_t* scale;  // bfloat16 bits
+  float* y;
+  int64_t m, k_blocks, groups;
+  int bits;
+  // activations quantized per block: values, scales, and sums of the int8 values
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum) {
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t b = 0; b < k_blocks; ++b) {
+      const float* v = x + (row * k_blocks + b) * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.f;
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* out = xq + (row * k_blocks + b) * kBlock;
+      int32_t sum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        out[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));  // ties to even, as jnp.round
+        sum += out[i];
+      }
+      xs[row * k_blocks + b] = scale;
+      xsum[row * k_blocks + b] = sum;
+    }
+  }
+}
+
+// Portable path: any CPU.
+void groups_generic(const Problem& p, int64_t g0, int64_t g1) {
+  const int64_t weight_bytes = p.bits == 8 ? 512 : 256;  // per group and block
+  const int offset = p.bits == 8 ? 128 : 8;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < p.m; ++row) {
+      float acc[kGroup] = {};
+      for (int64_t b = 0; b < p.k_blocks; ++b) {
+        const uint8_t* w = p.q + (g * p.k_blocks + b) * weight_bytes;
+        const int8_t* xb = p.xq + (row * p.k_blocks + b) * kBlock;
+        int32_t dot[kGroup];
+        for (int n = 0; n < kGroup; ++n) dot[n] = -offset * p.xsum[row * p.k_blocks + b];
+        for (int c = 0; c < 8; ++c) {
+          for (int n = 0; n < kGroup; ++n) {
+            for (int i = 0; i < 4; ++i) {
+              int u;
+              if (p.bits == 8) {
+                u = w[(c * kGroup + n) * 4 + i] ^ 0x80;
+              } else {
+                const uint8_t byte = w[((c & 3) * kGroup + n) * 4 + i];
+                u = c < 4 ? (byte & 0x0F) : (byte >> 4);
+              }
+              dot[n] += u * xb[c * 4 + i];
+            }
+          }
+        }
+        const uint16_t* s = p.scale + (g * p.k_blocks + b) * kGroup;
+        const float xs = p.xs[row * p.k_blocks + b];
+        for (int n = 0; n < kGroup; ++n) acc[n] += static_cast<float>(dot[n]) * (bf16_to_float(s[n]) * xs);
+      }
+      std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, acc, sizeof acc);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// The activations of a prefill chunk (128 rows) quantized with AVX-512: the scalar loop took about
+// as long as the matmul itself there. Same arithmetic: cvtps rounds to nearest even, as nearbyint.
+__attribute__((target("avx512f,avx512bw"))) void quantize_rows_avx512(const float* x, int64_t m, int64_t k_blocks,
+                                                                      int8_t* xq, float* xs, int32_t* xsum) {
+  for (int64_t at = 0; at < m * k_blocks; ++at) {
+    const __m512 lo = _mm512_loadu_ps(x + at * kBlock), hi = _mm512_loadu_ps(x + at * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    xs[at] = amax / 127.f;
+    xsum[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  }
+}
+
+// AVX-512 VNNI: per group and block, 8 vpdpbusd per row cover 16 outputs x 32 k.
+template <int kRows, int kBits>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Problem& p, int64_t g, int64_t row0) {
+  constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
+  constexpr int offset = kBits == 8 ? 128 : 8;
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.q + (g * p.k_blocks + b) * weight_bytes;
+    __m512i w[8];
+    if constexpr (kBits == 8) {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
+    } else {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+        w[c] = _mm512_and_si512(v, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scale + (g * p.k_blocks + b) * kGroup));
+    const __m512 sw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.k_blocks + b;
+      const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
+      __m512i dot = _mm512_set1_epi32(-offset * p.xsum[at]);
+      for (int c = 0; c < 8; ++c) dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(xb[c]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, _mm512_set1_ps(p.xs[at])), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup, acc[r]);
+}
+
+template <int kBits>
+void groups_vnni(const Problem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t row = 0;
+    for (; row + 8 <= p.m; row += 8) tile_vnni<8, kBits>(p, g, row);
+    switch (p.m - row) {
+      case 7: tile_vnni<7, kBits>(p, g, row); break;
+      case 6: tile_vnni<6, kBits>(p, g, row); break;
+      case 5: tile_vnni<5, kBits>(p, g, row); break;
+      case 4: tile_vnni<4, kBits>(p, g, row); break;
+      case 3: tile_vnni<3, kBits>(p, g, row); break;
+      case 2: tile_vnni<2, kBits>(p, g, row); break;
+      case 1: tile_vnni<1, kBits>(p, g, row); break;
+      default: break;
+    }
+  }
+}
+
+std::atomic<bool> force_generic{false};  // tests: the portable path on a machine with VNNI
+
+bool has_vnni() {
+  if (force_generic.load(std::memory_order_relaxed)) return false;
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+#endif
+
+void run_groups(const Problem& p, int64_t g0, int64_t g1) {
+#if defined(__x86_64__)
+  if (has_vnni()) {
+    if (p.bits == 8) groups_vnni<8>(p, g0, g1); else groups_vnni<4>(p, g0, g1);
+    return;
+  }
+#endif
+  groups_generic(p, g0, g1);
+}
+
+// The groups are shared out in chunks between this thread and XLA's intra-op pool. Whoever is free
+// takes the next chunk, and the caller waits only for chunks already taken, so a pool that is busy
+// (or absent) costs speed, never a deadlock. The state is shared, not on this stack: a pool task may
+// start after the call has returned and must find nothing left to do.
+struct Shared {
+  Problem problem;
+  int64_t chunk_groups, chunks;
+  std::atomic<int64_t> next{0}, finished{0};
+
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      run_groups(problem, c * chunk_groups, std::min(problem.groups, (c + 1) * chunk_groups));
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                   ffi::Buffer<ffi::BF16> scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto q_dims = q.dimensions();
+  const int bits = q.element_type() == ffi::DataType::S8 ? 8 : q.element_type() == ffi::DataType::U8 ? 4 : 0;
+  if (bits == 0 || q_dims.size() != 5 || x_dims.size() == 0) {
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: q must be int8 or uint8 [N/16, K/32, c, 16, 4]");
+  }
+  const int64_t k = x_dims.back();
+  const int64_t m = x.element_count() / std::max<int64_t>(k, 1);
+  const int64_t groups = q_dims[0], k_blocks = q_dims[1];
+  if (k != k_blocks * kBlock || q_dims[2] != (bits == 8 ? 8 : 4) || q_dims[3] != kGroup || q_dims[4] != 4) {
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: x and q disagree about K, or q is not packed");
+  }
+  if (m == 0 || groups == 0) return ffi::Error::Success();
+
+  auto shared = std::make_shared<Shared>();
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * k_blocks);
+  std::vector<int32_t> xsum(m * k_blocks);
+#if defined(__x86_64__)
+  if (has_vnni()) {
+    quantize_rows_avx512(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
+  } else {
+    quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
+  }
+#else
+  quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
+#endif
+  shared->problem = Problem{x.typed_data(),
+                            static_cast<const uint8_t*>(q.untyped_data()),
+                            reinterpret_cast<const uint16_t*>(scale.typed_data()),
+                            y->typed_data(),
+                            m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data()};
+  // Chunks of at least ~32 KiB of weights times rows, and a few per thread to even out the finish.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t group_work = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
+  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, group_work));
+  shared->chunk_groups = std::max<int64_t>(by_size, 1);
+  shared->chunk_groups = std::min(shared->chunk_groups, std::max<int64_t>(1, groups / (4 * threads)));
+  shared->chunks = (groups + shared->chunk_groups - 1) / shared->chunk_groups;
+  const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->finished.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, QMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" void jaxinfer_qmatmul_force_generic(int yes) {
+#if defined(__x86_64__)
+  force_generic.store(yes != 0);
+#endif
+}
+
+extern "C" const char* jaxinfer_qmatmul_isa() {
+#if defined(__x86_64__)
+  if (has_vnni()) return "avx512-vnni";
+#endif
+  return "generic";
+}

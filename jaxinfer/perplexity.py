@@ -1,0 +1,109 @@
+"""Token-level perplexity of a text over sliding windows, as transformers' perplexity recipe and
+llama.cpp's `llama-perplexity` measure it: how a user judges a quantization.
+
+The text is tokenized once. Windows of `context` tokens advance by `stride`; each window scores only
+the tokens the previous one did not, each seeing up to `context - 1` tokens before it. Every window
+runs through one compiled program (the last is padded), the training-style forward over the window
+(no cache). Given a reference model (the same weights unquantized), each window also runs through
+it and the KL divergence of our next-token distribution from the reference's is averaged over the
+scored tokens, with how often the two agree on the most likely token (greedy agreement with the
+prefix held fixed, so one early difference does not count twice).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import model
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # first token of the window in the text
+    scored_from: int  # tokens of the window before this one only give context
+
+
+def windows(tokens: int, context: int, stride: int) -> list[Window]:
+    """Windows over `tokens` tokens, each scoring the positions after the previous one's end."""
+    out, end = [], 1  # the first token has nothing to predict it
+    while end < tokens:
+        # a window keeps at least one token before those it scores: they need a predecessor
+        stop = min(end + min(stride, context - 1), tokens) if out else min(context, tokens)
+        start = max(0, stop - context)
+        out.append(Window(start, end - start))
+        end = stop
+    return out
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _window_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Log-probabilities [T-1, V] of each next token of one window [T], over the ids the
+    tokenizer has (as sampling)."""
+    T = tokens.shape[0]
+    hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1)
+    logits = model.logits(params, hidden[0])[:, : cfg.sampled_vocab or cfg.vocab_size]
+    return jax.nn.log_softmax(logits, -1)
+
+
+@jax.jit
+def _score(logprobs: jax.Array, reference: jax.Array | None, targets: jax.Array, scored: jax.Array) -> dict:
+    """Sums over the scored positions: negative log-likelihood, and against a reference the KL
+    divergence KL(reference ‖ ours) and top-1 agreement."""
+    nll = -jnp.take_along_axis(logprobs, targets[:, None], -1)[:, 0]
+    sums = {"nll": jnp.sum(jnp.where(scored, nll, 0.0))}
+    if reference is not None:
+        p = jnp.exp(reference)
+        kl = jnp.sum(p * (reference - logprobs), -1)
+        agree = jnp.argmax(logprobs, -1) == jnp.argmax(reference, -1)
+        sums |= {"kl": jnp.sum(jnp.where(scored, kl, 0.0)), "agree": jnp.sum(scored & agree)}
+    return sums
+
+
+def perplexity(
+    cfg: ModelConfig,
+    params: dict,
+    ids: list[int],
+    context: int,
+    stride: int | None = None,
+    reference: tuple[ModelConfig, dict] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Perplexity of `ids` under the model; `reference`: (config, parameters) of the same model at
+    full precision, to compare against. `stride` defaults to half the context."""
+    if len(ids) < 2:
+        raise JaxinferError("the text is too short: perplexity needs at least 2 tokens")
+    context = min(context, len(ids))
+    stride = stride or max(1, context // 2)
+    if not 1 <= stride <= context:
+        raise JaxinferError(f"--stride must be between 1 and the context ({context})")
+    text = np.asarray(ids, np.int32)
+    totals: dict[str, float] = {}
+    plan = windows(len(ids), context, stride)
+    for done, window in enumerate(plan, 1):
+        chunk = np.zeros(context, np.int32)
+        piece = text[window.start : window.start + context]
+        chunk[: len(piece)] = piece
+        position = np.arange(context - 1)  # predicting token position + 1
+        scored = (position + 1 >= window.scored_from) & (position + 1 < len(piece))
+        ours = _window_logprobs(params, jnp.asarray(chunk), cfg)
+        theirs = _window_logprobs(reference[1], jnp.asarray(chunk), reference[0]) if reference is not None else None
+        sums = jax.device_get(_score(ours, theirs, jnp.asarray(chunk[1:]), jnp.asarray(scored)))
+        for key, value in sums.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+        if progress:
+            progress(done, len(plan))
+    tokens = len(ids) - 1
+    nll = totals["nll"] / tokens
+    result = {"perplexity": math.exp(nll), "nll": nll, "tokens": tokens, "windows": len(plan), "context": context, "stride": stride}
+    if reference is not None:
+        result |= {"kl_divergence": totals["kl"] / tokens, "top1_agreement": totals["agree"] / tokens}
+    return result

@@ -1,0 +1,270 @@
+"""Block quantization (`jaxinfer.quant`): the packing's error bounds, the CPU kernel against the
+arithmetic it claims and against the dequantized weights, and quantized models judged by what a
+user judges them by: perplexity, KL divergence and greedy agreement with float32."""
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cli_helpers import assert_one_line_error, jaxinfer
+
+from jaxinfer import quant
+from jaxinfer.loading import load_model
+from jaxinfer.perplexity import perplexity, windows
+
+SHAPES = [(16, 32, 1), (48, 96, 3), (160, 64, 9), (64, 160, 17), (32, 32, 8)]  # (out, in, rows)
+
+
+def blocks_of(w: np.ndarray) -> np.ndarray:
+    return w.reshape(w.shape[0], -1, quant.BLOCK)
+
+
+@pytest.mark.parametrize("method", quant.METHODS)
+def test_quantize_error_is_within_the_block_step(method):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    w[3, :32] = 0  # an all-zero block
+    w[5, 40] = 50.0  # an outlier widens only its own block
+    leaf = quant.quantize(jnp.asarray(w), method)
+    back = np.asarray(quant.dequantize(leaf))
+    step = np.abs(np.asarray(quant.dequantize({"q": jnp.ones_like(leaf["q"]) * (1 if method == "int8" else 0x99), "scale": leaf["scale"]})))
+    step = blocks_of(step)[..., :1]  # |d| of each block (int4: (9 - 8) · d)
+    error = np.abs(blocks_of(back - w))
+    # int8 rounds to the nearest step (the bf16 scale may clip the largest value by under half a
+    # step); int4 (q4_0) puts the largest magnitude on -8 exactly, so +8·d clips to 7·d: one step
+    bound = 0.5 if method == "int8" else 1.0
+    assert np.all(error <= bound * step * (1 + 2**-7) + 1e-7)
+    assert np.all(back[3, :32] == 0)
+    assert np.abs(back[5, 40] - 50) <= (0.5 if method == "int8" else 50 / 8 / 2) * (1 + 2**-7)
+    assert np.median(error[:, 1:]) < 0.3 * np.median(step)  # most values land well inside the bound
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux", reason="CI's platform")
+def test_the_kernel_is_built_where_ci_runs():
+    assert quant.kernel_isa() is not None, "pip install did not build jaxinfer/kernels/qmatmul.cc"
+
+
+needs_kernel = pytest.mark.skipif(quant.kernel_isa() is None, reason="the kernel was not built")
+
+
+@pytest.fixture(params=["native", "generic"])
+def isa(request):
+    """Each code path of the kernel: this CPU's best, and the portable one."""
+    library = quant._kernel()
+    library.jaxinfer_qmatmul_force_generic(request.param == "generic")
+    yield request.param
+    library.jaxinfer_qmatmul_force_generic(0)
+
+
+def problem(n, k, m, method, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero activation block
+    return jnp.asarray(x), quant.quantize(jnp.asarray(w), method)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("n,k,m", SHAPES)
+def test_kernel_computes_w8a8_as_stated(isa, method, n, k, m):
+    """The kernel against the same arithmetic in jnp (integer block dots exact; the float sums
+    differ only in order)."""
+    x, leaf = problem(n, k, m, method)
+    ours = np.asarray(jax.jit(quant.matmul)(x, leaf))
+    oracle = np.asarray(quant.w8a8_reference(x, leaf))
+    magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(quant.dequantize(leaf))).T
+    np.testing.assert_array_less(np.abs(ours - oracle), 1e-6 * magnitude + 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", quant.METHODS)
+def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
+    """Against the pure-JAX path (float activations): each activation moves by at most half its
+    block's step, max|x_block| / 254, so |error| ≤ Σ_blocks step/2 · Σ |w| over the block."""
+    x, leaf = problem(160, 96, 5, method, seed=1)
+    ours = np.asarray(quant.matmul(x, leaf))
+    quant._use_kernel = False
+    try:
+        plain = np.asarray(jax.jit(quant.matmul)(x, leaf))
+    finally:
+        quant._use_kernel = True
+    np.testing.assert_allclose(plain, np.asarray(x) @ np.asarray(quant.dequantize(leaf)).T, rtol=1e-5, atol=1e-5)
+    half_step = np.abs(blocks_of(np.asarray(x))).max(-1) / 254  # [m, blocks]
+    w_mass = np.abs(blocks_of(np.asarray(quant.dequantize(leaf)))).sum(-1)  # [n, blocks]
+    bound = half_step @ w_mass.T
+    assert np.all(np.abs(ours - plain) <= bound * 1.001 + 1e-5)
+    assert np.abs(ours - plain).max() > 0  # the kernel did quantize the activations
+
+
+@pytest.mark.parametrize("method", quant.METHODS)
+def test_embedding_rows_come_out_of_the_packing(method):
+    x, leaf = problem(64, 96, 1, method)
+    ids = jnp.asarray([[0, 17, 63], [5, 5, 40]])
+    rows = quant.take_rows(leaf, ids, jnp.float32)
+    np.testing.assert_array_equal(rows, quant.dequantize(leaf)[ids])
+
+
+def test_sliding_windows_score_every_token_once():
+    for tokens, context, stride in [(10, 4, 2), (10, 4, 4), (9, 16, 8), (1000, 128, 37), (2, 512, 256)]:
+        scored = []
+        for w in windows(tokens, context, stride):
+            end = min(w.start + context, tokens)
+            assert end - w.start <= context and w.scored_from >= 1
+            scored += range(w.start + w.scored_from, end)
+        assert scored == list(range(1, tokens))
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size(tiny, tmp_path):
+    """A model whose head is all zeros predicts every token with probability 1/V."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path = shutil.copytree(tiny("llama"), tmp_path / "uniform")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = np.zeros_like(tensors["lm_head.weight"])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(path)
+    ids = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 300))
+    result = perplexity(model.config, model.params, ids, context=64)
+    assert result["perplexity"] == pytest.approx(model.config.vocab_size, rel=1e-5)
+    assert result["tokens"] == 299
+
+
+def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
+    """Greedy agreement with the prefix held fixed, over random text, ≥ 95% over the suite. The tiny
+    random models' logits are nearly flat (perplexity above the vocabulary size), a far harder
+    case than a trained model's (the bundled model: 99%); W8A8 measured 92–96% on each of them."""
+    agreed = tokens = 0
+    for arch in ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]:
+        path = tiny(arch)
+        full, int8 = load_model(path), load_model(path, quantize="int8")
+        ids = list(np.random.default_rng(1).integers(3, full.config.vocab_size, 400))
+        result = perplexity(int8.config, int8.params, ids, context=128, reference=(full.config, full.params))
+        plain = perplexity(full.config, full.params, ids, context=128)
+        print(arch, result)
+        assert result["top1_agreement"] >= 0.9 and result["kl_divergence"] < 0.01
+        assert result["perplexity"] / plain["perplexity"] == pytest.approx(1, abs=0.01)
+        agreed, tokens = agreed + result["top1_agreement"] * result["tokens"], tokens + result["tokens"]
+    bundled = load_model()
+    ids = bundled.tokenizer.encode(Path(quant.__file__).read_text())[:2000]  # code it never trained on
+    result = perplexity(bundled.config, load_model(quantize="int8").params, ids, context=256, reference=(bundled.config, bundled.params))
+    print("bundled", result)
+    agreed, tokens = agreed + result["top1_agreement"] * result["tokens"], tokens + result["tokens"]
+    assert agreed / tokens >= 0.95
+
+
+def test_bundled_model_quality_int8_and_int4():
+    """The issue's bar on held-out Python text: perplexity ratio ≤ 1.01 (int8 weights, int8 KV
+    cache), ≤ 1.10 (int4); greedy agreement ≥ 95% for the int8 ones. (Text the model never trained on: this repository's own code.)"""
+    full = load_model()
+    text = "\n".join(p.read_text() for p in sorted(Path(quant.__file__).parent.glob("*.py"))[:6])
+    ids = full.tokenizer.encode(text)[:4000]
+    plain = perplexity(full.config, full.params, ids, context=256)
+    for method, bar in (("int8", 1.01), ("int4", 1.10), ("kv int8", 1.01)):
+        q = load_model(kv_dtype="int8") if method == "kv int8" else load_model(quantize=method)
+        result = perplexity(q.config, q.params, ids, context=256, reference=(full.config, full.params))
+        print(method, plain["perplexity"], result)
+        assert result["perplexity"] / plain["perplexity"] <= bar
+        if method != "int4":
+            assert result["top1_agreement"] >= 0.95
+
+
+def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_path):
+    path = tiny("qwen2")  # tied embedding: the quantized table is both lookup and head
+    converted = tmp_path / "int8"
+    assert jaxinfer("convert", path, converted, "--quantize", "int8").returncode == 0
+    args = ["Hello world", "-n", "12", "--temp", "0", "--json", "--ignore-eos"]
+    stored = jaxinfer("run", "-m", converted, *args)
+    at_load = jaxinfer("run", "-m", path, "--quantize", "int8", *args)
+    assert stored.returncode == 0, stored.stderr
+    assert json.loads(stored.stdout)["token_ids"] == json.loads(at_load.stdout)["token_ids"]
+    assert_one_line_error(jaxinfer("run", "-m", converted, "-q", "int4", "Hi"), "already stored quantized (int8)")
+    assert_one_line_error(jaxinfer("convert", converted, tmp_path / "again", "-q", "int4"), "already a converted model")
+
+
+def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
+    path = tiny("llama")
+    assert_one_line_error(jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4")
+    assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "q4_0"), "--quantize must be one of")
+    assert not (tmp_path / "x").exists()
+    assert_one_line_error(jaxinfer("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
+    assert_one_line_error(jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize or --kv-dtype too")
+    assert_one_line_error(jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, int8")
+
+
+def test_perplexity_command(tiny, tmp_path):
+    path = tiny("llama")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    proc = jaxinfer("perplexity", "-m", path, text, "-c", "64", "-q", "int8", "--kl", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["quantize"] == "int8" and result["context"] == 64 and result["perplexity"] > 1
+    assert 0 <= result["kl_divergence"] < 0.1 and 0.9 <= result["top1_agreement"] <= 1
+    line = jaxinfer("perplexity", "-m", path, text, "-c", "64")
+    assert line.returncode == 0 and line.stdout.startswith("perplexity ") and len(line.stdout.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ int8 KV cache
+
+
+def test_the_int8_cache_holds_what_info_counts(tiny):
+    from dataclasses import replace
+
+    from jaxinfer.kvcache import KVCache
+    from jaxinfer.roofline import Storage, kv_bytes_per_token
+
+    cfg = load_model(tiny("llama")).config
+    int8 = replace(cfg, kv_dtype="int8")
+    S = 64
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(KVCache.zeros(int8, 1, S, jnp.float32))) / S
+    assert held == kv_bytes_per_token(int8, Storage(4))
+    # (hd + 4) bytes a head instead of 4·hd: at this head_dim of 16, under a third of float32's,
+    # and 62.5% of bfloat16's (at real head dims of 64–128: 27–26% of float32, 53–52% of bfloat16)
+    assert held < kv_bytes_per_token(cfg, Storage(4)) / 3 and held <= 0.625 * kv_bytes_per_token(cfg, Storage(2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arch):
+    """Tokens decoded greedily through the int8 cache (prefill in chunks, then the decode loop) are
+    the argmax of the cacheless forward with the same K/V quantization, the path `perplexity`
+    judges the cache by."""
+    from jaxinfer import model as M
+    from jaxinfer.engine import Engine
+    from jaxinfer.generate import Generation
+    from jaxinfer.sampling import Sampling
+
+    loaded = load_model(tiny(arch), kv_dtype="int8")
+    prompt = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog, then over the fence " * 2)
+    engine = Engine(loaded.config, loaded.params, 256, (), prefill_chunk=32)
+    gen = Generation(loaded, engine, prompt, Sampling(temperature=0.0), 24, 0, ())
+    list(gen)
+    out = gen.token_ids
+    assert len(out) == 24
+    ids = prompt + out
+    hidden, _ = M.forward(loaded.params, loaded.config, jnp.asarray([ids[:-1]]), jnp.arange(len(ids) - 1)[None], None, len(ids) - 1)
+    argmax = np.asarray(jnp.argmax(M.logits(loaded.params, hidden)[0], -1))
+    assert list(argmax[len(prompt) - 1 :]) == out
+
+
+def test_quantized_batch_rows_equal_run_alone(tiny):
+    """W8A8 quantizes each row's activations on its own and the cache each row's K/V: a row's
+    result does not depend on its batch-mates (greedy, as test_batch holds for float)."""
+    from reference import alone
+
+    from jaxinfer.batch import BatchRunner, Request
+    from jaxinfer.sampling import Sampling
+
+    model = load_model(tiny("qwen2"), quantize="int8", kv_dtype="int8")
+    prompts = ["The capital of France is", "def fibonacci(n):", "x", "a b c d e f g h i j k l", "Hello"]
+    reqs = [Request(i, model.tokenizer.encode(p), Sampling(temperature=0.0), 6 + 3 * i, 100 + i, ()) for i, p in enumerate(prompts)]
+    out = []
+    BatchRunner(model, 3, 128).run(reqs, out.append, True)
+    assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r).text for r in reqs}
