@@ -6,10 +6,14 @@
 
 Each shape (SmolLM-135M, TinyLlama-1.1B) becomes a random-weight float32 checkpoint made by
 transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
-converted to a float32 GGUF by llama.cpp's own `convert_hf_to_gguf.py`. Every engine then runs the
-same 512 prompt tokens and 128 greedy new tokens on the same number of threads, after a warm-up;
-the median of the repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's
-logits; decode tokens/s = generated tokens after the first / their time.
+converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
+by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs the same 512 prompt
+tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the median of the
+repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits; decode
+tokens/s = generated tokens after the first / their time. Each peer row is compared with the
+jaxinfer row of the same kind of weights: float ones with float32, q8_0 with int8, q4_0 with int4.
+
+The table replaces the first section of BENCHMARKS.md; the sections after it are kept.
 """
 
 from __future__ import annotations
@@ -74,22 +78,42 @@ def llama_cpp_source(work: Path) -> Path:
     return tree
 
 
-def gguf(model_dir: Path, work: Path) -> Path:
-    out = model_dir / "model-f32.gguf"
-    if not out.is_file():
-        tree = llama_cpp_source(work)
-        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32",
-                        "--outfile", str(out)], check=True, env=env)
+# (engine, weights) rows per shape, and the jaxinfer weights each peer row is compared with
+ROWS = [
+    ("jaxinfer", "float32"), ("jaxinfer", "int8"), ("jaxinfer", "int4"),
+    ("transformers", "float32"), ("transformers", "bfloat16"),
+    ("llama.cpp", "f32"), ("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0"),
+]
+OURS_FOR = {"float32": "float32", "bfloat16": "float32", "f32": "float32", "f16": "float32", "q8_0": "int8", "q4_0": "int4"}
+LLAMA_FTYPE_MOSTLY_Q4_0 = 2  # llama.h
+
+
+def gguf(model_dir: Path, work: Path, kind: str) -> Path:
+    """The checkpoint as a GGUF of `kind` (f32, f16, q8_0 by the converter; q4_0 quantized from f32)."""
+    out = model_dir / f"model-{kind}.gguf"
+    if out.is_file():
+        return out
+    if kind == "q4_0":
+        import llama_cpp
+
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = LLAMA_FTYPE_MOSTLY_Q4_0
+        if llama_cpp.llama_model_quantize(str(gguf(model_dir, work, "f32")).encode(), str(out).encode(), params) != 0:
+            raise RuntimeError("llama_model_quantize failed")
+        return out
+    tree = llama_cpp_source(work)
+    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
+    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind,
+                    "--outfile", str(out)], check=True, env=env)
     return out
 
 
-def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int) -> tuple[float, float]:
+def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weights: str) -> tuple[float, float]:
     from jaxinfer.engine import Engine
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import Sampling
 
-    model = load_model(model_dir, "float32")
+    model = load_model(model_dir, "float32", quantize=None if weights == "float32" else weights)
     results = []
     for _ in range(repeat + 1):  # the first compiles and warms up
         engine = Engine(model.config, model.params, len(prompt) + new, eos_ids=())  # an empty cache: no reuse
@@ -99,12 +123,12 @@ def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int) -> t
     return _medians(results[1:])
 
 
-def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, threads: int) -> tuple[float, float]:
+def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, threads: int, weights: str) -> tuple[float, float]:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, weights)).eval()
     ids = torch.tensor([prompt])
     results = []
     with torch.no_grad():
@@ -174,31 +198,38 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         model_dir = checkpoint(shape, args.work)
-        gguf_file = gguf(model_dir, args.work)
-        ours = run_jaxinfer(model_dir, prompt, args.tokens, args.repeat)
-        peers = {
-            "transformers": run_transformers(model_dir, prompt, args.tokens, args.repeat, args.threads),
-            "llama.cpp": run_llama_cpp(gguf_file, prompt, args.tokens, args.repeat, args.threads),
-        }
-        rows.append((shape, "jaxinfer", ours, None))
-        rows += [(shape, name, rates, (ours[0] / rates[0], ours[1] / rates[1])) for name, rates in peers.items()]
-        print(json.dumps({"shape": shape, "jaxinfer": ours, **peers}), flush=True)
+        rates = {}
+        for engine, weights in ROWS:
+            if engine == "jaxinfer":
+                rates[engine, weights] = run_jaxinfer(model_dir, prompt, args.tokens, args.repeat, weights)
+            elif engine == "transformers":
+                rates[engine, weights] = run_transformers(model_dir, prompt, args.tokens, args.repeat, args.threads, weights)
+            else:
+                rates[engine, weights] = run_llama_cpp(gguf(model_dir, args.work, weights), prompt, args.tokens, args.repeat, args.threads)
+            print(json.dumps({"shape": shape, "engine": engine, "weights": weights, "prefill_decode": rates[engine, weights]}), flush=True)
+        for (engine, weights), (prefill, decode) in rates.items():
+            ours = None if engine == "jaxinfer" else OURS_FOR[weights]
+            ratio = None if ours is None else (rates["jaxinfer", ours][0] / prefill, rates["jaxinfer", ours][1] / decode)
+            rows.append((shape, engine, weights, (prefill, decode), ours, ratio))
 
     lines = [
         "# jaxinfer against its peers",
         "",
         f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; {versions()}.",
-        f"`python scripts/compare_peers.py`: random-weight float32 models, {args.prompt} prompt tokens, {args.tokens} "
-        f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up.",
+        f"`python scripts/compare_peers.py`: random-weight models, {args.prompt} prompt tokens, {args.tokens} "
+        f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up. Each peer row is compared with "
+        "the jaxinfer row of the same kind of weights (float with float32, q8_0 with int8, q4_0 with int4).",
         "",
-        "| model shape | engine | prefill tok/s | decode tok/s | jaxinfer ÷ peer, prefill | jaxinfer ÷ peer, decode |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, prefill | jaxinfer ÷ peer, decode |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: |",
     ]
-    for shape, engine, (prefill, decode), ratio in rows:
-        ratios = f"{ratio[0]:.2f} | {ratio[1]:.2f}" if ratio else "– | –"
-        lines.append(f"| {shape} | {engine} | {prefill:.1f} | {decode:.2f} | {ratios} |")
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for shape, engine, weights, (prefill, decode), ours, ratio in rows:
+        ratios = f"{ours} | {ratio[0]:.2f} | {ratio[1]:.2f}" if ratio else "– | – | –"
+        lines.append(f"| {shape} | {engine} | {weights} | {prefill:.1f} | {decode:.2f} | {ratios} |")
+    table = "\n".join(lines) + "\n"
+    rest = args.out.read_text().partition("\n## ")[2] if args.out.is_file() else ""
+    args.out.write_text(table + (f"\n## {rest}" if rest else ""))
+    print(table)
 
 
 if __name__ == "__main__":
