@@ -83,8 +83,9 @@ def _filter(logits: jax.Array, p: SamplerArrays) -> jax.Array:
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)  # [B]
     ordered = jnp.where(jnp.arange(V) < k[:, None], ordered, -jnp.inf)
     probs = jax.nn.softmax(ordered, axis=-1)
-    # Keep a token while the mass strictly before it is < top_p: the first one always stays.
-    kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < p.top_p[:, None], axis=-1)  # [B] ≥ 1
+    # Keep a token while the mass strictly before it is < top_p: the first one always stays. Never
+    # past top-k: rounded below 1, the mass before a cut token would keep it (and undo top-k).
+    kept = jnp.minimum(jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < p.top_p[:, None], axis=-1), k)  # [B] ≥ 1
     threshold = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)  # [B, 1]
     # min-p: drop tokens less likely than min_p × the most likely one (log space).
     min_p_floor = jnp.where(p.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(p.min_p, 1e-30)), -jnp.inf)

@@ -1,5 +1,7 @@
 """Engine behaviour: compile counts, sampling determinism, stop strings, streaming."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxinfer.engine import Engine
@@ -7,7 +9,7 @@ from jaxinfer.slots import prompt_bucket
 from jaxinfer.generate import Generation, StopStrings
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
-from jaxinfer.sampling import Sampling
+from jaxinfer.sampling import SamplerArrays, Sampling, sample
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,18 @@ def test_sampling_filters_restrict_the_choice(model):
     for strict in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6), Sampling(temperature=1.5, min_p=0.999)):
         gen, _ = generate(model, engine, "The capital", sampling=strict, max_tokens=16, seed=3)
         assert gen.token_ids == greedy.token_ids, strict
+
+
+def test_top_k_holds_whatever_the_rounding_of_the_kept_mass():
+    # The mass of the k kept tokens sums to just under 1 in float32 for most logits; top-p at 1
+    # must not then keep the cut ones.
+    logits = jax.random.normal(jax.random.key(0), (64, 1000)) * 3
+    settings = SamplerArrays.from_settings([Sampling(temperature=1.0, top_k=20)] * 64)
+    keys = jax.random.split(jax.random.key(1), 64)
+    top20 = jax.lax.top_k(logits, 20)[1]
+    for draw in range(8):
+        drawn = sample(logits, jnp.zeros(logits.shape, bool), jax.vmap(jax.random.fold_in, (0, None))(keys, draw), settings)
+        assert bool(jnp.all(jnp.any(top20 == drawn[:, None], axis=1)))
 
 
 def test_repeat_penalty_changes_greedy_output(model):
