@@ -23,6 +23,8 @@ def batch(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
+    speculate: Optional[str] = options.SPECULATE,
+    num_draft: Optional[int] = options.NUM_DRAFT,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -34,7 +36,7 @@ def batch(
     from jaxinfer.jobs import Job, open_output
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
-    chunking = options.chunking(prefill_chunk)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
@@ -52,11 +54,14 @@ def batch(
     earlier = None if to_stdout else open_output(output, resume)
     if earlier and earlier.dropped:
         render.notice(f"resuming: removed a record cut short at the end of {output}: {earlier.dropped[:60]}…")
-    job = Job(loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, earlier.file if earlier else sys.stdout, earlier)
+    job = Job(
+        loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, earlier.file if earlier else sys.stdout, earlier,
+        speculating="speculation" in decoding,
+    )
     requests = list(job.requests(lines))
     if job.skipped:
         render.notice(f"resuming: {job.skipped} requests already done in {output}")
-    runner = BatchRunner(loaded, batch_size, context, **chunking)
+    runner = BatchRunner(loaded, batch_size, context, **decoding)
     started = time.perf_counter()
     interrupted = False
     with render.job_progress(len(requests)) as update:

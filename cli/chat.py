@@ -35,6 +35,8 @@ def chat(
     ignore_eos: bool = options.IGNORE_EOS,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
+    speculate: Optional[str] = options.SPECULATE,
+    num_draft: Optional[int] = options.NUM_DRAFT,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -45,10 +47,10 @@ def chat(
     from jaxinfer.engine import Engine
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    chunking = options.chunking(prefill_chunk)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     context = options.context_length(loaded.max_positions, max_context)
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
     session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed, tuple(map(options.unescape, stop)), ignore_eos)

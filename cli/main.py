@@ -113,6 +113,8 @@ def run(
     escape: bool = options.ESCAPE,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
+    speculate: Optional[str] = options.SPECULATE,
+    num_draft: Optional[int] = options.NUM_DRAFT,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -132,14 +134,14 @@ def run(
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    chunking = options.chunking(prefill_chunk)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **chunking)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
     gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(map(options.unescape, stop)), ignore_eos=ignore_eos)
     try:
         if json_output:

@@ -14,6 +14,8 @@ from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_NUM_DRAFT = 4
+SPECULATE_METHODS = ("ngram",)
 
 MODEL = typer.Option(None, "--model", "-m", help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].")
 TEMP = typer.Option(None, "--temp", "--temperature", help="Sampling temperature; 0 is greedy [default: the model's].")
@@ -41,6 +43,15 @@ QUANTIZE = typer.Option(
 KV_DTYPE = typer.Option(
     None, "--kv-dtype", metavar="auto|int8", show_default=False,
     help="KV cache storage: auto (the compute dtype) or int8 (a scale per position and head: 3.8× the context of float32 fits) [default: auto].",
+)
+SPECULATE = typer.Option(
+    None, "--speculate", metavar="ngram", show_default=False,
+    help="Speculative decoding: ngram drafts the next tokens from the text so far (prompt lookup) and checks them in one pass "
+    "over the weights; the output is exactly what plain decoding gives. Pays on text that repeats itself (code edits, quotes).",
+)
+NUM_DRAFT = typer.Option(
+    None, "--num-draft", "--draft-max", "--num-draft-tokens", metavar="K", show_default=False,
+    help=f"Tokens drafted per step with --speculate [default: {DEFAULT_NUM_DRAFT}].",
 )
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
@@ -71,6 +82,22 @@ def chunking(prefill_chunk: Optional[int]) -> dict:
     if prefill_chunk != 0 and prefill_chunk < 16:
         raise JaxinferError("--prefill-chunk must be 0 (off) or at least 16")
     return {"prefill_chunk": prefill_chunk}
+
+
+def speculation(speculate: Optional[str], num_draft: Optional[int]) -> dict:
+    """`--speculate` and `--num-draft` as the keyword Engine, BatchRunner and bench take."""
+    from jaxinfer.decode import Speculation
+    from jaxinfer.errors import JaxinferError
+
+    if speculate not in (None, *SPECULATE_METHODS):
+        raise JaxinferError(f"--speculate must be one of {', '.join(SPECULATE_METHODS)}, not {speculate!r}")
+    if num_draft is not None and not 1 <= num_draft <= 32:
+        raise JaxinferError("--num-draft must be between 1 and 32")
+    if speculate is None:
+        if num_draft is not None:
+            raise JaxinferError("--num-draft needs --speculate ngram")
+        return {}
+    return {"speculation": Speculation(draft=num_draft or DEFAULT_NUM_DRAFT)}
 
 
 def load(model: Optional[Path], dtype: str, layout: str = "out_in", quantize: Optional[str] = None, kv_dtype: Optional[str] = None):

@@ -123,6 +123,9 @@ def stats(result: dict) -> None:
         + (_roof(roof["decode"], "mbu") if roof else ""),
         f"compile: {t['compile_s']:.2f} s ({cache}); finish: {result['finish_reason']}; seed: {result['seed']}",
     ]
+    if spec := t.get("speculation"):
+        lines.insert(2, f"speculation: {spec['accepted']} of {spec['drafted']} drafted tokens accepted ({spec['acceptance_rate']:.0%}), "
+                        f"{spec['tokens_per_step']:.2f} tokens per decode step")
     if roof:
         lines.append(f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})")
     err.print("\n".join(lines), style="dim", markup=False)

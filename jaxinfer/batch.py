@@ -16,7 +16,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.engine import percentile
+from jaxinfer.decode import Speculation
+from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
@@ -36,6 +37,7 @@ class Request:
     seed: int
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    speculate: bool = False  # draft by prompt lookup (where the runner speculates)
 
 
 @dataclass
@@ -59,9 +61,11 @@ class BatchStats:
 
 
 class BatchRunner:
-    def __init__(self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation()
+    ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
-        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk)
+        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation)
         self.stats = BatchStats()
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:
@@ -100,7 +104,7 @@ class BatchRunner:
         if not admitted:
             return
         self.slots.admit(
-            [Admission(i, r.prompt_ids, r.max_tokens, r.seed, r.sampling, ignore_eos=r.ignore_eos) for i, r in admitted],
+            [Admission(i, r.prompt_ids, r.max_tokens, r.seed, r.sampling, ignore_eos=r.ignore_eos, speculate=r.speculate) for i, r in admitted],
             self.stats.compile,
         )
         now = time.perf_counter()
@@ -135,14 +139,16 @@ class BatchRunner:
                 finished[i] = True
                 self.stats.finished += 1
                 eos = bool(done[i]) and not slot.request.ignore_eos and int(tokens[i, length[i] - 1]) in self.model.eos_ids
-                on_result(self._record(slot, eos, now, started))
+                c = self.slots.counters
+                spec = Speculated(int(c.drafted[i]), int(c.accepted[i]), int(c.passes[i]), int(length[i]) - len(slot.request.prompt_ids) - 1)
+                on_result(self._record(slot, eos, now, started, spec if slot.request.speculate else None))
                 slots[i] = None
         if finished.any():
             self.slots.retire(finished)  # a stop string: the row stops now
         return bool(finished.any())
 
     @staticmethod
-    def _record(slot: _Slot, eos: bool, now: float, started: float) -> dict:
+    def _record(slot: _Slot, eos: bool, now: float, started: float, speculated: Speculated | None) -> dict:
         text = slot.text
         text.flush()
         generated = len(text.token_ids)
@@ -161,5 +167,5 @@ class BatchRunner:
                 "total_s": round(now - slot.admitted, 4),
                 "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
                 "itl_ms": {"p50": round(percentile(itl_ms, 0.5), 3), "p99": round(percentile(itl_ms, 0.99), 3), "max": round(max(itl_ms), 3)},
-            },
+            } | ({"speculation": speculated.as_dict()} if speculated else {}),
         }

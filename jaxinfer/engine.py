@@ -20,6 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -36,6 +37,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @dataclass
+class Speculated:
+    """What speculation did for a generation: draft tokens verified, of them kept, decode passes."""
+
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+    decoded: int = 0  # tokens the passes made
+
+    def as_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "tokens_per_step": round(self.decoded / self.passes, 4) if self.passes else 0.0,
+        }
+
+
+@dataclass
 class Timings:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, already in the KV cache from an earlier request: not prefilled
@@ -45,6 +64,7 @@ class Timings:
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
     kv_read: int = 0  # cache positions the decode steps attended over, summed over steps (the kv buckets)
     compile: CompileReport = field(default_factory=CompileReport)
+    speculation: Speculated | None = None  # where the decode loop speculated
 
     @property
     def prefilled_tokens(self) -> int:
@@ -65,7 +85,8 @@ class Timings:
         return {"mean": statistics.fmean(ms), "p50": percentile(ms, 0.5), "p90": percentile(ms, 0.9)}
 
     def as_dict(self) -> dict:
-        return {
+        spec = {"speculation": self.speculation.as_dict()} if self.speculation else {}
+        return spec | {
             "prefilled_tokens": self.prefilled_tokens,
             "cached_tokens": self.cached_tokens,
             "ttft_s": round(self.ttft_s, 6),
@@ -98,9 +119,12 @@ class Engine:
     earlier turns, or the same prompt again) prefills only the rest.
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK,
+        speculation: Speculation = Speculation(),
+    ):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk)
+        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
     def cached_prefix(self, prompt: list[int]) -> int:
@@ -148,7 +172,7 @@ class Engine:
         n = len(prompt)
         start = timings.cached_tokens = self.cached_prefix(prompt)
         self._cached = self._cached[:start]  # prefill overwrites what follows
-        admit = Admission(0, prompt, max_tokens, result.seed, sampling, start, ignore_eos)
+        admit = Admission(0, prompt, max_tokens, result.seed, sampling, start, ignore_eos, speculate=slots.speculation.draft > 0)
         compiling = timings.compile.seconds
         started = time.perf_counter()
         slots.admit([admit], timings.compile)
@@ -158,6 +182,9 @@ class Engine:
         yield [int(tokens[n])]
 
         steps = 1 if stream else max_tokens
+        passes_before = 0  # the row's decode passes so far (counters start at its admission)
+        if slots.speculation.draft:
+            timings.speculation = Speculated()
         while not done:
             compiling = timings.compile.seconds
             started = time.perf_counter()
@@ -165,10 +192,15 @@ class Engine:
             tokens, new_length, done = self._fetch()
             elapsed = time.perf_counter() - started - (timings.compile.seconds - compiling)  # a new kv bucket compiles here
             made = new_length - length
+            passes = int(slots.counters.passes[0]) - passes_before
+            passes_before += passes
             timings.decode_s += elapsed
             timings.itl_s += [elapsed / made] * made
-            timings.kv_read += made * ran.kv_len
+            timings.kv_read += passes * ran.kv_len
             timings.generated_tokens += made
+            if timings.speculation:
+                c = slots.counters
+                timings.speculation = Speculated(int(c.drafted[0]), int(c.accepted[0]), int(c.passes[0]), timings.generated_tokens - 1)
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
                 steps = max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6))))
             yield [int(t) for t in tokens[length:new_length]]

@@ -2,7 +2,8 @@
 
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-seed, stop and ignore_eos; "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
+seed, stop, ignore_eos and speculate (false: this request does not draft, in a job run with
+--speculate); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
 ({"custom_id", "method", "url", "body"}) gets its result in that API's output shape. A bad line,
 unknown fields included, becomes an error record in the output and the job goes on. The output is locked while a job writes it. On resume, ids already in the
 output are skipped (and bad lines already recorded), and a last record cut short by a kill is
@@ -26,7 +27,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
-FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", *SAMPLING_FIELDS}
+FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", "speculate", *SAMPLING_FIELDS}
 
 # OpenAI Batch API lines (also vLLM's run-batch): the endpoint decides prompt or messages, and the
 # result is written in its output shape. vLLM's extensions (top_k, min_p, ...) are read as well.
@@ -108,8 +109,10 @@ def _record(path: Path, line: bytes) -> dict:
 
 
 class Job:
-    def __init__(self, model: LoadedModel, context: int, default_max_tokens: int, output: TextIO, earlier: Output | None = None):
-        self.model, self.context, self.default_max_tokens = model, context, default_max_tokens
+    def __init__(
+        self, model: LoadedModel, context: int, default_max_tokens: int, output: TextIO, earlier: Output | None = None, speculating: bool = False
+    ):
+        self.model, self.context, self.default_max_tokens, self.speculating = model, context, default_max_tokens, speculating
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self._seen: set[str] = set()
@@ -215,7 +218,12 @@ class Job:
         ignore_eos = item.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise JaxinferError('"ignore_eos" must be true or false')
-        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos)
+        speculate = item.get("speculate", self.speculating)
+        if not isinstance(speculate, bool):
+            raise JaxinferError('"speculate" must be true or false')
+        if speculate and not self.speculating:
+            raise JaxinferError('"speculate": true needs the job to run with --speculate ngram')
+        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate)
 
 
 def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:

@@ -148,11 +148,13 @@ def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: 
 def generation_report(cfg: ModelConfig, storage: Storage, timings, ceilings) -> dict:
     """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
     counts the K/V its steps read: the kv buckets they attended over (the mean over the steps, as
-    cost is linear in it)."""
+    cost is linear in it). A speculating loop reads the weights once per pass, not per token: its
+    bytes count passes, its FLOPs the tokens made."""
     prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
+    passes = timings.speculation.passes if timings.speculation else steps
     prefill = prefill_cost(cfg, storage, timings.prefilled_tokens, kv_len=prompt)
-    step = decode_step_cost(cfg, storage, kv_len=round(timings.kv_read / steps) if steps else prompt)
-    decode = Cost(step.flops * steps, step.bytes * steps)
+    step = decode_step_cost(cfg, storage, kv_len=round(timings.kv_read / passes) if passes else prompt)
+    decode = Cost(step.flops * steps, step.bytes * passes)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     return {
         "peak_flops": ceilings.peak_flops,

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import DecodeState, admission, decode, initial_state, prefill, retire
+from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs
@@ -80,6 +80,16 @@ class Admission:
     sampling: Sampling
     start: int = 0
     ignore_eos: bool = False
+    speculate: bool = False  # draft by prompt lookup, where the Slots speculate
+
+
+@dataclass
+class Counters:
+    """Per row [B], since it started: draft tokens verified, of them kept, and decode passes."""
+
+    drafted: np.ndarray
+    accepted: np.ndarray
+    passes: np.ndarray
 
 
 @dataclass
@@ -98,9 +108,11 @@ class Slots:
     """
 
     def __init__(
-        self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK
+        self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK,
+        speculation: Speculation = Speculation(),
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
+        self.speculation = speculation
         self.prefill_chunk = chunk_size(prefill_chunk)
         _check_memory(cfg, Storage.of_params(params), batch, max_context)
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
@@ -113,6 +125,7 @@ class Slots:
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
         self._queue: dict[int, tuple[Admission, int]] = {}  # row → its admission, prompt tokens prefilled so far
+        self.counters = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))
 
     @property
     def lost(self) -> bool:
@@ -162,7 +175,7 @@ class Slots:
         admissions = [a for a, _ in group]
         args = admission(
             [a.row for a in admissions], [a.prompt for a in admissions], starts, ends, limits, [a.seed for a in admissions],
-            [a.sampling for a in admissions], [a.ignore_eos for a in admissions], bucket,
+            [a.sampling for a in admissions], [a.ignore_eos for a in admissions], [a.speculate for a in admissions], bucket,
         )
         run = self._programs.get(("prefill", len(group), bucket, kv_len), report, prefill, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len)
         self.state = run(self.params, self.state, *args)
@@ -189,16 +202,22 @@ class Slots:
         kv_len = kv_bucket(longest, self.max_context)
         steps = 1 if chunked else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
         args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish)))
-        run = self._programs.get(("decode", kv_len), report, decode, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len)
+        spec = self.speculation
+        run = self._programs.get(("decode", kv_len), report, decode, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
         self.state = run(self.params, self.state, *args)
-        self._length[self._live] = np.minimum(self._length[self._live] + steps, self._limit[self._live])
+        # A speculative step makes up to draft + 1 tokens; the loop ends where a row leaves the bucket.
+        grown = np.minimum(self._length[self._live] + steps * (spec.draft + 1), kv_len + 1)
+        self._length[self._live] = np.minimum(grown, self._limit[self._live])
         return Step(steps, kv_len)
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tokens [B, S], length [B], done [B] on the host (whole arrays: slicing on the device would
-        dispatch programs of its own); the host's view of the rows becomes exact."""
-        tokens, length, done = jax.device_get((self.state.tokens, self.state.length, self.state.done))
+        dispatch programs of its own); the host's view of the rows becomes exact, and `counters`
+        current."""
+        s = self.state
+        tokens, length, done, *counters = jax.device_get((s.tokens, s.length, s.done, s.drafted, s.accepted, s.passes))
         self._length[:], self._live[:] = length, ~done  # a prefilling row reads done, with no token yet
+        self.counters = Counters(*counters)
         return tokens, length, done
 
     def retire(self, rows: np.ndarray) -> None:

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.weights import abstract_params
+from jaxinfer import quant
+from jaxinfer.weights import abstract_params, quantized_here
 
 SHAPES = {
     "smollm-135m": ModelConfig(
@@ -27,3 +28,13 @@ def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
     leaves, tree = jax.tree.flatten(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def quantized(params: dict, method: str) -> dict:
+    """The leaves `--quantize method` packs, packed (as loading would)."""
+
+    def pack(path, leaf):
+        name = getattr(path[-1], "key", None)
+        return quant.quantize(leaf, method) if isinstance(name, str) and quantized_here((name,), leaf.shape) else leaf
+
+    return jax.tree_util.tree_map_with_path(pack, params)

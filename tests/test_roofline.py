@@ -27,7 +27,7 @@ def xla_cost(compiled) -> tuple[float, float]:
 @pytest.mark.parametrize("tokens", [16, 128])
 def test_prefill_flops_match_xla_within_5_percent(model, tokens):
     state = initial_state(model.config, model.params, 1, S, model.eos_ids)
-    admit = admission([0], [[1] * tokens], [0], [tokens], [S], [0], [Sampling()], [False], tokens)
+    admit = admission([0], [[1] * tokens], [0], [tokens], [S], [0], [Sampling()], [False], [False], tokens)
     flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
     ours = prefill_cost(model.config, Storage(4), tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)

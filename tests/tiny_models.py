@@ -88,8 +88,12 @@ def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
     )
 
 
-def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dtype: str = "float32", **overrides) -> Path:
-    """Save a random-weight model of `arch` with a tokenizer into `directory`; returns it."""
+def make_model(
+    directory: Path, arch: str = "llama", tokenizer: str = "bpe", dtype: str = "float32", init_std: float = 0.2, **overrides
+) -> Path:
+    """Save a random-weight model of `arch` with a tokenizer into `directory`; returns it. A small
+    `init_std` makes a model whose next token depends mostly on the last one: its greedy text soon
+    cycles (what speculation's tests need: drafts that are accepted)."""
     import torch
     import transformers
 
@@ -115,7 +119,7 @@ def make_model(directory: Path, arch: str = "llama", tokenizer: str = "bpe", dty
     with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is decisive
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, init_std)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory

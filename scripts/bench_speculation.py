@@ -1,0 +1,105 @@
+"""What prompt-lookup speculation buys: decode tok/s with and without `--speculate ngram`, same
+engine settings, same process, alternated over repeats (median), on a prompt whose continuation
+repeats text already there (copy-heavy) and on open-ended ones.
+
+    python scripts/bench_speculation.py --model bundled --draft 2,4,8
+    python scripts/bench_speculation.py --model smollm-135m --quantize int8
+
+The bundled model (trained on Python's standard library) is asked to write out again a function
+from its prompt; an open-ended prompt asks for new code. Random-weight shapes have no text to copy:
+their greedy output falls into loops within a few dozen tokens, which lookup predicts, so their
+copy-heavy figure is the best case and their open-ended one (a prompt of random ids, sampled at
+temperature 1) is the worst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import textwrap
+
+import numpy as np
+from shapes import SHAPES, quantized, random_params
+
+from jaxinfer import quant
+from jaxinfer.decode import Speculation
+from jaxinfer.engine import Engine
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+
+
+def bundled_prompts(model) -> dict[str, tuple[list[int], Sampling]]:
+    source = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))[:700]
+    head = source.split("\n", 1)[0]
+    encode = model.tokenizer.encode
+    return {
+        "copy-heavy": (encode(f"{source}\n\n# The same, once more:\n{head}\n"), Sampling()),
+        "open-ended": (encode("import os\n\n\ndef walk_tree(root):\n"), Sampling()),
+        "open, sampled": (encode("import os\n\n\ndef walk_tree(root):\n"), Sampling(temperature=0.8, top_p=0.95)),
+    }
+
+
+def shape_prompts(vocab: int) -> dict[str, tuple[list[int], Sampling]]:
+    ids = np.random.default_rng(0).integers(3, vocab, 64).tolist()
+    return {"loops (greedy)": (ids, Sampling()), "random (T=1)": (ids, Sampling(temperature=1.0))}
+
+
+def decode_tok_s(engine: Engine, prompt: list[int], sampling: Sampling, tokens: int) -> tuple[float, dict]:
+    run = engine.generate(prompt, sampling, tokens, seed=0, stream=False, ignore_eos=True)
+    for _ in run:
+        pass
+    spec = run.timings.speculation
+    return run.timings.decode_tok_s, spec.as_dict() if spec else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["bundled", *sorted(SHAPES)], default="bundled")
+    parser.add_argument("--draft", default="4", help="draft lengths K to compare, comma-separated")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quantize", choices=quant.METHODS, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    if args.model == "bundled":
+        model = load_model(None, quantize=args.quantize)
+        cfg, params, prompts, context = model.config, model.params, bundled_prompts(model), 512
+    else:
+        cfg = SHAPES[args.model]
+        params = random_params(cfg)
+        if args.quantize:
+            params = quantized(params, args.quantize)
+        prompts, context = shape_prompts(cfg.vocab_size), 1024
+    drafts = [int(k) for k in args.draft.split(",")]
+    engines = {k: Engine(cfg, params, context, eos_ids=(), speculation=Speculation(draft=k)) for k in [0, *drafts]}
+    rows = []
+    for name, (prompt, sampling) in prompts.items():
+        for engine in engines.values():  # compile every program the runs need before timing
+            decode_tok_s(engine, prompt, sampling, args.tokens)
+        speeds = {k: [] for k in engines}
+        stats = {}
+        for _ in range(args.repeat):
+            for k, engine in engines.items():
+                tok_s, stats[k] = decode_tok_s(engine, prompt, sampling, args.tokens)
+                speeds[k].append(tok_s)
+        plain = statistics.median(speeds[0])
+        for k in drafts:
+            fast = statistics.median(speeds[k])
+            rows.append({"prompt": name, "draft": k, "plain_tok_s": round(plain, 1), "speculative_tok_s": round(fast, 1),
+                         "speedup": round(fast / plain, 3), **stats[k]})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    storage = f"{cfg.architecture}, {args.quantize or 'float32'}"
+    print(f"{args.model} ({storage}), {args.tokens} tokens, median of {args.repeat}")
+    for r in rows:
+        print(f"  {r['prompt']:15} K={r['draft']}: {r['plain_tok_s']:7.1f} → {r['speculative_tok_s']:7.1f} tok/s "
+              f"(×{r['speedup']:.2f}); accepted {r['accepted']}/{r['drafted']} ({r['acceptance_rate']:.0%}), "
+              f"{r['tokens_per_step']:.2f} tokens per step")
+
+
+if __name__ == "__main__":
+    main()
