@@ -277,6 +277,8 @@ def bench(
     repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets its rows reach."),
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
+    speculate: Optional[str] = options.SPECULATE,
+    num_draft: Optional[int] = options.NUM_DRAFT,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -290,11 +292,11 @@ def bench(
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
-    chunking = options.chunking(prefill_chunk)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
-        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **chunking)
+        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
     if json_output:

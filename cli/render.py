@@ -205,6 +205,11 @@ def bench_table(rows: list[dict], caption: str) -> None:
             f"{r['decode']['mbu']:.1%}",
             f"{r['compile_s']:.2f}",
         )
+    speculated = [r for r in rows if "speculation" in r]
+    if speculated:
+        table.caption += "\nspeculation, drafts kept and tokens per decode step: " + "; ".join(
+            f"{r['prompt_tokens']}×{r['batch']}: {r['speculation']['acceptance_rate']:.0%}, {r['speculation']['tokens_per_step']:.2f}" for r in speculated
+        )
     out.print(table)
 
 

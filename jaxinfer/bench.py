@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import percentile
+from jaxinfer.decode import Speculation
+from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.model import in_out_layout, layout_for_batch
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
@@ -33,17 +34,20 @@ def _spread(values: list[float]) -> dict:
 
 def bench_point(
     cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings,
-    max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+    max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation(),
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
     the new tokens); decode reads only the kv buckets the rows reach, whatever its size. Prompts
-    longer than `prefill_chunk` are prefilled in chunks, as run does."""
+    longer than `prefill_chunk` are prefilled in chunks, as run does. With `speculation` a step
+    makes 1 to K+1 tokens per row: the point runs steps until every row has its tokens, and its
+    ITL is a step's time over the tokens it made per row."""
     S = max_context or prompt_tokens + new_tokens
     if prompt_tokens + new_tokens > S:
         raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
-    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk)  # no EOS: every row runs all its steps
+    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk, speculation=speculation)  # no EOS: every row runs all its steps
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
-    admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling()) for r in range(batch)]  # each row its own seed
+    speculate = speculation.draft > 0
+    admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling(), speculate=speculate) for r in range(batch)]  # each row its own seed
 
     compiled = CompileReport()
     ttft, decode_s, itl = [], [], []
@@ -53,22 +57,25 @@ def bench_point(
         jax.block_until_ready(slots.state.length)
         first = time.perf_counter() - start
         steps, kv_read = [], []
-        for _ in range(new_tokens - 1):
+        made = jax.device_get(slots.state.length)
+        while made.min() < prompt_tokens + new_tokens:
             start = time.perf_counter()
             ran = slots.step(1, compiled)
-            jax.block_until_ready(slots.state.length)
+            length = jax.device_get(slots.state.length)
             steps.append(time.perf_counter() - start)
             kv_read.append(ran.kv_len)
+            if r:
+                itl.append(steps[-1] * batch / max(1, int((length - made).sum())))
+            made = length
         if r:
             ttft.append(first)
             decode_s.append(sum(steps))
-            itl += steps
 
     storage = Storage.of_params(params)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     prefill_work = prefill_cost(cfg, storage, prompt_tokens, batch=batch)
     step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)  # cost is linear in kv_len
-    decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * (new_tokens - 1))
+    decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * len(steps))  # weights read once per pass
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
     return {
         "prompt_tokens": prompt_tokens,
@@ -87,7 +94,14 @@ def bench_point(
         "decode": phase_report(decode_work, decode_median, *roofs),
         "roofline_ttft_s": predicted_seconds(prefill_work, *roofs),
         "roofline_decode_tok_s": batch / predicted_seconds(step, *roofs),
-    }
+    } | ({"speculation": _speculated(slots)} if speculate else {})
+
+
+def _speculated(slots: Slots) -> dict:
+    """The last run's speculation over all rows."""
+    slots.fetch()
+    c = slots.counters
+    return Speculated(int(c.drafted.sum()), int(c.accepted.sum()), int(c.passes.sum()), int(c.passes.sum() + c.accepted.sum())).as_dict()
 
 
 def sweep(
@@ -101,6 +115,7 @@ def sweep(
     progress: Callable[[int, int], None] | None = None,
     max_context: int | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    speculation: Speculation = Speculation(),
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
     layouts = {"out_in": params}  # each batch size decodes on the layout it is fastest on, as run and batch do
@@ -111,7 +126,7 @@ def sweep(
         layout = layout_for_batch(b)
         if layout not in layouts:
             layouts[layout] = in_out_layout(params)
-        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk)
+        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk, speculation)
         rows.append({**point, "layout": layout})
     if progress:
         progress(len(points), len(points))

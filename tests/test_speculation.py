@@ -125,6 +125,17 @@ def test_bundled_model_copies_exactly(tmp_path):
     assert generate(model, ids, SPEC, n=64, context=512).token_ids == generate(model, ids, n=64, context=512).token_ids
 
 
+def test_bench_speculates_and_reports_what_it_kept(tiny):
+    import json
+
+    proc = jaxinfer("bench", "-m", tiny("llama", init_std=0.05), "-p", "16", "-n", "24", "-b", "1,2", "-r", "1", "--speculate", "ngram", "--json")
+    assert proc.returncode == 0, proc.stderr
+    for point in json.loads(proc.stdout)["points"]:
+        spec = point["speculation"]
+        assert spec["drafted"] >= spec["accepted"] > 0 and spec["tokens_per_step"] > 1
+        assert point["decode_tok_s"]["median"] > 0 and point["decode"]["mbu"] > 0
+
+
 def test_bad_flags_are_one_line_errors():
     assert_one_line_error(jaxinfer("run", "x", "--speculate", "medusa"), "--speculate", "ngram")
     assert_one_line_error(jaxinfer("run", "x", "--speculate", "ngram", "--num-draft", "0"), "--num-draft")
