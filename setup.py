@@ -1,8 +1,8 @@
-"""Only the compiled part of the build: the CPU matmul kernel for quantized weights
-(jaxinfer/kernels/qmatmul.cc, an XLA FFI custom call). Everything else is in pyproject.toml.
+"""Only the compiled part of the build: the CPU matmul kernels for float and quantized weights
+(jaxinfer/kernels/matmul.cc, XLA FFI custom calls). Everything else is in pyproject.toml.
 
 It compiles against the FFI headers jaxlib ships (`jax.ffi.include_dir()`). Where it cannot be
-built (no C++ compiler) the install still succeeds and quantized models run on the pure-JAX path.
+built (no C++ compiler) the install still succeeds and models run on XLA's own matmuls.
 """
 
 from setuptools import Extension, setup
@@ -21,8 +21,8 @@ class BuildWithFfiHeaders(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "jaxinfer._qmatmul",
-            sources=["jaxinfer/kernels/qmatmul.cc"],
+            "jaxinfer._kernels",
+            sources=["jaxinfer/kernels/matmul.cc"],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
             optional=True,

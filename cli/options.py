@@ -100,7 +100,7 @@ def speculation(speculate: Optional[str], num_draft: Optional[int]) -> dict:
     return {"speculation": Speculation(draft=num_draft or DEFAULT_NUM_DRAFT)}
 
 
-def load(model: Optional[Path], dtype: str, layout: str = "out_in", quantize: Optional[str] = None, kv_dtype: Optional[str] = None):
+def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None):
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import load_model
     from jaxinfer.quant import check_method

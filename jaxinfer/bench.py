@@ -118,7 +118,7 @@ def sweep(
     speculation: Speculation = Speculation(),
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
-    layouts = {"out_in": params}  # each batch size decodes on the layout it is fastest on, as run and batch do
+    layouts = {layout_for_batch(1): params}  # as loaded; each batch size decodes on its fastest layout, as run and batch do
     rows = []
     for done, (p, b) in enumerate(points):
         if progress:

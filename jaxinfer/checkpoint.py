@@ -55,7 +55,7 @@ def convert(
         raise JaxinferError(f"{destination} exists and is not empty; choose a new output directory")
     config_json = read_json(source / "config.json")
     stored = dtype if dtype != "auto" else (weights.checkpoint_dtype(config_json) or "float32")
-    model = load_model(source, stored, progress, quantize=quantize)
+    model = load_model(source, stored, progress, layout="out_in", quantize=quantize)  # stored as the checkpoint lays it out
     destination.mkdir(parents=True, exist_ok=True)
     save_params(model.params, destination / ORBAX_DIR)
     for name in SIDE_FILES:

@@ -14,6 +14,7 @@ from jaxinfer import weights
 from jaxinfer.config import ModelConfig, config_from_hf
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
+from jaxinfer.packed import pack_params
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.tokenizer import Tokenizer
@@ -130,7 +131,28 @@ def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict
     return model_dir, config_from_hf(config_json), config_json
 
 
-LAYOUTS = ("out_in", "in_out")
+LAYOUTS = ("out_in", "in_out", "packed")
+
+
+def check_layout(layout: str | None) -> str:
+    """`layout`, or by default the fastest here for one row (`model.layout_for_batch`)."""
+    from jaxinfer.model import layout_for_batch
+
+    layout = layout or layout_for_batch(1)
+    if layout not in LAYOUTS:
+        raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    return layout
+
+
+def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
+    """A tree as the checkpoint lays it out ("out_in") in `layout`; `consume` frees what it replaces."""
+    from jaxinfer.model import in_out_layout
+
+    if layout == "in_out":
+        return in_out_layout(params, consume)
+    if layout == "packed":
+        return pack_params(params, consume)
+    return params
 
 
 def stored_quantization(config_json: dict, quantize: str | None) -> str | None:
@@ -147,16 +169,16 @@ def load_model(
     path: str | Path | None = None,
     dtype: str = "auto",
     progress: weights.ProgressFn | None = None,
-    layout: str = "out_in",
+    layout: str | None = None,
     quantize: str | None = None,
     kv_dtype: str | None = None,
 ) -> LoadedModel:
-    """Load a model directory; with no path, the bundled default model. `layout` "in_out" stores
-    the layers' matrices transposed, the faster form for batched decode (`model.in_out_layout`);
+    """Load a model directory; with no path, the bundled default model. `layout`: "packed" for the
+    CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed (`model.in_out_layout`),
+    "out_in" as the checkpoint stores them; by default the fastest here (`model.layout_for_batch(1)`);
     `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
     the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`)."""
-    if layout not in LAYOUTS:
-        raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    layout = check_layout(layout)
     model_dir, cfg, config_json = load_config(path)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
@@ -178,14 +200,10 @@ def load_model(
     else:
         files = weights.safetensors_files(model_dir)
         params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize)
-    if layout == "in_out":
-        from jaxinfer.model import in_out_layout
-
-        params = in_out_layout(params, consume=True)
     return LoadedModel(
         path=model_dir,
         config=cfg,
-        params=params,
+        params=lay_out(params, layout, consume=True),
         tokenizer=tokenizer,
         dtype=chosen,
         quantize=quantize,

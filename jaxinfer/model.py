@@ -1,8 +1,9 @@
 """The Llama-family transformer as pure functions over a parameter pytree.
 
 Covers Llama 2/3, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): they differ only in flags of
-`ModelConfig`. Weights keep the Hugging Face [out, in] layout (`x @ w.T`), fastest for batch-1 decode
-and a copy-free lookup at load; `in_out_layout` makes the [in, out] tree batched decode runs faster on.
+`ModelConfig`. A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
+CPU kernel (`jaxinfer.packed`, what the CPU runs on where the kernel is built), quantized
+(`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for batched decode).
 
 A Python loop over layers (not `lax.scan` over stacked weights): on XLA CPU a scan copies every
 layer's weights out of the stack before each matmul, which halves decode speed.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import quant
+from jaxinfer import kernel, packed, quant
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
 
@@ -35,10 +36,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
     """x [..., in] @ w (+ bias, when the checkpoint has one); w is `w{name}` [out, in] (or its
-    `quant` packing), or `w{name}_io` [in, out] in a tree made for batched decode by `in_out_layout`."""
+    `packed` or `quant` form), or `w{name}_io` [in, out] in a tree made by `in_out_layout`."""
     w = layer.get(f"w{name}")
     if quant.is_quantized(w):
         y = quant.matmul(x, w).astype(x.dtype)
+    elif packed.is_packed(w):
+        y = packed.matmul(x, w).astype(x.dtype)
     elif w is not None:
         y = jnp.einsum("...i,oi->...o", x, w)
     else:
@@ -48,7 +51,10 @@ def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
 
 
 def layout_for_batch(batch: int) -> str:
-    """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size."""
+    """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size: packed for
+    the kernel wherever it is built; on XLA's dot, [in, out] for batches and [out, in] for one row."""
+    if kernel.available():
+        return "packed"
     return "in_out" if batch > 1 else "out_in"
 
 
@@ -61,7 +67,7 @@ def in_out_layout(params: Params, consume: bool = False) -> Params:
     for layer in params["layers"]:
         moved = {}
         for key, value in layer.items():
-            if key.startswith("w") and not quant.is_quantized(value) and value.ndim == 2:
+            if key.startswith("w") and isinstance(value, jax.Array) and value.ndim == 2:
                 moved[f"{key}_io"] = jnp.asarray(value.T)
                 if consume:
                     value.delete()
@@ -153,6 +159,14 @@ def mlp(layer: dict, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, layer, "gate")) * linear(x, layer, "up"), layer, "down")
 
 
+def embedding(embed, tokens: jax.Array, dtype) -> jax.Array:
+    if quant.is_quantized(embed):
+        return quant.take_rows(embed, tokens, dtype)
+    if packed.is_packed(embed):
+        return packed.take_rows(embed, tokens, dtype)
+    return embed[tokens]
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -170,8 +184,7 @@ def forward(
     cache in decode). With no cache (training), tokens are a whole sequence at positions 0..T-1 and
     see only each other.
     """
-    embed = params["embed"]
-    x = quant.take_rows(embed, tokens, compute_dtype(params)) if quant.is_quantized(embed) else embed[tokens]  # [B, T, D]
+    x = embedding(params["embed"], tokens, compute_dtype(params))  # [B, T, D]
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             normed = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
@@ -186,4 +199,6 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     head = params.get("lm_head", params["embed"])
     if quant.is_quantized(head):
         return quant.matmul(hidden, head)
+    if packed.is_packed(head):
+        return packed.matmul(hidden, head)
     return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)

@@ -1,7 +1,7 @@
 """Block-quantized weights: int8 (q8_0-like) and int4 (q4_0-like), blocks of 32 along the input.
 
 A quantized matrix is a dict `{"q", "scale"}` in the parameter tree where a float [out, in] matrix
-would be, packed as the CPU kernel (`kernels/qmatmul.cc`) reads it: 16 outputs side by side.
+would be, packed as the CPU kernel (`kernels/matmul.cc`) reads it: 16 outputs side by side.
 
 - int8: per block of 32, scale d = max|w| / 127 (stored bfloat16), q = round(w / d) in [-127, 127].
 - int4: as llama.cpp's q4_0, d = w* / -8 where w* is the block's value of largest magnitude, and
@@ -15,14 +15,12 @@ A matrix whose dimensions do not divide into 16 outputs by 32 inputs stays float
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib.machinery
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import kernel
 from jaxinfer.errors import JaxinferError
 
 METHODS = ("int8", "int4")
@@ -105,13 +103,8 @@ def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
 def matmul(x: jax.Array, leaf: dict) -> jax.Array:
     """x [..., in] @ W.T → [..., out] float32: the kernel where built for this backend, else the
     dequantized weight in the graph."""
-    groups, blocks = leaf["q"].shape[:2]
-    if kernel_available():
-        flat = x.reshape(-1, blocks * BLOCK).astype(jnp.float32)
-        out = jax.ffi.ffi_call("jaxinfer_qmatmul", jax.ShapeDtypeStruct((flat.shape[0], groups * GROUP), jnp.float32))(
-            flat, leaf["q"], leaf["scale"]
-        )
-        return out.reshape(*x.shape[:-1], groups * GROUP)
+    if kernel.available():
+        return kernel.call("jaxinfer_qmatmul", x, leaf["q"].shape[0] * GROUP, leaf["q"], leaf["scale"])
     return jnp.einsum("...i,oi->...o", x, dequantize(leaf, x.dtype), preferred_element_type=jnp.float32)
 
 
@@ -128,41 +121,3 @@ def w8a8_reference(x: jax.Array, leaf: dict) -> jax.Array:
     scale = leaf["scale"].astype(jnp.float32).transpose(0, 2, 1).reshape(groups * GROUP, blocks)
     out = (dots.astype(jnp.float32) * scale[None] * (amax / 127)[:, None, :]).sum(-1)
     return out.reshape(*x.shape[:-1], groups * GROUP)
-
-
-# ---------------------------------------------------------------------------------- the kernel
-
-
-def _library_path() -> Path | None:
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_qmatmul{suffix}"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-@functools.cache
-def _kernel() -> ctypes.CDLL | None:
-    """The built kernel, registered with XLA for the CPU; None where it was not built."""
-    path = _library_path()
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    jax.ffi.register_ffi_target("jaxinfer_qmatmul", jax.ffi.pycapsule(library.jaxinfer_qmatmul), platform="cpu")
-    library.jaxinfer_qmatmul_isa.restype = ctypes.c_char_p
-    return library
-
-
-_use_kernel = True  # tests turn it off to compare the two paths
-
-
-def kernel_available() -> bool:
-    return _use_kernel and jax.default_backend() == "cpu" and _kernel() is not None
-
-
-def kernel_isa() -> str | None:
-    """'avx512-vnni' or 'generic' where the kernel is built, else None."""
-    library = _kernel()
-    return library.jaxinfer_qmatmul_isa().decode() if library else None
-

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_batch import model_for  # noqa: E402
+from bench_batch import models_for  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
-from jaxinfer.model import in_out_layout  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 
 
@@ -37,8 +35,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     args = parser.parse_args()
 
-    model = model_for(args.model, "float32")
-    batched = dataclasses.replace(model, params=in_out_layout(model.params))  # what `jaxinfer batch` loads for B > 1
+    models = models_for(args.model, "float32", (1, 2))
+    model, batched = models[1], models[2]  # as `jaxinfer run` and `jaxinfer batch -b 2` load them
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     long_prompt = rng.integers(3, vocab, args.prompt).tolist()

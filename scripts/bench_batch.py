@@ -22,19 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shapes import SHAPES, random_params  # noqa: E402
+from shapes import SHAPES, loaded  # noqa: E402
 
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
-from jaxinfer.model import in_out_layout, layout_for_batch  # noqa: E402
+from jaxinfer.model import layout_for_batch  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 
 
-def model_for(name: str, dtype: str) -> LoadedModel:
-    if name == "bundled":
-        return dataclasses.replace(load_model(dtype=dtype), eos_ids=())
-    cfg = SHAPES[name]
-    return LoadedModel(Path(name), cfg, random_params(cfg, jnp.dtype(dtype)), None, dtype, Sampling(), (), None)
+def models_for(name: str, dtype: str, sizes) -> dict[int, LoadedModel]:
+    """Batch size → the model as `jaxinfer batch` loads it for that size (one load per layout)."""
+    by_layout = {}
+    for layout in {layout_for_batch(size) for size in sizes}:
+        if name == "bundled":
+            by_layout[layout] = dataclasses.replace(load_model(dtype=dtype, layout=layout), eos_ids=())
+        else:
+            cfg = SHAPES[name]
+            by_layout[layout] = LoadedModel(Path(name), cfg, loaded(cfg, dtype=jnp.dtype(dtype), layout=layout), None, dtype, Sampling(), (), None)
+    return {size: by_layout[layout_for_batch(size)] for size in sizes}
 
 
 def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> list[Request]:
@@ -68,13 +73,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (XLA CPU's fast path at batch ≥ 2)")
     args = parser.parse_args()
 
-    model = model_for(args.model, args.dtype)
-    batched = dataclasses.replace(model, params=in_out_layout(model.params))  # what `jaxinfer batch` loads for B > 1
+    sizes = [int(s) for s in args.sizes.split(",")]
+    models = models_for(args.model, args.dtype, {*sizes, args.mixed_batch})
+    model = models[sizes[0]]
     fixed = request_set(model, args.requests, lambda rng: 64)
     print(f"{args.model}: {args.requests} requests, 32–96 prompt tokens, 64 new tokens each, {args.dtype}")
     base = None
-    for size in (int(s) for s in args.sizes.split(",")):
-        rate, seconds = tokens_per_s(batched if layout_for_batch(size) == "in_out" else model, size, fixed, args.context)
+    for size in sizes:
+        rate, seconds = tokens_per_s(models[size], size, fixed, args.context)
         base = base or rate
         print(f"  B={size:>3}: {rate:8.1f} generated tok/s ({seconds:.1f} s, ×{rate / base:.1f} vs B=1)", flush=True)
 
@@ -83,7 +89,7 @@ def main() -> None:
     print(f"mixed lengths at B={args.mixed_batch}: {sum(lengths)} tokens, {min(lengths)}–{max(lengths)} per request (median {int(np.median(lengths))})")
     rates = {}
     for continuous in (True, False):
-        rates[continuous], seconds = tokens_per_s(batched, args.mixed_batch, mixed, args.context, continuous)
+        rates[continuous], seconds = tokens_per_s(models[args.mixed_batch], args.mixed_batch, mixed, args.context, continuous)
         print(f"  {'continuous' if continuous else 'static':>10}: {rates[continuous]:8.1f} tok/s ({seconds:.1f} s)", flush=True)
     print(f"  continuous / static: ×{rates[True] / rates[False]:.2f}")
 

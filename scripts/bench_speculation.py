@@ -21,7 +21,7 @@ import statistics
 import textwrap
 
 import numpy as np
-from shapes import SHAPES, quantized, random_params
+from shapes import SHAPES, loaded
 
 from jaxinfer import quant
 from jaxinfer.decode import Speculation
@@ -69,9 +69,7 @@ def main() -> None:
         cfg, params, prompts, context = model.config, model.params, bundled_prompts(model), 512
     else:
         cfg = SHAPES[args.model]
-        params = random_params(cfg)
-        if args.quantize:
-            params = quantized(params, args.quantize)
+        params = loaded(cfg, args.quantize)
         prompts, context = shape_prompts(cfg.vocab_size), 1024
     drafts = [int(k) for k in args.draft.split(",")]
     engines = {k: Engine(cfg, params, context, eos_ids=(), speculation=Speculation(draft=k)) for k in [0, *drafts]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from shapes import SHAPES, random_params
+from shapes import SHAPES, loaded
 
 from jaxinfer.engine import Engine
 from jaxinfer.sampling import Sampling
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = SHAPES[args.shape]
-    engine = Engine(cfg, random_params(cfg), args.context, eos_ids=())
+    engine = Engine(cfg, loaded(cfg), args.context, eos_ids=())
     prompt = list(range(1, 65))
     for stream in (True, False):  # compile both paths before timing
         per_token_ms(engine, prompt, 4, stream)

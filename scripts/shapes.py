@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer import quant
+from jaxinfer.loading import check_layout, lay_out
 from jaxinfer.weights import abstract_params, quantized_here
 
 SHAPES = {
@@ -30,11 +31,15 @@ def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
     return jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
-def quantized(params: dict, method: str) -> dict:
-    """The leaves `--quantize method` packs, packed (as loading would)."""
+def loaded(cfg: ModelConfig, quantize: str | None = None, dtype=jnp.float32, layout: str | None = None) -> dict:
+    """Random weights of `cfg` held as `load_model` holds them: quantized where `--quantize` packs,
+    then in `layout` (default: the fastest here)."""
+    params = random_params(cfg, dtype)
+    if quantize:
 
-    def pack(path, leaf):
-        name = getattr(path[-1], "key", None)
-        return quant.quantize(leaf, method) if isinstance(name, str) and quantized_here((name,), leaf.shape) else leaf
+        def pack(path, leaf):
+            name = getattr(path[-1], "key", None)
+            return quant.quantize(leaf, quantize) if isinstance(name, str) and quantized_here((name,), leaf.shape) else leaf
 
-    return jax.tree_util.tree_map_with_path(pack, params)
+        params = jax.tree_util.tree_map_with_path(pack, params)
+    return lay_out(params, check_layout(layout), consume=True)

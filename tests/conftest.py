@@ -23,3 +23,13 @@ def tiny(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(params=["native", "generic"])
+def isa(request):
+    """Each code path of the CPU kernels: this CPU's best, and the portable one."""
+    from jaxinfer import kernel
+
+    kernel.library().jaxinfer_force_generic(request.param == "generic")
+    yield request.param
+    kernel.library().jaxinfer_force_generic(0)

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from jaxinfer import model as M
+from jaxinfer import packed
 from jaxinfer.checkpoint import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
@@ -78,14 +79,21 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
     assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("arch", ["llama-linear", "qwen3"])  # biases; q/k norms
-def test_in_out_layout_gives_the_same_logits(tiny, arch):
-    """Batched decode loads the layers' matrices transposed: the same model, to float32 rounding."""
-    path = tiny(arch)
-    plain, transposed = load_model(path), load_model(path, layout="in_out")
-    assert "wq_io" in transposed.params["layers"][0] and "wq" not in transposed.params["layers"][0]
+@pytest.mark.parametrize("layout", ["in_out", "packed"])
+@pytest.mark.parametrize("arch", ["llama-linear", "qwen3"])  # biases; q/k norms and a tied head
+def test_every_layout_gives_the_same_logits(tiny, arch, layout):
+    """The checkpoint's [out, in], transposed for XLA's batched dot, packed for the CPU kernel (the
+    embedding too where its rows divide by 16: qwen3's padded to 400): the same model, to float32 rounding."""
+    path = tiny(arch, **({"vocab_size": 400} if arch == "qwen3" else {}))
+    plain, other = load_model(path, layout="out_in"), load_model(path, layout=layout)
+    layer = other.params["layers"][0]
+    if layout == "in_out":
+        assert "wq_io" in layer and "wq" not in layer
+    else:
+        assert packed.is_packed(layer["wq"])
+        assert packed.is_packed(other.params["embed"]) == (other.config.vocab_size % 16 == 0) == (arch == "qwen3")
     ids = plain.tokenizer.encode(PROMPT)
-    np.testing.assert_allclose(our_prompt_logits(transposed, ids)[0], our_prompt_logits(plain, ids)[0], atol=1e-5)
+    assert_close(our_prompt_logits(other, ids)[0], our_prompt_logits(plain, ids)[0])
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -96,4 +104,4 @@ def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     ids = model.tokenizer.encode(PROMPT * 2)
     hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
     assert cache is None
-    np.testing.assert_allclose(np.asarray(M.logits(model.params, hidden))[0], our_prompt_logits(model, ids)[0], atol=1e-5)
+    assert_close(np.asarray(M.logits(model.params, hidden))[0], our_prompt_logits(model, ids)[0])

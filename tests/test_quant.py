@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
+from kernel_helpers import needs_kernel, xla_dot
 
-from jaxinfer import quant
+from jaxinfer import kernel, quant
 from jaxinfer.loading import load_model
 from jaxinfer.perplexity import perplexity, windows
 
@@ -46,19 +47,7 @@ def test_quantize_error_is_within_the_block_step(method):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux", reason="CI's platform")
 def test_the_kernel_is_built_where_ci_runs():
-    assert quant.kernel_isa() is not None, "pip install did not build jaxinfer/kernels/qmatmul.cc"
-
-
-needs_kernel = pytest.mark.skipif(quant.kernel_isa() is None, reason="the kernel was not built")
-
-
-@pytest.fixture(params=["native", "generic"])
-def isa(request):
-    """Each code path of the kernel: this CPU's best, and the portable one."""
-    library = quant._kernel()
-    library.jaxinfer_qmatmul_force_generic(request.param == "generic")
-    yield request.param
-    library.jaxinfer_qmatmul_force_generic(0)
+    assert kernel.isa() is not None, "pip install did not build jaxinfer/kernels/matmul.cc"
 
 
 def problem(n, k, m, method, seed=0):
@@ -89,11 +78,8 @@ def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
     block's step, max|x_block| / 254, so |error| ≤ Σ_blocks step/2 · Σ |w| over the block."""
     x, leaf = problem(160, 96, 5, method, seed=1)
     ours = np.asarray(quant.matmul(x, leaf))
-    quant._use_kernel = False
-    try:
+    with xla_dot():
         plain = np.asarray(jax.jit(quant.matmul)(x, leaf))
-    finally:
-        quant._use_kernel = True
     np.testing.assert_allclose(plain, np.asarray(x) @ np.asarray(quant.dequantize(leaf)).T, rtol=1e-5, atol=1e-5)
     half_step = np.abs(blocks_of(np.asarray(x))).max(-1) / 254  # [m, blocks]
     w_mass = np.abs(blocks_of(np.asarray(quant.dequantize(leaf)))).sum(-1)  # [n, blocks]

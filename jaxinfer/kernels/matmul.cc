@@ -1,11 +1,14 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for block-quantized W: the decode matmul of `jaxinfer.quant`.
+// y[M, N] = x[M, K] @ W[N, K]^T on the CPU, as XLA FFI custom calls: `jaxinfer_qmatmul` for
+// block-quantized W (`jaxinfer.quant`) and `jaxinfer_fmatmul` for float32/bfloat16 W
+// (`jaxinfer.packed`, further down). Both keep 16 outputs side by side and share out the groups of
+// 16 between this thread and XLA's pool.
 //
-// An XLA FFI custom call for the CPU, because XLA CPU never sends a dot with M == 1 to its int8
+// Quantized: a custom call because XLA CPU never sends a dot with M == 1 to its int8
 // kernels and rebuilds the float weight when dequantizing in the graph (../shared/JAX-ON-CPU.md).
 // Like llama.cpp's q8_0 it is W8A8: each row of x is quantized per block of 32 to int8 with one
 // float scale, and each block's dot is an integer dot.
 //
-// Layout (written by quant.pack): 16 outputs ("a group") side by side, so one 64-byte vector holds
+// Layout (written by quant.quantize): 16 outputs ("a group") side by side, so one 64-byte vector holds
 // 4 consecutive k of 16 outputs and `vpdpbusd` with 4 broadcast activation bytes advances all 16
 // dots at once, with no horizontal sums:
 //   int8: q [N/16, K/32, 8, 16, 4] int8;  int4: q [N/16, K/32, 4, 16, 4] uint8, nibble j of byte
@@ -17,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -178,7 +182,7 @@ void groups_vnni(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
-std::atomic<bool> force_generic{false};  // tests: the portable path on a machine with VNNI
+std::atomic<bool> force_generic{false};  // tests: the portable paths on a machine with AVX-512
 
 bool has_vnni() {
   if (force_generic.load(std::memory_order_relaxed)) return false;
@@ -198,22 +202,143 @@ void run_groups(const Problem& p, int64_t g0, int64_t g1) {
   groups_generic(p, g0, g1);
 }
 
+// ------------------------------------------------------------------------------- float weights
+// y[M, N] = x[M, K] @ W[N, K]^T for float32 or bfloat16 W packed [N/16, K, 16] (`jaxinfer.packed`):
+// the same 16 outputs side by side, so one vector of W and one broadcast of x advance 16 dots.
+// XLA CPU runs a dot of 2–9 rows at about half its matrix-vector rate and converts bfloat16 weights
+// to float32 on every call (../shared/JAX-ON-CPU.md); here every weight is read once for all the
+// rows, in the width it is stored in, and the sums are float32.
+
+struct FProblem {
+  const float* x;
+  const void* w;
+  float* y;
+  int64_t m, k, groups;
+};
+
+template <bool kBf16>
+inline float weight_at(const void* w, int64_t at) {
+  if constexpr (kBf16) {
+    return bf16_to_float(static_cast<const uint16_t*>(w)[at]);
+  } else {
+    return static_cast<const float*>(w)[at];
+  }
+}
+
+template <bool kBf16>
+void fgroups_generic(const FProblem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < p.m; ++row) {
+      float acc[kGroup] = {};
+      const float* x = p.x + row * p.k;
+      for (int64_t k = 0; k < p.k; ++k) {
+        for (int n = 0; n < kGroup; ++n) acc[n] += x[k] * weight_at<kBf16>(p.w, (g * p.k + k) * kGroup + n);
+      }
+      std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, acc, sizeof acc);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+template <bool kBf16>
+__attribute__((target("avx512f"), always_inline)) inline __m512 load_group(const void* w, int64_t at) {
+  if constexpr (kBf16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + at);
+  }
+}
+
+// kRows rows by kCols groups: per k, kCols weight vectors and kRows broadcasts feed kRows * kCols
+// independent sums (at most 24 of the 32 registers).
+template <int kRows, int kCols, bool kBf16>
+__attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int64_t row0) {
+  __m512 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* x = p.x + row0 * p.k;
+  for (int64_t k = 0; k < p.k; ++k) {
+    __m512 w[kCols];
+    for (int c = 0; c < kCols; ++c) w[c] = load_group<kBf16>(p.w, ((g + c) * p.k + k) * kGroup);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * p.k + k]);
+      for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + (g + c) * kGroup, acc[r][c]);
+}
+
+template <int kCols, bool kBf16>
+void frows_avx512(const FProblem& p, int64_t g) {
+  int64_t row = 0;
+  for (; row + 6 <= p.m; row += 6) ftile<6, kCols, kBf16>(p, g, row);
+  switch (p.m - row) {
+    case 5: ftile<5, kCols, kBf16>(p, g, row); break;
+    case 4: ftile<4, kCols, kBf16>(p, g, row); break;
+    case 3: ftile<3, kCols, kBf16>(p, g, row); break;
+    case 2: ftile<2, kCols, kBf16>(p, g, row); break;
+    case 1: ftile<1, kCols, kBf16>(p, g, row); break;
+    default: break;
+  }
+}
+
+template <bool kBf16>
+void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16>(p, g);
+  for (; g < g1; ++g) frows_avx512<1, kBf16>(p, g);
+}
+
+bool has_avx512() {
+  if (force_generic.load(std::memory_order_relaxed)) return false;
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+#endif
+
+template <bool kBf16>
+void run_fgroups(const FProblem& p, int64_t g0, int64_t g1) {
+#if defined(__x86_64__)
+  if (has_avx512()) return fgroups_avx512<kBf16>(p, g0, g1);
+#endif
+  fgroups_generic<kBf16>(p, g0, g1);
+}
+
 // The groups are shared out in chunks between this thread and XLA's intra-op pool. Whoever is free
 // takes the next chunk, and the caller waits only for chunks already taken, so a pool that is busy
 // (or absent) costs speed, never a deadlock. The state is shared, not on this stack: a pool task may
 // start after the call has returned and must find nothing left to do.
 struct Shared {
-  Problem problem;
-  int64_t chunk_groups, chunks;
+  std::function<void(int64_t, int64_t)> run;  // groups [g0, g1)
+  int64_t groups, chunk_groups, chunks;
   std::atomic<int64_t> next{0}, finished{0};
 
   void work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      run_groups(problem, c * chunk_groups, std::min(problem.groups, (c + 1) * chunk_groups));
+      run(c * chunk_groups, std::min(groups, (c + 1) * chunk_groups));
       finished.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// Runs `run` over [0, groups) on this thread and the pool, in chunks of at least ~32 KiB of work
+// (`group_bytes` per group) and a few per thread to even out the finish. `run` may read the
+// caller's stack: it is only called before the caller returns.
+void parallel_groups(ffi::ThreadPool& pool, int64_t groups, int64_t group_bytes, std::function<void(int64_t, int64_t)> run) {
+  auto shared = std::make_shared<Shared>();
+  shared->run = std::move(run);
+  shared->groups = groups;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, group_bytes));
+  shared->chunk_groups = std::min(by_size, std::max<int64_t>(1, groups / (4 * threads)));
+  shared->chunks = (groups + shared->chunk_groups - 1) / shared->chunk_groups;
+  const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->finished.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+}
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                    ffi::Buffer<ffi::BF16> scale, ffi::ResultBuffer<ffi::F32> y) {
@@ -231,7 +356,6 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   }
   if (m == 0 || groups == 0) return ffi::Error::Success();
 
-  auto shared = std::make_shared<Shared>();
   std::vector<int8_t> xq(m * k);
   std::vector<float> xs(m * k_blocks);
   std::vector<int32_t> xsum(m * k_blocks);
@@ -244,22 +368,37 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 #else
   quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
 #endif
-  shared->problem = Problem{x.typed_data(),
-                            static_cast<const uint8_t*>(q.untyped_data()),
-                            reinterpret_cast<const uint16_t*>(scale.typed_data()),
-                            y->typed_data(),
-                            m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data()};
-  // Chunks of at least ~32 KiB of weights times rows, and a few per thread to even out the finish.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t group_work = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
-  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, group_work));
-  shared->chunk_groups = std::max<int64_t>(by_size, 1);
-  shared->chunk_groups = std::min(shared->chunk_groups, std::max<int64_t>(1, groups / (4 * threads)));
-  shared->chunks = (groups + shared->chunk_groups - 1) / shared->chunk_groups;
-  const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->finished.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+  const Problem problem{x.typed_data(),
+                        static_cast<const uint8_t*>(q.untyped_data()),
+                        reinterpret_cast<const uint16_t*>(scale.typed_data()),
+                        y->typed_data(),
+                        m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data()};
+  const int64_t group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
+  parallel_groups(pool, groups, group_bytes, [&problem](int64_t g0, int64_t g1) { run_groups(problem, g0, g1); });
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kTileGroups = 4;  // a thread's share is whole tiles of 4 groups
+
+ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if ((!bf16 && w.element_type() != ffi::DataType::F32) || w_dims.size() != 3 || w_dims[2] != kGroup || x_dims.size() == 0) {
+    return ffi::Error::InvalidArgument("jaxinfer_fmatmul: w must be float32 or bfloat16 [N/16, K, 16]");
+  }
+  const int64_t k = x_dims.back();
+  const int64_t m = x.element_count() / std::max<int64_t>(k, 1);
+  const int64_t groups = w_dims[0];
+  if (k != w_dims[1]) return ffi::Error::InvalidArgument("jaxinfer_fmatmul: x and w disagree about K");
+  if (m == 0 || groups == 0) return ffi::Error::Success();
+  const FProblem problem{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, groups};
+  const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
+  const int64_t tile_bytes = kTileGroups * k * kGroup * (bf16 ? 2 : 4) * std::max<int64_t>(1, m / 6);
+  parallel_groups(pool, tiles, tile_bytes, [&problem, bf16](int64_t t0, int64_t t1) {
+    const int64_t g0 = t0 * kTileGroups, g1 = std::min(problem.groups, t1 * kTileGroups);
+    if (bf16) run_fgroups<true>(problem, g0, g1); else run_fgroups<false>(problem, g0, g1);
+  });
   return ffi::Error::Success();
 }
 
@@ -273,15 +412,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, QMatmul,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" void jaxinfer_qmatmul_force_generic(int yes) {
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, FMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" void jaxinfer_force_generic(int yes) {
 #if defined(__x86_64__)
   force_generic.store(yes != 0);
 #endif
 }
 
-extern "C" const char* jaxinfer_qmatmul_isa() {
+extern "C" const char* jaxinfer_kernel_isa() {  // the best path this CPU takes
 #if defined(__x86_64__)
   if (has_vnni()) return "avx512-vnni";
+  if (has_avx512()) return "avx512";
 #endif
   return "generic";
 }

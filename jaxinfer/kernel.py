@@ -1,0 +1,60 @@
+"""The compiled CPU matmul kernels (`kernels/matmul.cc`, built by `pip install`): found, registered
+with XLA, and switched off by tests to compare them with XLA's own path.
+
+Where they were not built (no C++ compiler) or the backend is not the CPU, `available()` is False
+and every matrix takes XLA's dot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul")
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_kernels{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, registered with XLA for the CPU; None where they were not built."""
+    path = _library_path()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for target in TARGETS:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    lib.jaxinfer_kernel_isa.restype = ctypes.c_char_p
+    return lib
+
+
+enabled = True  # tests turn it off to compare with XLA's path
+
+
+def available() -> bool:
+    return enabled and jax.default_backend() == "cpu" and library() is not None
+
+
+def isa() -> str | None:
+    """'avx512-vnni', 'avx512' or 'generic' where the kernels are built, else None."""
+    lib = library()
+    return lib.jaxinfer_kernel_isa().decode() if lib else None
+
+
+def call(target: str, x: jax.Array, out: int, *weights: jax.Array) -> jax.Array:
+    """x [..., K] through `target` → float32 [..., out]."""
+    flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(flat, *weights)
+    return y.reshape(*x.shape[:-1], out)

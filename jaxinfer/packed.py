@@ -1,0 +1,76 @@
+"""Float weight matrices packed for the CPU kernel (`kernels/matmul.cc`, `jaxinfer_fmatmul`): an
+[out, in] matrix is stored as `{"packed": [out/16, in, 16]}`, 16 outputs side by side, in float32 or
+bfloat16.
+
+XLA CPU's dot runs 2–16 rows at a third to a half of its matrix-vector rate (speculation's verify
+pass, batched decode, chunked prefill) and converts bfloat16 weights to float32 on every call. The
+kernel reads each weight once for all rows, in its stored width. Measured by
+`python scripts/bench_matmul.py` (SmolLM-135M's LM head, 49152×576 float32, ms, XLA → kernel): 1 row
+3.5 → 2.8, 5 rows 7.8 → 3.6, 16 rows 11.0 → 5.4, 128 rows 42 → 34; bfloat16 at 1 row 41 → 1.5.
+
+The load packs every float32 or bfloat16 matrix whose out dimension divides by 16 (`pack_params`);
+the rest stay [out, in]. Where the kernel is not built, the packed form still works, on XLA's dot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import kernel
+
+GROUP = 16
+
+
+def packable(leaf) -> bool:
+    """A float32 or bfloat16 matrix of whole groups (float16 stays on XLA's dot)."""
+    return isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.shape[0] % GROUP == 0 and leaf.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def pack(w: jax.Array) -> dict:
+    """[out, in] → {"packed": [out/16, in, 16]}."""
+    n, k = w.shape
+    return {"packed": w.reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)}
+
+
+def is_packed(leaf) -> bool:
+    return isinstance(leaf, dict) and "packed" in leaf
+
+
+def unpack(leaf: dict) -> jax.Array:
+    """The [out, in] matrix again."""
+    groups, k, _ = leaf["packed"].shape
+    return leaf["packed"].transpose(0, 2, 1).reshape(groups * GROUP, k)
+
+
+def matmul(x: jax.Array, leaf: dict) -> jax.Array:
+    """x [..., in] @ W.T → float32 [..., out]: on the kernel where it is built for this backend."""
+    w = leaf["packed"]
+    if kernel.available():
+        return kernel.call("jaxinfer_fmatmul", x, w.shape[0] * GROUP, w)
+    y = jnp.einsum("...k,gkn->...gn", x, w, preferred_element_type=jnp.float32)
+    return y.reshape(*x.shape[:-1], w.shape[0] * GROUP)
+
+
+def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of the [out, in] matrix (the embedding lookup): [..., in]."""
+    return leaf["packed"][ids // GROUP, :, ids % GROUP].astype(dtype)
+
+
+def pack_params(params: dict, consume: bool = False) -> dict:
+    """Every packable float matrix of the tree packed: the layers' matrices, the embedding and the LM
+    head. `consume` frees each original once packed (peak memory: one matrix more)."""
+
+    def one(value):
+        if not packable(value):
+            return value
+        packed = pack(value)
+        if consume:
+            value.delete()
+        return packed
+
+    tree = {**params, "embed": one(params["embed"])}
+    if "lm_head" in params:
+        tree["lm_head"] = one(params["lm_head"])
+    tree["layers"] = [{key: one(value) if key.startswith("w") else value for key, value in layer.items()} for layer in params["layers"]]
+    return tree

@@ -1,0 +1,68 @@
+"""The CPU float kernel (`jaxinfer.packed`) against XLA's dot, one matrix at a time: ms per call and
+the weights' GB/s, for the row counts each phase runs (1: decode; 2–16: batched decode and
+speculation's verify pass; 128: a prefill chunk), float32 and bfloat16 weights.
+
+    python scripts/bench_matmul.py                      # SmolLM-135M's and TinyLlama's matrices
+    python scripts/bench_matmul.py --rows 1,5 --repeat 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import kernel, packed
+
+MATRICES = {  # name: (out, in)
+    "smollm up 1536×576": (1536, 576),
+    "smollm down 576×1536": (576, 1536),
+    "smollm head 49152×576": (49152, 576),
+    "tinyllama up 5632×2048": (5632, 2048),
+}
+
+
+def ms(fn, *args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,5,9,16,128")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    if not kernel.available():
+        raise SystemExit("the kernels were not built for this machine (or the backend is not the CPU)")
+    print(f"kernel path: {kernel.isa()}; ms per call (weights' GB/s), median of {args.repeat}")
+    xla = jax.jit(lambda x, w: jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32))
+    xla_io = jax.jit(lambda x, w: jnp.einsum("mi,io->mo", x, w, preferred_element_type=jnp.float32))
+    ours = jax.jit(packed.matmul)
+    rng = np.random.default_rng(0)
+    for name, (n, k) in MATRICES.items():
+        w32 = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.05)
+        print(f"{name}")
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = w32.astype(dtype)
+            forms = {"XLA [out,in]": (xla, w), "XLA [in,out]": (xla_io, jnp.asarray(w.T)), "kernel": (ours, packed.pack(w))}
+            gb = n * k * jnp.dtype(dtype).itemsize / 1e9
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+                cells = []
+                for form, (fn, weight) in forms.items():
+                    t = ms(fn, x, weight, repeat=args.repeat)
+                    cells.append(f"{form} {t:8.3f} ({gb / t * 1e3:5.1f})")
+                print(f"  {jnp.dtype(dtype).name:8} M={rows:<4} " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

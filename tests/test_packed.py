@@ -1,0 +1,57 @@
+"""Float matrices packed for the CPU kernel (`jaxinfer.packed`): the kernel against numpy on odd
+shapes, on each code path, in float32 and bfloat16; the packing's lookups; a packed model against
+(a packed model against transformers and the other layouts is test_parity's)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import needs_kernel, xla_dot
+
+from jaxinfer import packed
+# (out, in, rows): out not a multiple of the kernel's 4-group tile, in odd, rows around its 6-row tile
+SHAPES = [(16, 37, 1), (48, 96, 3), (80, 64, 6), (160, 33, 7), (64, 160, 13), (16, 8, 130)]
+
+
+def problem(n, k, m, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((n, k)), dtype)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return x, w
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n,k,m", SHAPES)
+def test_kernel_is_the_float32_product(isa, dtype, n, k, m):
+    """Every weight widened exactly to float32, sums in float32: within float32 rounding of the
+    float64 product (|error| ≤ k·eps·Σ|x·w| per output)."""
+    x, w = problem(n, k, m, dtype)
+    ours = np.asarray(jax.jit(packed.matmul)(x, packed.pack(w)))
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    exact = x.astype(np.float64) @ w64.T
+    bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w64).T) + 1e-30
+    assert ours.dtype == np.float32 and ours.shape == (m, n)
+    np.testing.assert_array_less(np.abs(ours - exact), bound)
+
+
+@needs_kernel
+def test_kernel_and_xla_agree_on_a_batch_of_rows():
+    """[B, T, in] inputs keep their leading axes, on the kernel and on XLA's dot alike."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 5, 64)), jnp.float32)
+    leaf = packed.pack(jnp.asarray(rng.standard_normal((96, 64)), jnp.float32))
+    ours = packed.matmul(x, leaf)
+    with xla_dot():
+        plain = packed.matmul(x, leaf)
+    assert ours.shape == plain.shape == (2, 5, 96)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_round_trips_and_looks_rows_up():
+    w = jnp.arange(48 * 8, dtype=jnp.float32).reshape(48, 8)
+    leaf = packed.pack(w)
+    assert leaf["packed"].shape == (3, 8, 16)
+    np.testing.assert_array_equal(packed.unpack(leaf), w)
+    ids = jnp.asarray([[0, 17, 47], [5, 5, 32]])
+    np.testing.assert_array_equal(packed.take_rows(leaf, ids, jnp.float32), w[ids])
