@@ -238,17 +238,19 @@ def info(
 
     from jaxinfer.ceilings import device_memory_bytes
     from jaxinfer.kvcache import check_kv_dtype
-    from jaxinfer.loading import load_config, resolve_dtype, stored_quantization
+    from jaxinfer.loading import compute_dtype, load_config, resolve_dtype, stored_quantization
+    from jaxinfer.model import layout_for_batch
     from jaxinfer.roofline import Storage, model_facts
 
     options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
     model_dir, cfg, config_json = load_config(model)
-    chosen = resolve_dtype(dtype, config_json)
+    layout = layout_for_batch(batch_size)
+    chosen = resolve_dtype(dtype, config_json, layout)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context_length(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(chosen, peak_flops, peak_bandwidth, remeasure=measure)
-    facts = model_facts(cfg, Storage.of(chosen, quantize), context, batch_size, prompt_tokens, roofs, device_memory_bytes())
+    facts = model_facts(cfg, Storage.of(chosen, quantize, compute_dtype(chosen, layout)), context, batch_size, prompt_tokens, roofs, device_memory_bytes())
     facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, "quantize": quantize, "kv_dtype": cfg.kv_dtype, **facts}
     if json_output:
         render.print_json(json.dumps(facts))

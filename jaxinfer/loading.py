@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer import weights
 from jaxinfer.config import ModelConfig, config_from_hf
@@ -30,7 +31,7 @@ class LoadedModel:
     config: ModelConfig
     params: dict
     tokenizer: Tokenizer
-    dtype: str  # storage (and compute) dtype of the weights
+    dtype: str  # storage dtype of the weights (the compute dtype is `model.compute_dtype(params)`)
     quantize: str | None  # "int8" / "int4": the matrices are block-quantized (`jaxinfer.quant`)
     sampling: Sampling  # defaults from generation_config.json
     eos_ids: tuple[int, ...]
@@ -38,8 +39,12 @@ class LoadedModel:
 
     @property
     def storage(self) -> str:
-        """How the weights and cache are held, in words: "float32", "float32, int8 weights, int8 KV"."""
-        parts = [self.dtype] + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
+        """How the weights and cache are held, in words: "float32", "float32, int8 weights, int8 KV",
+        "bfloat16, float32 compute"."""
+        from jaxinfer.model import compute_dtype
+
+        computed = jnp.dtype(compute_dtype(self.params)).name
+        parts = [self.dtype] + ([f"{computed} compute"] if computed != self.dtype else []) + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
         return ", ".join(parts)
 
     @property
@@ -61,17 +66,26 @@ def read_json(path: Path, required: bool = True) -> dict:
     return data
 
 
-def resolve_dtype(requested: str, config_json: dict) -> str:
-    """`auto` is the checkpoint's dtype, except that XLA CPU gets float32: bf16/fp16 weights at
-    batch 1 are converted to f32 on every call there, slower than storing f32 in the first place."""
+def resolve_dtype(requested: str, config_json: dict, layout: str = "out_in") -> str:
+    """The dtype the weights are stored in. `auto` is the checkpoint's, except on XLA CPU, whose dot
+    converts bf16/fp16 weights to float32 on every call: float32 there, unless the CPU kernel's
+    `packed` layout reads bfloat16 as it is stored (same values, computed in float32)."""
     if requested not in DTYPES:
         raise JaxinferError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
     if requested != "auto":
         return requested
     stored = weights.checkpoint_dtype(config_json) or "float32"
-    if stored not in DTYPES[1:] or jax.default_backend() == "cpu":
+    if stored not in DTYPES[1:]:
         return "float32"
+    if jax.default_backend() == "cpu":
+        return stored if stored == "bfloat16" and layout == "packed" else "float32"
     return stored
+
+
+def compute_dtype(dtype: str, layout: str) -> str:
+    """What activations and the KV cache are computed in: the storage dtype, except that the packed
+    layout computes in float32 (`packed.pack_params`)."""
+    return "float32" if layout == "packed" else dtype
 
 
 def _eos_ids(config_json: dict, generation: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -191,7 +205,7 @@ def load_model(
         )
     if tokenizer.vocab_size < cfg.vocab_size:
         cfg = replace(cfg, sampled_vocab=tokenizer.vocab_size)
-    chosen = resolve_dtype(dtype, config_json)
+    chosen = resolve_dtype(dtype, config_json, layout)
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params
 

@@ -58,19 +58,23 @@ def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
 
 
 def pack_params(params: dict, consume: bool = False) -> dict:
-    """Every packable float matrix of the tree packed: the layers' matrices, the embedding and the LM
-    head. `consume` frees each original once packed (peak memory: one matrix more)."""
+    """The tree the kernel runs: every packable matrix packed (the layers', the embedding, the LM
+    head), and every other float leaf (norms, biases, a matrix the packing does not fit) in float32.
+    The kernel computes in float32 whatever width its weights are stored in, so the rest of the model
+    does too: bfloat16 weights read half the bytes, and the model computes as a float32 one.
+    `consume` frees each original once replaced (peak memory: one matrix more)."""
 
     def one(value):
-        if not packable(value):
-            return value
-        packed = pack(value)
+        if packable(value):
+            replacement = pack(value)
+        elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != jnp.float32:
+            replacement = value.astype(jnp.float32)
+        else:
+            return value  # float32 already, or a quantized matrix
         if consume:
             value.delete()
-        return packed
+        return replacement
 
-    tree = {**params, "embed": one(params["embed"])}
-    if "lm_head" in params:
-        tree["lm_head"] = one(params["lm_head"])
-    tree["layers"] = [{key: one(value) if key.startswith("w") else value for key, value in layer.items()} for layer in params["layers"]]
+    tree = {key: one(value) for key, value in params.items() if key != "layers"}
+    tree["layers"] = [{key: one(value) for key, value in layer.items()} for layer in params["layers"]]
     return tree

@@ -38,28 +38,33 @@ class Cost:
 
 @dataclass(frozen=True)
 class Storage:
-    """How the model is stored, as bytes per value: float leaves in `itemsize`, the matrices packed
-    by `quantize` where they fit the packing, the KV cache in `itemsize` too."""
+    """How the model is stored, as bytes per value: matrices in `itemsize`, or packed by `quantize`
+    where they fit the packing; norms, biases and the KV cache in the compute dtype's
+    `cache_itemsize` (default: `itemsize`)."""
 
     itemsize: int = 4
     quantize: str | None = None
+    cache_itemsize: int | None = None
 
     @classmethod
-    def of(cls, dtype, quantize: str | None = None) -> Storage:
-        return cls(np.dtype(dtype).itemsize, quantize)
+    def of(cls, dtype, quantize: str | None = None, compute_dtype=None) -> Storage:
+        return cls(np.dtype(dtype).itemsize, quantize, np.dtype(compute_dtype or dtype).itemsize)
 
     @classmethod
     def of_params(cls, params: dict) -> Storage:
-        """As a loaded parameter tree stores its weights."""
-        from jaxinfer import quant
+        """As a loaded parameter tree stores its weights (the cache is in the compute dtype, the final norm's)."""
+        from jaxinfer import packed, quant
 
-        packed = [leaf for leaf in (params["embed"], *params["layers"][0].values()) if quant.is_quantized(leaf)]
-        return cls(params["norm"].dtype.itemsize, quant.method_of(packed[0]) if packed else None)
+        leaves = (*params["layers"][0].values(), params["embed"])
+        quantized = [leaf for leaf in leaves if quant.is_quantized(leaf)]
+        floats = [leaf["packed"] if packed.is_packed(leaf) else leaf for leaf in leaves if not quant.is_quantized(leaf)]
+        matrix = next((leaf for leaf in floats if leaf.ndim >= 2), params["norm"])
+        return cls(matrix.dtype.itemsize, quant.method_of(quantized[0]) if quantized else None, params["norm"].dtype.itemsize)
 
     def bytes_per_value(self, path: tuple, shape: tuple[int, ...]) -> float:
         if self.quantize and quantized_here(path, shape):
             return PACKED_BYTES[self.quantize]
-        return self.itemsize
+        return self.itemsize if len(shape) == 2 else (self.cache_itemsize or self.itemsize)
 
 
 def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, float, float]:
@@ -93,7 +98,7 @@ def weight_bytes(cfg: ModelConfig, storage: Storage) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage) -> int:
     """K and V of one position: in the compute dtype, or int8 with a float32 scale per head."""
-    per_head = cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * storage.itemsize
+    per_head = cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 

@@ -11,7 +11,8 @@ by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs 
 tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the median of the
 repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits; decode
 tokens/s = generated tokens after the first / their time. Each peer row is compared with the
-jaxinfer row of the same kind of weights: float ones with float32, q8_0 with int8, q4_0 with int4.
+jaxinfer row of the same kind of weights: 32-bit with float32, 16-bit (f16, bfloat16) with our bfloat16,
+q8_0 with int8, q4_0 with int4.
 
 The table replaces the first section of BENCHMARKS.md; the sections after it are kept.
 """
@@ -80,11 +81,11 @@ def llama_cpp_source(work: Path) -> Path:
 
 # (engine, weights) rows per shape, and the jaxinfer weights each peer row is compared with
 ROWS = [
-    ("jaxinfer", "float32"), ("jaxinfer", "int8"), ("jaxinfer", "int4"),
+    ("jaxinfer", "float32"), ("jaxinfer", "bfloat16"), ("jaxinfer", "int8"), ("jaxinfer", "int4"),
     ("transformers", "float32"), ("transformers", "bfloat16"),
     ("llama.cpp", "f32"), ("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0"),
 ]
-OURS_FOR = {"float32": "float32", "bfloat16": "float32", "f32": "float32", "f16": "float32", "q8_0": "int8", "q4_0": "int4"}
+OURS_FOR = {"float32": "float32", "bfloat16": "bfloat16", "f32": "float32", "f16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
 LLAMA_FTYPE_MOSTLY_Q4_0 = 2  # llama.h
 
 
@@ -113,7 +114,8 @@ def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weig
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import Sampling
 
-    model = load_model(model_dir, "float32", quantize=None if weights == "float32" else weights)
+    dtype, quantize = (weights, None) if weights in ("float32", "bfloat16") else ("float32", weights)
+    model = load_model(model_dir, dtype, quantize=quantize)
     results = []
     for _ in range(repeat + 1):  # the first compiles and warms up
         engine = Engine(model.config, model.params, len(prompt) + new, eos_ids=())  # an empty cache: no reuse
@@ -218,7 +220,7 @@ def main() -> None:
         f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; {versions()}.",
         f"`python scripts/compare_peers.py`: random-weight models, {args.prompt} prompt tokens, {args.tokens} "
         f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up. Each peer row is compared with "
-        "the jaxinfer row of the same kind of weights (float with float32, q8_0 with int8, q4_0 with int4).",
+        "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16, q8_0 with int8, q4_0 with int4).",
         "",
         "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, prefill | jaxinfer ÷ peer, decode |",
         "| --- | --- | --- | ---: | ---: | --- | ---: | ---: |",

@@ -177,12 +177,18 @@ def test_no_home_at_all_costs_only_the_caches(monkeypatch):
     assert ceilings.machine_ceilings("float32").peak_bandwidth == 2e10  # measured, not stored
 
 
-@pytest.mark.parametrize("method", [None, "int8", "int4"])
-def test_weight_bytes_are_what_the_loaded_tree_holds(tiny, method):
-    """The roofline and `info` count the bytes as stored: quantized blocks and their scales."""
+@pytest.mark.parametrize("method,dtype", [(None, "float32"), ("int8", "float32"), ("int4", "float32"), (None, "bfloat16")])
+def test_weight_bytes_are_what_the_loaded_tree_holds(tiny, method, dtype):
+    """The roofline and `info` count the bytes as stored: quantized blocks and their scales;
+    bfloat16 matrices beside the float32 norms of the kernel's layout."""
+    from jaxinfer.model import compute_dtype
     from jaxinfer.roofline import weight_bytes
 
-    loaded = load_model(tiny("llama3-scaled"), quantize=method)  # tied embedding, head_dim 24
+    # tied embedding, head_dim 24; in bfloat16 an embedding of whole groups of 16 rows, which the
+    # kernel's layout keeps in bfloat16 as it does the other matrices
+    path = tiny("llama3-scaled", **({"vocab_size": 400} if dtype == "bfloat16" else {}))
+    loaded = load_model(path, dtype, quantize=method)
     held = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.params))
     assert weight_bytes(loaded.config, Storage.of_params(loaded.params)) == held
-    assert Storage.of_params(loaded.params) == Storage(4, method)
+    computed = compute_dtype(loaded.params).itemsize
+    assert Storage.of_params(loaded.params) == Storage(2 if dtype == "bfloat16" else 4, method, computed)
