@@ -249,7 +249,7 @@ def info(
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context_length(cfg.max_position_embeddings, max_context)
-    roofs = options.ceilings(chosen, peak_flops, peak_bandwidth, remeasure=measure)
+    roofs = options.ceilings(compute_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
     facts = model_facts(cfg, Storage.of(chosen, quantize, compute_dtype(chosen, layout)), context, batch_size, prompt_tokens, roofs, device_memory_bytes())
     facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, "quantize": quantize, "kv_dtype": cfg.kv_dtype, **facts}
     if json_output:
@@ -296,7 +296,7 @@ def bench(
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
-    roofs = options.ceilings(loaded.dtype, peak_flops, peak_bandwidth)
+    roofs = options.ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
         rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
     if plot_file:

@@ -41,11 +41,15 @@ class LoadedModel:
     def storage(self) -> str:
         """How the weights and cache are held, in words: "float32", "float32, int8 weights, int8 KV",
         "bfloat16, float32 compute"."""
+        parts = [self.dtype] + ([f"{self.computed_in} compute"] if self.computed_in != self.dtype else []) + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
+        return ", ".join(parts)
+
+    @property
+    def computed_in(self) -> str:
+        """The dtype activations and the cache are computed in (the roofs are measured in it)."""
         from jaxinfer.model import compute_dtype
 
-        computed = jnp.dtype(compute_dtype(self.params)).name
-        parts = [self.dtype] + ([f"{computed} compute"] if computed != self.dtype else []) + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
-        return ", ".join(parts)
+        return jnp.dtype(compute_dtype(self.params)).name
 
     @property
     def max_positions(self) -> int:

@@ -5,8 +5,9 @@ bfloat16.
 XLA CPU's dot runs 2–16 rows at a third to a half of its matrix-vector rate (speculation's verify
 pass, batched decode, chunked prefill) and converts bfloat16 weights to float32 on every call. The
 kernel reads each weight once for all rows, in its stored width. Measured by
-`python scripts/bench_matmul.py` (SmolLM-135M's LM head, 49152×576 float32, ms, XLA → kernel): 1 row
-3.5 → 2.8, 5 rows 7.8 → 3.6, 16 rows 11.0 → 5.4, 128 rows 42 → 34; bfloat16 at 1 row 41 → 1.5.
+`python scripts/bench_matmul.py` (SmolLM-135M's LM head, 49152×576, ms, XLA's best layout → kernel):
+float32 1 row 3.95 → 3.88, 5 rows 6.6 → 4.0, 16 rows 11.0 → 5.9, 128 rows 41 → 38; bfloat16 weights
+1 row 45 → 2.5.
 
 The load packs every float32 or bfloat16 matrix whose out dimension divides by 16 (`pack_params`);
 the rest stay [out, in]. Where the kernel is not built, the packed form still works, on XLA's dot.
