@@ -47,6 +47,12 @@ def available() -> bool:
     return enabled and jax.default_backend() == "cpu" and library() is not None
 
 
+def vectorised() -> bool:
+    """Available, and this CPU takes the AVX-512 paths: the portable C++ path rereads the weights for
+    every row, fine as a fallback for quantized matrices but slower than XLA's dot for float ones."""
+    return available() and isa() != "generic"
+
+
 def isa() -> str | None:
     """'avx512-vnni', 'avx512' or 'generic' where the kernels are built, else None."""
     lib = library()

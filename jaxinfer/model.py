@@ -52,8 +52,9 @@ def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
 
 def layout_for_batch(batch: int) -> str:
     """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size: packed for
-    the kernel wherever it is built; on XLA's dot, [in, out] for batches and [out, in] for one row."""
-    if kernel.available():
+    the kernel wherever it is built with AVX-512; on XLA's dot, [in, out] for batches and [out, in]
+    for one row."""
+    if kernel.vectorised():
         return "packed"
     return "in_out" if batch > 1 else "out_in"
 

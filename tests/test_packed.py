@@ -55,3 +55,16 @@ def test_packing_round_trips_and_looks_rows_up():
     np.testing.assert_array_equal(packed.unpack(leaf), w)
     ids = jnp.asarray([[0, 17, 47], [5, 5, 32]])
     np.testing.assert_array_equal(packed.take_rows(leaf, ids, jnp.float32), w[ids])
+
+
+@needs_kernel
+def test_without_avx512_float_matrices_stay_on_xlas_dot(isa):
+    """The portable C++ path (a CPU without AVX-512, forced here) rereads the weights for every row:
+    loading then picks XLA's layouts, [out, in] for one row and [in, out] for batches."""
+    from jaxinfer import kernel
+    from jaxinfer.model import layout_for_batch
+
+    if kernel.isa() == "generic":
+        assert (layout_for_batch(1), layout_for_batch(8)) == ("out_in", "in_out")
+    else:
+        assert (layout_for_batch(1), layout_for_batch(8)) == ("packed", "packed")

@@ -71,7 +71,7 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
     bfloat16 (it widens them exactly as it reads them); elsewhere they are stored float32."""
     path = tiny("llama", dtype=dtype)
     model = load_model(path)
-    kept = dtype == "bfloat16" and kernel.available()
+    kept = dtype == "bfloat16" and kernel.vectorised()
     assert model.dtype == (dtype if kept else "float32") and M.compute_dtype(model.params) == jnp.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = model.tokenizer.encode(PROMPT)

@@ -115,7 +115,7 @@ def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
         assert p["prefill"]["mfu"] > 0 and p["decode"]["mbu"] > 0 and p["compile_s"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each batch size on its fastest layout: the kernel's wherever it is built
-    assert [p["layout"] for p in points] == (["packed"] * 4 if kernel.available() else ["out_in", "out_in", "in_out", "in_out"])
+    assert [p["layout"] for p in points] == (["packed"] * 4 if kernel.vectorised() else ["out_in", "out_in", "in_out", "in_out"])
     assert all(p["kv_buckets"] == [p["prompt_tokens"] + 6] for p in points)  # the cache is just prompt + new tokens
     bad = subprocess.run([*args[:4], "-p", "16,x"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["error: --prompt-tokens takes positive whole numbers separated by commas, not '16,x'"]
