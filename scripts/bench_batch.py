@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--mixed-batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (XLA CPU's fast path at batch ≥ 2)")
+    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (stored bfloat16, computed in float32 on the CPU kernel)")
     args = parser.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
