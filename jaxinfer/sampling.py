@@ -75,22 +75,93 @@ class SamplerArrays:
         return jax.device_put(cls(**{name: np.asarray(values, np.int32 if name == "top_k" else np.float32) for name, values in columns.items()}))
 
 
-def _filter(logits: jax.Array, p: SamplerArrays) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p as -inf masks over logits [B, V]."""
-    V = logits.shape[-1]
-    logits = logits / jnp.maximum(p.temperature, 1e-6)[:, None]
-    ordered = -jnp.sort(-logits, axis=-1)  # [B, V] descending
-    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)  # [B]
-    ordered = jnp.where(jnp.arange(V) < k[:, None], ordered, -jnp.inf)
-    probs = jax.nn.softmax(ordered, axis=-1)
+# How many of the most likely tokens a sampled step looks at first. Nothing sorts the vocabulary:
+# measured on this 2-core CPU, V = 49152, XLA's sort takes 10 ms a row (more than SmolLM-135M's
+# whole decode step), lax.top_k of 256 0.12 ms, of 1024 0.33 ms. Top-k ≤ 255, and a nucleus or a
+# min-p floor that ends inside the 256, are cut there; a row whose cut falls further out finds it
+# by bisection over the whole row (`_search`).
+CANDIDATES = 256
+
+
+def _search(scaled: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the smallest value t of `scaled` [B, V] such that the values above t weigh less
+    than `target` [B] (`weights` [B, V]). Bisection over float32's order read as uint32: 32 passes
+    of one reduction each, exact, where a sort would cost 10 ms a row."""
+    sign = jnp.uint32(0x80000000)
+    bits = jax.lax.bitcast_convert_type(scaled, jnp.uint32)
+    keys = jnp.where(bits >= sign, ~bits, bits | sign)  # ordered as the floats are
+
+    def halve(_, bounds: tuple) -> tuple:
+        lo, hi = bounds  # the values above lo weigh ≥ target, those above hi less
+        mid = lo + (hi - lo) // 2
+        light = jnp.sum(jnp.where(keys > mid[:, None], weights, 0.0), axis=-1) < target
+        return jnp.where(light, lo, mid), jnp.where(light, mid, hi)
+
+    lowest = jnp.min(keys, axis=-1) - 1  # above it: the whole row
+    _, hi = jax.lax.fori_loop(0, 32, halve, (lowest, jnp.full_like(lowest, jnp.iinfo(jnp.uint32).max)))
+    return jax.lax.bitcast_convert_type(jnp.where(hi >= sign, hi & ~sign, ~hi), jnp.float32)
+
+
+def _cut(ordered: jax.Array, k: jax.Array, top_p: jax.Array, lse_all: jax.Array) -> jax.Array:
+    """The top-k, then top-p threshold [B] from the C most likely scaled logits `ordered` [B, C],
+    descending; top-p's mass is normalised over the top-k set (all V when k > C: `lse_all`)."""
+    C = ordered.shape[-1]
+    top_p = jnp.where(top_p < 1, top_p, jnp.inf)  # off at 1, whatever the rounding of the mass
+    ordered = jnp.where(jnp.arange(C) < k[:, None], ordered, -jnp.inf)
+    lse = jnp.where(k <= C, jax.nn.logsumexp(ordered, axis=-1), lse_all)
+    probs = jnp.exp(ordered - lse[:, None])
     # Keep a token while the mass strictly before it is < top_p: the first one always stays. Never
     # past top-k: rounded below 1, the mass before a cut token would keep it (and undo top-k).
-    kept = jnp.minimum(jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < p.top_p[:, None], axis=-1), k)  # [B] ≥ 1
-    threshold = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)  # [B, 1]
+    kept = jnp.minimum(jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None], axis=-1), jnp.minimum(k, C))
+    return jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)[:, 0]
+
+
+def _draw(logits: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
+    """A token per sampling row [B]: temperature, then the tokens at or above the row's threshold
+    (top-k, top-p, min-p) drawn from in proportion to their probability.
+
+    The threshold and the draw come from the row's top CANDIDATES when its cut lies inside them
+    ("bounded"); otherwise from the whole vocabulary. Which path a row takes depends on its own
+    logits and settings only, so a row's token never depends on its batch-mates."""
+    B, V = logits.shape
+    scaled = logits / jnp.maximum(p.temperature, 1e-6)[:, None]
+    # The barrier keeps XLA CPU's TopK custom call: with slices such as ordered[:, -1] folded into
+    # its output, XLA lowers top_k as a full sort again (measured: 10 ms against 0.12 ms, V = 49152).
+    ordered, index = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(V, CANDIDATES)))
+    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
+    filtered = (k < V) | (p.top_p < 1)  # top-p at 1 is off, as in transformers
+    lse_all = jax.nn.logsumexp(scaled, axis=-1)
     # min-p: drop tokens less likely than min_p × the most likely one (log space).
-    min_p_floor = jnp.where(p.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(p.min_p, 1e-30)), -jnp.inf)
-    threshold = jnp.maximum(threshold, min_p_floor[:, None])
-    return jnp.where(logits < threshold, -jnp.inf, logits)
+    floor = jnp.where(p.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(p.min_p, 1e-30)), -jnp.inf)
+    threshold = jnp.maximum(jnp.where(filtered, _cut(ordered, k, p.top_p, lse_all), -jnp.inf), floor)
+    bounded = (threshold > ordered[:, -1]) | (ordered.shape[-1] == V) | (p.temperature == 0)
+    unsure = ~bounded & filtered  # the cut lies past the candidates: searched for in the whole row
+
+    def searched_threshold() -> jax.Array:
+        top_k = _search(scaled, jnp.ones_like(scaled), k.astype(jnp.float32))
+        in_top_k = scaled >= top_k[:, None]
+        lse = jax.nn.logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
+        mass = jnp.where(in_top_k, jnp.exp(scaled - lse[:, None]), 0.0)
+        top_p = jnp.where(p.top_p < 1, _search(scaled, mass, p.top_p), -jnp.inf)
+        return jnp.where(unsure, jnp.maximum(jnp.maximum(top_k, top_p), floor), threshold)
+
+    threshold = jax.lax.cond(jnp.any(unsure), searched_threshold, lambda: threshold)
+    near = jax.vmap(jax.random.categorical)(keys, jnp.where(ordered >= threshold[:, None], ordered, -jnp.inf))
+    near = jnp.take_along_axis(index, near[:, None], axis=-1)[:, 0]
+
+    def anywhere() -> jax.Array:
+        far = jax.vmap(jax.random.categorical)(keys, jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf))
+        return jnp.where(bounded, near, far)
+
+    return jax.lax.cond(jnp.all(bounded), lambda: near, anywhere).astype(jnp.int32)
+
+
+def _argmax(logits: jax.Array) -> jax.Array:
+    """The first most likely token per row, as jnp.argmax. Measured at V = 49152: 0.08 ms a row
+    against argmax's 0.25 (at 16 rows 0.64 against 2.0): XLA CPU's variadic reduce is slow."""
+    V = logits.shape[-1]
+    first = jnp.min(jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), jnp.arange(V), V), axis=-1)
+    return jnp.minimum(first, V - 1).astype(jnp.int32)  # NaN logits: the last id, still a valid one
 
 
 def sample(logits: jax.Array, seen: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
@@ -98,13 +169,8 @@ def sample(logits: jax.Array, seen: jax.Array, keys: jax.Array, p: SamplerArrays
     penalty; `keys` [B] are this position's PRNG keys, one per row."""
     penalty = p.repeat_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled() -> jax.Array:
-        drawn = jax.vmap(jax.random.categorical)(keys, _filter(logits, p)).astype(jnp.int32)
-        return jnp.where(p.temperature > 0, drawn, greedy)
-
-    # The sort in the filters costs more than a small model's whole step: skip it when all rows are greedy.
+    greedy = _argmax(logits)
+    sampled = lambda: jnp.where(p.temperature > 0, _draw(logits, keys, p), greedy)  # noqa: E731
     return jax.lax.cond(jnp.all(p.temperature == 0), lambda: greedy, sampled)
 
 
