@@ -1,7 +1,8 @@
-"""The model's static shape and behaviour, and the single translator from a Hugging Face config.json.
+"""The model's static shape and behaviour, and the config.json readers every family shares.
 
 `ModelConfig` is frozen and hashable: it is passed to jit as a static argument, so everything in it
-must be something that changes the compiled program.
+must be something that changes the compiled program. Each family (`jaxinfer.families`) translates
+its config.json into one with `common_fields` and its own flags.
 """
 
 from __future__ import annotations
@@ -12,14 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxinfer.errors import JaxinferError
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -42,6 +35,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the compute dtype
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
@@ -90,44 +86,41 @@ def _sliding_windows(d: dict, num_layers: int) -> tuple:
     return tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
 
 
-def config_from_hf(d: dict) -> ModelConfig:
-    """Translate a Hugging Face config.json dict; reject anything this runtime cannot honour."""
-    archs = d.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise JaxinferError(
-            f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise JaxinferError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-    try:
-        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        layers = int(d["num_hidden_layers"])
-        theta, scaling = _rope(d)
-        attention_bias = bool(d.get("attention_bias", False))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_windows=_sliding_windows(d, layers),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise JaxinferError(f"config.json is missing or has a bad value for {e}") from None
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation(d: dict, legacy_gelu: str | None = None) -> str:
+    """The MLP's activation as `ModelConfig.activation`. `legacy_gelu`: what a bare "gelu" means
+    to the family (Gemma's first releases wrote it for the tanh approximation)."""
+    name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if name == "gelu" and legacy_gelu:
+        name = legacy_gelu
+    if name not in ACTIVATIONS:
+        raise JaxinferError(f"config.json: activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def common_fields(d: dict) -> dict:
+    """The `ModelConfig` fields every family reads the same way, from config.json `d`. A missing or
+    malformed key raises KeyError, TypeError or ValueError: `families.config_from_hf` words it."""
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    layers = int(d["num_hidden_layers"])
+    theta, scaling = _rope(d)
+    return dict(
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        sliding_windows=_sliding_windows(d, layers),
+    )
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import weights
-from jaxinfer.config import ModelConfig, config_from_hf
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.families import config_from_hf
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.packed import pack_params
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL

@@ -1,7 +1,7 @@
-"""The Llama-family transformer as pure functions over a parameter pytree.
+"""The decoder-only transformer every family shares, as pure functions over a parameter pytree.
 
-Covers Llama 2/3, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): they differ only in flags of
-`ModelConfig`. A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
+Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma (GeGLU, (1 + w) norms,
+scaled embeddings) differ only in flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
 CPU kernel (`jaxinfer.packed`, what the CPU runs on where the kernel is built), quantized
 (`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for batched decode).
 
@@ -27,10 +27,13 @@ def compute_dtype(params: Params):
     return params["norm"].dtype
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """As transformers: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """As transformers: normalise in float32, cast back, then scale (Llama); Gemma scales by
+    (1 + weight) in float32 before the cast."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if cfg.norm_plus_one:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
@@ -113,8 +116,8 @@ def attention(
     k = linear(x, layer, "k").reshape(B, T, KV, hd)
     v = linear(x, layer, "v").reshape(B, T, KV, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, layer["q_norm"], cfg)
+        k = rms_norm(k, layer["k_norm"], cfg)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
@@ -156,8 +159,12 @@ def attention(
     return linear(out, layer, "o"), cache
 
 
-def mlp(layer: dict, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, layer, "gate")) * linear(x, layer, "up"), layer, "down")
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    gate = ACTIVATIONS[cfg.activation](linear(x, layer, "gate"))
+    return linear(gate * linear(x, layer, "up"), layer, "down")
 
 
 def embedding(embed, tokens: jax.Array, dtype) -> jax.Array:
@@ -186,13 +193,14 @@ def forward(
     see only each other.
     """
     x = embedding(params["embed"], tokens, compute_dtype(params))  # [B, T, D]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            normed = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-            h, cache = attention(layer, normed, positions, cache, rows, i, cfg, kv_len)
+            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), positions, cache, rows, i, cfg, kv_len)
             x = x + h
-            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache
+            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
+    return rms_norm(x, params["norm"], cfg), cache
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.families import family
 
 TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
@@ -26,37 +27,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
-    """HF tensor name → (path in our tree, expected shape)."""
-    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    table = {
-        "model.embed_tokens.weight": (("embed",), (V, D)),
-        "model.norm.weight": (("norm",), (D,)),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), (V, D))
-    for i in range(cfg.num_layers):
-
-        def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-            table[f"model.layers.{i}.{hf_name}"] = (("layers", i, name), shape)
-
-        add("input_layernorm.weight", "attn_norm", (D,))
-        add("post_attention_layernorm.weight", "mlp_norm", (D,))
-        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
-            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D))
-            if cfg.qkv_bias:
-                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,))
-        add("self_attn.o_proj.weight", "wo", (D, q_out))
-        if cfg.o_bias:
-            add("self_attn.o_proj.bias", "bo", (D,))
-        if cfg.qk_norm:
-            add("self_attn.q_norm.weight", "q_norm", (hd,))
-            add("self_attn.k_norm.weight", "k_norm", (hd,))
-        for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-            add(f"mlp.{proj}_proj.weight", f"w{proj}", shape)
-            if cfg.mlp_bias:
-                add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],))
-    return table
+    """HF tensor name → (path in our tree, expected shape), as the model's family lays it out."""
+    return family(cfg.architecture).weight_table(cfg)
 
 
 def quantized_here(path: TreePath, shape: tuple[int, ...]) -> bool:

@@ -31,7 +31,7 @@ import optax
 import sentencepiece as spm
 
 from jaxinfer import model, weights
-from jaxinfer.config import config_from_hf
+from jaxinfer.families import config_from_hf
 
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"}
 

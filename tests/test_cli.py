@@ -170,7 +170,7 @@ def test_unknown_architecture_lists_the_supported_ones(broken):
     path = broken()
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
 
 
 def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):

@@ -64,12 +64,13 @@ def test_sentencepiece_model_matches_transformers(tiny):
     assert gen.token_ids == greedy_reference(hf, ids, 16)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, dtype):
+@pytest.mark.parametrize("arch, dtype", [("llama", "bfloat16"), ("llama", "float16"), ("gemma", "bfloat16")])
+def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, arch, dtype):
     """A checkpoint stored in 16 bits, computed in float32 (auto on CPU): same logits as transformers
     running the same 16-bit weights in float32. Where the CPU kernel is built, bfloat16 weights stay
-    bfloat16 (it widens them exactly as it reads them); elsewhere they are stored float32."""
-    path = tiny("llama", dtype=dtype)
+    bfloat16 (it widens them exactly as it reads them); elsewhere they are stored float32. Gemma:
+    its (1 + weight) norms and sqrt(hidden) embedding scale from 16-bit weights."""
+    path = tiny(arch, dtype=dtype)
     model = load_model(path)
     kept = dtype == "bfloat16" and kernel.vectorised()
     assert model.dtype == (dtype if kept else "float32") and M.compute_dtype(model.params) == jnp.float32

@@ -40,6 +40,9 @@ ARCHITECTURES = {
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+    # "gelu" is what Gemma's first hub releases wrote for the tanh approximation
+    # pad_token_id: Gemma's default 0 is our BOS, which transformers' generate would then mask out
+    "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=32, hidden_act="gelu", pad_token_id=None),
 }
 
 

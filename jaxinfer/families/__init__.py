@@ -1,0 +1,37 @@
+"""Model families: the config.json architectures jaxinfer runs, and for each, how its config.json
+becomes a `ModelConfig` and how its tensors map onto our parameter tree.
+
+A family is a module with `ARCHITECTURES`, `config(d, architecture)` and `weight_table(cfg)`; the
+forward pass (`jaxinfer.model`) is shared, and families differ only by `ModelConfig` flags.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.families import gemma, llama
+
+FAMILIES: dict[str, ModuleType] = {arch: module for module in (llama, gemma) for arch in module.ARCHITECTURES}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def family(architecture: str) -> ModuleType:
+    try:
+        return FAMILIES[architecture]
+    except KeyError:
+        raise JaxinferError(
+            f"unsupported architecture {architecture!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """Translate a Hugging Face config.json dict; reject anything this runtime cannot honour."""
+    archs = d.get("architectures") or []
+    arch = archs[0] if archs else None
+    translate = family(arch).config
+    try:
+        return translate(d, arch)
+    except (KeyError, TypeError, ValueError) as e:
+        raise JaxinferError(f"config.json is missing or has a bad value for {e}") from None

@@ -1,0 +1,66 @@
+"""Llama 2/3, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): the Llama layout of tensors,
+and the flags each architecture sets."""
+
+from __future__ import annotations
+
+from jaxinfer.config import ModelConfig, activation, common_fields
+from jaxinfer.errors import JaxinferError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# transformers' defaults for keys a config.json leaves out, where they differ between these.
+DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+
+
+def config(d: dict, arch: str) -> ModelConfig:
+    d = {**DEFAULTS[arch], **d}
+    if activation(d) != "silu":
+        raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
+    attention_bias = bool(d.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        **common_fields(d),
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+    """HF tensor name → (path in our tree, expected shape). Gemma's layers share these names."""
+    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    table = {
+        "model.embed_tokens.weight": (("embed",), (V, D)),
+        "model.norm.weight": (("norm",), (D,)),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), (V, D))
+    for i in range(cfg.num_layers):
+
+        def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
+            table[f"model.layers.{i}.{hf_name}"] = (("layers", i, name), shape)
+
+        add("input_layernorm.weight", "attn_norm", (D,))
+        add("post_attention_layernorm.weight", "mlp_norm", (D,))
+        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D))
+            if cfg.qkv_bias:
+                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,))
+        add("self_attn.o_proj.weight", "wo", (D, q_out))
+        if cfg.o_bias:
+            add("self_attn.o_proj.bias", "bo", (D,))
+        if cfg.qk_norm:
+            add("self_attn.q_norm.weight", "q_norm", (hd,))
+            add("self_attn.k_norm.weight", "k_norm", (hd,))
+        for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            add(f"mlp.{proj}_proj.weight", f"w{proj}", shape)
+            if cfg.mlp_bias:
+                add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],))
+    return table

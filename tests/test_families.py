@@ -1,0 +1,85 @@
+"""Each family's config.json translation, against how transformers reads the same file: the keys a
+hub checkpoint leaves out take transformers' defaults, and the older spellings mean what they meant."""
+
+import pytest
+import transformers
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.families import SUPPORTED_ARCHITECTURES, config_from_hf
+
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+CONFIGS = {
+    # gemma-2b's config.json as the hub has it: "gelu" for the tanh approximation, no head_dim
+    # default needed (given), tie left out (transformers ties Gemma by default)
+    "gemma, legacy gelu": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu", head_dim=16, **SHAPE),
+    "gemma, hidden_activation": dict(
+        model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu", hidden_activation="gelu_pytorch_tanh", **SHAPE
+    ),
+    "gemma, defaults": dict(model_type="gemma", architectures=["GemmaForCausalLM"], **SHAPE),
+    "llama, defaults": dict(model_type="llama", architectures=["LlamaForCausalLM"], **SHAPE),
+    "mistral, defaults": dict(model_type="mistral", architectures=["MistralForCausalLM"], **SHAPE),
+    "qwen2, defaults": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **SHAPE),
+    "qwen3, defaults": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **SHAPE),
+    "gemma2, defaults": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], **{**SHAPE, "num_hidden_layers": 4}),
+    # gemma-3-4b's text config as the hub has it: the older rope keys, the pattern, torch_dtype
+    "gemma3, older keys": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], **{**SHAPE, "num_hidden_layers": 7},
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=1024, sliding_window_pattern=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256, torch_dtype="bfloat16",
+    ),
+    "gemma3, defaults": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], **SHAPE),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_reads_as_transformers_reads_it(name):
+    d = CONFIGS[name]
+    ours = config_from_hf(d)
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.rms_norm_eps == theirs.rms_norm_eps
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[theirs.hidden_act]
+    assert ours.activation == act
+    window = getattr(theirs, "sliding_window", None) if getattr(theirs, "use_sliding_window", True) else None
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
+    assert ours.sliding_windows == tuple(window if t == "sliding_attention" else None for t in types)
+    rope = theirs.rope_parameters
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if "full_attention" in rope else (rope, rope)
+    assert ours.rope_theta == full["rope_theta"] and ours.rope_scaling[0] == full["rope_type"]
+    assert (ours.rope_local or (ours.rope_theta,))[0] == local["rope_theta"]
+    if hasattr(theirs, "query_pre_attn_scalar"):
+        assert ours.attn_scale == theirs.query_pre_attn_scalar**-0.5
+        assert ours.attn_softcap == (theirs.attn_logit_softcapping or 0.0)
+        assert ours.final_softcap == (theirs.final_logit_softcapping or 0.0)
+
+
+def test_gemma_flags():
+    cfg = config_from_hf(CONFIGS["gemma, legacy gelu"])
+    assert (cfg.activation, cfg.norm_plus_one, cfg.embed_scale, cfg.tie_word_embeddings) == ("gelu_tanh", True, True, True)
+
+
+def test_gemma3_older_keys_mean_what_the_newer_say():
+    old = CONFIGS["gemma3, older keys"]
+    cfg = config_from_hf(old)
+    assert cfg.sliding_windows == (1024,) * 5 + (None, 1024)  # every 6th layer global
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_local) == (1e6, ("linear", 8.0), (1e4, ("default",)))
+    newer = transformers.AutoConfig.for_model(**{k: v for k, v in old.items() if k != "architectures"}).to_dict()
+    assert "rope_parameters" in newer and "layer_types" in newer and "rope_local_base_freq" not in newer
+    assert config_from_hf({**newer, "architectures": old["architectures"]}) == cfg
+
+
+def test_errors_name_what_is_wrong():
+    with pytest.raises(JaxinferError, match="GemmaForCausalLM.*Qwen3ForCausalLM|Qwen3ForCausalLM.*GemmaForCausalLM"):
+        config_from_hf({**CONFIGS["llama, defaults"], "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(JaxinferError, match="activation 'gelu'"):
+        config_from_hf({**CONFIGS["llama, defaults"], "hidden_act": "gelu"})
+    with pytest.raises(JaxinferError, match="'gelu_pytorch_tanh' is not supported for LlamaForCausalLM"):
+        config_from_hf({**CONFIGS["llama, defaults"], "hidden_act": "gelu_pytorch_tanh"})
+    with pytest.raises(JaxinferError, match="activation 'relu'"):
+        config_from_hf({**CONFIGS["gemma, defaults"], "hidden_act": "relu"})
+    with pytest.raises(JaxinferError, match="hidden_size"):
+        config_from_hf({k: v for k, v in CONFIGS["gemma, defaults"].items() if k != "hidden_size"})
+    assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"}
