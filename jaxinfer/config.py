@@ -38,6 +38,11 @@ class ModelConfig:
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the compute dtype
+    attn_scale: float = 0.0  # scores times this; 0: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # Gemma 2: scores → cap · tanh(scores / cap) before the mask; 0 = off
+    final_softcap: float = 0.0  # Gemma 2: the same on the logits
+    sandwich_norms: bool = False  # Gemma 2/3: a norm on the attention's and the MLP's outputs too
+    rope_local: tuple = ()  # Gemma 3: (theta, scaling) of the sliding layers; (): as the others
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
@@ -48,10 +53,14 @@ class ModelConfig:
 
 def _rope(d: dict) -> tuple[float, tuple]:
     """(theta, scaling) from either the transformers-5 `rope_parameters` or the older keys."""
-    params = dict(d.get("rope_parameters") or {})
-    legacy = d.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    params = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    return rope_settings(params, d.get("rope_theta", 10000.0))
+
+
+def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
+    """(theta, scaling) as `ModelConfig` holds them, from one `rope_parameters` dict (`theta`: where
+    it names none)."""
+    theta = float(params.get("rope_theta", theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, ("default",)
@@ -89,10 +98,9 @@ def _sliding_windows(d: dict, num_layers: int) -> tuple:
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-def activation(d: dict, legacy_gelu: str | None = None) -> str:
-    """The MLP's activation as `ModelConfig.activation`. `legacy_gelu`: what a bare "gelu" means
-    to the family (Gemma's first releases wrote it for the tanh approximation)."""
-    name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+def activation(name: str, legacy_gelu: str | None = None) -> str:
+    """config.json's activation `name` as `ModelConfig.activation`. `legacy_gelu`: what a bare
+    "gelu" means to the family (Gemma's first releases wrote it for the tanh approximation)."""
     if name == "gelu" and legacy_gelu:
         name = legacy_gelu
     if name not in ACTIVATIONS:
@@ -123,15 +131,17 @@ def common_fields(d: dict) -> dict:
     )
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], with the checkpoint's scaling applied (as transformers does)."""
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with the checkpoint's scaling applied (as transformers
+    does); `sliding`: for a sliding-window layer, which Gemma 3 rotates with a base of its own."""
+    theta, scaling = cfg.rope_local if sliding and cfg.rope_local else (cfg.rope_theta, cfg.rope_scaling)
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    kind = cfg.rope_scaling[0]
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    kind = scaling[0]
     if kind == "linear":
-        return inv_freq / cfg.rope_scaling[1]
+        return inv_freq / scaling[1]
     if kind == "llama3":
-        factor, low, high, old_len = cfg.rope_scaling[1:]
+        factor, low, high, old_len = scaling[1:]
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)

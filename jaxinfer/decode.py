@@ -190,7 +190,7 @@ def prefill(
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    token = _sample_at(seeds, seen, sampler, model.logits(params, last), length, cfg)
+    token = _sample_at(seeds, seen, sampler, model.logits(params, last, cfg), length, cfg)
     started = jnp.zeros(B, bool).at[rows].set(final)
     return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), started)
 
@@ -205,7 +205,7 @@ def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
     write_at = jnp.where(active, position, S)[:, None]  # finished rows write nothing
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache, passes=state.passes + active, backoff=jnp.maximum(state.backoff - 1, 0))
-    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0]), state.length, cfg)
+    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg)
     return _append(state, token, active)
 
 
@@ -272,7 +272,7 @@ def verify_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
     each = lambda x: jnp.repeat(x, K + 1, axis=0)  # noqa: E731
     target = _sample_at(
         each(state.seeds), flat(jnp.stack(seen, 1)), jax.tree.map(each, state.sampler),
-        flat(model.logits(params, hidden)), flat(state.length[:, None] + j), cfg,
+        flat(model.logits(params, hidden, cfg)), flat(state.length[:, None] + j), cfg,
     ).reshape(B, K + 1)
     agree = jnp.cumprod((draft == target[:, :K]) & (j[:K] < count[:, None]), axis=1, dtype=jnp.int32).sum(1)  # [B]
     start = state.length

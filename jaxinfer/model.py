@@ -1,7 +1,8 @@
 """The decoder-only transformer every family shares, as pure functions over a parameter pytree.
 
-Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma (GeGLU, (1 + w) norms,
-scaled embeddings) differ only in flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
+Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma 1/2/3 (GeGLU, (1 + w) norms,
+scaled embeddings, soft-capping, norms around each block, a rope base per layer type) differ only in
+flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
 CPU kernel (`jaxinfer.packed`, what the CPU runs on where the kernel is built), quantized
 (`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for batched decode).
 
@@ -118,7 +119,7 @@ def attention(
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg)
         k = rms_norm(k, layer["k_norm"], cfg)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding=cfg.sliding_windows[i] is not None))
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
     if cache is None:  # a whole sequence from position 0 (training, perplexity): its own keys
@@ -142,9 +143,12 @@ def attention(
         (K) and the attention weights (V) [b, k, g, (t), s] instead of dequantizing the cache."""
         return jnp.expand_dims(jnp.moveaxis(scale, 1, -1), (2, 3) if t else 2)
 
-    scores = jnp.einsum(f"b{t}kgh,bskh->bkg{t}s", q, keys.astype(q.dtype), preferred_element_type=jnp.float32) * hd**-0.5
+    scale = cfg.attn_scale or hd**-0.5
+    scores = jnp.einsum(f"b{t}kgh,bskh->bkg{t}s", q, keys.astype(q.dtype), preferred_element_type=jnp.float32) * scale
     if k_scale is not None:
         scores = scores * per_key(k_scale)
+    if cfg.attn_softcap:
+        scores = soft_cap(scores, cfg.attn_softcap)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     # Softmax normalised after the value product: one pass over [.., T, S] fewer (SmolLM-135M
     # shape: a 64-token prefill chunk over 4096 keys 437 → 364 ms, a 1024-token prompt's TTFT
@@ -157,6 +161,11 @@ def attention(
     total = jnp.moveaxis(total, -1, 1) if t else total
     out = (out / total[..., None]).astype(x.dtype).reshape(B, T, H * hd)
     return linear(out, layer, "o"), cache
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """Gemma 2's tanh soft-capping: x kept within ±cap, unchanged near 0."""
+    return jnp.tanh(x / cap) * cap
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -198,16 +207,19 @@ def forward(
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), positions, cache, rows, i, cfg, kv_len)
-            x = x + h
-            x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
+            x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
+            h = mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
+            x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)
     return rms_norm(x, params["norm"], cfg), cache
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
+def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """hidden [..., D] → float32 logits [..., V] (tied embeddings when there is no lm_head)."""
     head = params.get("lm_head", params["embed"])
     if quant.is_quantized(head):
-        return quant.matmul(hidden, head)
-    if packed.is_packed(head):
-        return packed.matmul(hidden, head)
-    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+        out = quant.matmul(hidden, head)
+    elif packed.is_packed(head):
+        out = packed.matmul(hidden, head)
+    else:
+        out = jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+    return soft_cap(out, cfg.final_softcap) if cfg.final_softcap else out

@@ -129,7 +129,7 @@ def loss_fn(params: dict, cfg, batch: jax.Array) -> jax.Array:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
     hidden, _ = model.forward(params, cfg, inputs, positions, None, inputs.shape[1])
-    return optax.softmax_cross_entropy_with_integer_labels(model.logits(params, hidden), targets).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(model.logits(params, hidden, cfg), targets).mean()
 
 
 def save_safetensors(params: dict, cfg, path: Path) -> None:

@@ -24,7 +24,7 @@ def our_prompt_logits(model, ids, S=64):
     """Logits [T, V] of one fresh prefill, and the cache it filled."""
     cache = KVCache.zeros(model.config, 1, S, M.compute_dtype(model.params))
     hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
-    return np.asarray(M.logits(model.params, hidden))[0], cache
+    return np.asarray(M.logits(model.params, hidden, model.config))[0], cache
 
 
 def assert_close(ours, ref):

@@ -41,7 +41,7 @@ def test_config_reads_as_transformers_reads_it(name):
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     assert ours.max_position_embeddings == theirs.max_position_embeddings
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[theirs.hidden_act]
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[getattr(theirs, "hidden_activation", None) or theirs.hidden_act]
     assert ours.activation == act
     window = getattr(theirs, "sliding_window", None) if getattr(theirs, "use_sliding_window", True) else None
     types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers

@@ -34,7 +34,7 @@ def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
         ids.append(int(ref.argmax()))
         pos = jnp.asarray([[len(ids) - 1]])
         hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([[ids[-1]]]), pos, cache, S)
-        assert_close(np.asarray(M.logits(ours.params, hidden))[0, 0], hf_logits(hf, ids)[-1])
+        assert_close(np.asarray(M.logits(ours.params, hidden, ours.config))[0, 0], hf_logits(hf, ids)[-1])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -107,4 +107,4 @@ def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     ids = model.tokenizer.encode(PROMPT * 2)
     hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
     assert cache is None
-    assert_close(np.asarray(M.logits(model.params, hidden))[0], our_prompt_logits(model, ids)[0])
+    assert_close(np.asarray(M.logits(model.params, hidden, model.config))[0], our_prompt_logits(model, ids)[0])

@@ -128,7 +128,7 @@ def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
     random models' logits are nearly flat (perplexity above the vocabulary size), a far harder
     case than a trained model's (the bundled model: 99%); W8A8 measured 92–96% on each of them."""
     agreed = tokens = 0
-    for arch in ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]:
+    for arch in ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]:
         path = tiny(arch)
         full, int8 = load_model(path), load_model(path, quantize="int8")
         ids = list(np.random.default_rng(1).integers(3, full.config.vocab_size, 400))
@@ -236,11 +236,12 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     assert len(out) == 24
     ids = prompt + out
     hidden, _ = M.forward(loaded.params, loaded.config, jnp.asarray([ids[:-1]]), jnp.arange(len(ids) - 1)[None], None, len(ids) - 1)
-    argmax = np.asarray(jnp.argmax(M.logits(loaded.params, hidden)[0], -1))
+    argmax = np.asarray(jnp.argmax(M.logits(loaded.params, hidden, loaded.config)[0], -1))
     assert list(argmax[len(prompt) - 1 :]) == out
 
 
-def test_quantized_batch_rows_equal_run_alone(tiny):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_quantized_batch_rows_equal_run_alone(tiny, arch):
     """W8A8 quantizes each row's activations on its own and the cache each row's K/V: a row's
     result does not depend on its batch-mates (greedy, as test_batch holds for float)."""
     from reference import alone
@@ -248,7 +249,7 @@ def test_quantized_batch_rows_equal_run_alone(tiny):
     from jaxinfer.batch import BatchRunner, Request
     from jaxinfer.sampling import Sampling
 
-    model = load_model(tiny("qwen2"), quantize="int8", kv_dtype="int8")
+    model = load_model(tiny(arch), quantize="int8", kv_dtype="int8")
     prompts = ["The capital of France is", "def fibonacci(n):", "x", "a b c d e f g h i j k l", "Hello"]
     reqs = [Request(i, model.tokenizer.encode(p), Sampling(temperature=0.0), 6 + 3 * i, 100 + i, ()) for i, p in enumerate(prompts)]
     out = []

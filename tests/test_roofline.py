@@ -13,11 +13,12 @@ from jaxinfer.sampling import Sampling
 S = 256
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(tiny, request):
     # proportions of a real model (matmuls dominate), small enough to compile in a second; on XLA's
-    # dot, whose cost XLA can count (a custom call's it cannot)
-    return load_model(tiny("llama", hidden_size=256, num_hidden_layers=4, intermediate_size=640), layout="out_in")
+    # dot, whose cost XLA can count (a custom call's it cannot). Gemma 3: GeGLU, four norms a layer,
+    # q/k norms, sliding and global layers.
+    return load_model(tiny(request.param, hidden_size=256, num_hidden_layers=4, intermediate_size=640), layout="out_in")
 
 
 def xla_cost(compiled) -> tuple[float, float]:
@@ -80,7 +81,7 @@ def test_the_measurements_themselves_are_plausible():
     assert all(1e8 < rate < 1e14 for rate in ceilings.measure_bandwidth(nbytes=16 * 2**20))
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3-scaled"])  # untied, tied embeddings
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "gemma3"])  # untied, tied embeddings; 4 norms and q/k norms a layer
 def test_info_counts_what_transformers_counts(tiny, arch):
     import json
     import subprocess

@@ -43,6 +43,16 @@ ARCHITECTURES = {
     # "gelu" is what Gemma's first hub releases wrote for the tanh approximation
     # pad_token_id: Gemma's default 0 is our BOS, which transformers' generate would then mask out
     "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=32, hidden_act="gelu", pad_token_id=None),
+    # capping low enough to bite on these weights; a window the tests' sequences pass; a scalar ≠ head_dim
+    "gemma2": dict(
+        model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,
+        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+    ),
+    # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
+    "gemma3": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,
+        sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=24,
+    ),
 }
 
 

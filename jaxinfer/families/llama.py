@@ -19,7 +19,7 @@ DEFAULTS = {
 
 def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS[arch], **d}
-    if activation(d) != "silu":
+    if activation(d.get("hidden_act") or "silu") != "silu":
         raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
     attention_bias = bool(d.get("attention_bias", False))
     return ModelConfig(
