@@ -43,6 +43,8 @@ class ModelConfig:
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
     sandwich_norms: bool = False  # Gemma 2/3: a norm on the attention's and the MLP's outputs too
     rope_local: tuple = ()  # Gemma 3: (theta, scaling) of the sliding layers; (): as the others
+    fused_projections: bool = False  # Phi-3: wqkv = [q; k; v] and wgate_up = [gate; up], one matmul each
+    rotary_dim: int = 0  # Phi-4-mini: rope over the first rotary_dim dims of each head; 0: all of them
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
@@ -135,7 +137,7 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
     """Inverse RoPE frequencies [head_dim // 2], with the checkpoint's scaling applied (as transformers
     does); `sliding`: for a sliding-window layer, which Gemma 3 rotates with a base of its own."""
     theta, scaling = cfg.rope_local if sliding and cfg.rope_local else (cfg.rope_theta, cfg.rope_scaling)
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     kind = scaling[0]
     if kind == "linear":

@@ -83,7 +83,11 @@ def in_out_layout(params: Params, consume: bool = False) -> Params:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers)."""
+    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers);
+    with fewer frequencies than hd/2 (a partial rotary factor), the first 2·len(inv_freq) dims only."""
+    rotary = 2 * inv_freq.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], -1)
     freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]  # [B, T, 1, hd]
     sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
@@ -113,9 +117,11 @@ def attention(
 ) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, layer, "q").reshape(B, T, H, hd)
-    k = linear(x, layer, "k").reshape(B, T, KV, hd)
-    v = linear(x, layer, "v").reshape(B, T, KV, hd)
+    if cfg.fused_projections:
+        q, k, v = jnp.split(linear(x, layer, "qkv"), [H * hd, (H + KV) * hd], axis=-1)
+    else:
+        q, k, v = linear(x, layer, "q"), linear(x, layer, "k"), linear(x, layer, "v")
+    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg)
         k = rms_norm(k, layer["k_norm"], cfg)
@@ -172,8 +178,11 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    gate = ACTIVATIONS[cfg.activation](linear(x, layer, "gate"))
-    return linear(gate * linear(x, layer, "up"), layer, "down")
+    if cfg.fused_projections:
+        gate, up = jnp.split(linear(x, layer, "gate_up"), 2, axis=-1)
+    else:
+        gate, up = linear(x, layer, "gate"), linear(x, layer, "up")
+    return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down")
 
 
 def embedding(embed, tokens: jax.Array, dtype) -> jax.Array:

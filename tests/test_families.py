@@ -29,6 +29,9 @@ CONFIGS = {
         rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256, torch_dtype="bfloat16",
     ),
     "gemma3, defaults": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], **SHAPE),
+    "phi3, defaults": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], **SHAPE),
+    # Phi-4-mini's config.json writes the factor at the top level
+    "phi4-mini, partial rotary": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, **SHAPE),
 }
 
 
@@ -50,6 +53,8 @@ def test_config_reads_as_transformers_reads_it(name):
     full, local = (rope["full_attention"], rope["sliding_attention"]) if "full_attention" in rope else (rope, rope)
     assert ours.rope_theta == full["rope_theta"] and ours.rope_scaling[0] == full["rope_type"]
     assert (ours.rope_local or (ours.rope_theta,))[0] == local["rope_theta"]
+    rotary = int(ours.head_dim * (rope if "full_attention" not in rope else full).get("partial_rotary_factor", 1.0))
+    assert (ours.rotary_dim or ours.head_dim) == rotary
     if hasattr(theirs, "query_pre_attn_scalar"):
         assert ours.attn_scale == theirs.query_pre_attn_scalar**-0.5
         assert ours.attn_softcap == (theirs.attn_logit_softcapping or 0.0)
@@ -80,6 +85,9 @@ def test_errors_name_what_is_wrong():
         config_from_hf({**CONFIGS["llama, defaults"], "hidden_act": "gelu_pytorch_tanh"})
     with pytest.raises(JaxinferError, match="activation 'relu'"):
         config_from_hf({**CONFIGS["gemma, defaults"], "hidden_act": "relu"})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+    with pytest.raises(JaxinferError, match="rope scaling type 'longrope' is not supported"):
+        config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": longrope})
     with pytest.raises(JaxinferError, match="hidden_size"):
         config_from_hf({k: v for k, v in CONFIGS["gemma, defaults"].items() if k != "hidden_size"})
     assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"}

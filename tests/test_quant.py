@@ -128,7 +128,7 @@ def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
     random models' logits are nearly flat (perplexity above the vocabulary size), a far harder
     case than a trained model's (the bundled model: 99%); W8A8 measured 92–96% on each of them."""
     agreed = tokens = 0
-    for arch in ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]:
+    for arch in ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]:
         path = tiny(arch)
         full, int8 = load_model(path), load_model(path, quantize="int8")
         ids = list(np.random.default_rng(1).integers(3, full.config.vocab_size, 400))

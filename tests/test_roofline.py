@@ -81,7 +81,8 @@ def test_the_measurements_themselves_are_plausible():
     assert all(1e8 < rate < 1e14 for rate in ceilings.measure_bandwidth(nbytes=16 * 2**20))
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "gemma3"])  # untied, tied embeddings; 4 norms and q/k norms a layer
+# untied, tied embeddings; 4 norms and q/k norms a layer; fused projections
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "gemma3", "phi3"])
 def test_info_counts_what_transformers_counts(tiny, arch):
     import json
     import subprocess
@@ -95,7 +96,8 @@ def test_info_counts_what_transformers_counts(tiny, arch):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)
     assert facts["parameters"] == hf.num_parameters()
     c = hf.config
-    assert facts["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Phi-3's config has none
+    assert facts["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
     assert facts["total_bytes"] == facts["parameters"] * 4 + facts["kv_bytes_per_token"] * 128 * 2
     assert facts["longest_context_that_fits"] * facts["kv_bytes_per_token"] * 2 <= facts["device_memory_bytes"]
     assert 0 < facts["predicted_ttft_s"] and 0 < facts["predicted_itl_s"]

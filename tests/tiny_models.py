@@ -48,6 +48,8 @@ ARCHITECTURES = {
         model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,
         query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
     ),
+    # half of each head rotated (Phi-4-mini rotates 3/4); a window the tests' sequences pass
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5, sliding_window=24, pad_token_id=None),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,

@@ -11,9 +11,9 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, llama
+from jaxinfer.families import gemma, llama, phi3
 
-FAMILIES: dict[str, ModuleType] = {arch: module for module in (llama, gemma) for arch in module.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {arch: module for module in (llama, gemma, phi3) for arch in module.ARCHITECTURES}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 

@@ -1,0 +1,41 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): Llama's blocks with q/k/v fused into one
+`qkv_proj` and gate/up into one `gate_up_proj` (kept fused: one matmul where Llama runs three, and
+two), and rope over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75)."""
+
+from __future__ import annotations
+
+from jaxinfer.config import ModelConfig, activation, common_fields
+from jaxinfer.errors import JaxinferError
+from jaxinfer.families import llama
+
+ARCHITECTURES = ("Phi3ForCausalLM",)
+
+# transformers' Phi3Config defaults, for keys a config.json leaves out.
+DEFAULTS = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None}
+
+
+def config(d: dict, arch: str) -> ModelConfig:
+    d = {**DEFAULTS, **d}
+    if activation(d.get("hidden_act") or "silu") != "silu":
+        raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
+    fields = common_fields(d)
+    # transformers 5 keeps it in rope_parameters; the hub's configs write it at the top level
+    factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    rotary = int(fields["head_dim"] * factor)
+    if rotary % 2 or not 0 < rotary <= fields["head_dim"]:
+        raise JaxinferError(f"config.json: partial_rotary_factor {factor} leaves {rotary} of {fields['head_dim']} dims to rotate")
+    return ModelConfig(architecture=arch, **fields, fused_projections=True, rotary_dim=rotary)
+
+
+def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+    """Llama's names, with `self_attn.qkv_proj` → wqkv ([q; k; v] rows) and `mlp.gate_up_proj` →
+    wgate_up ([gate; up] rows) in place of the separate projections."""
+    table = llama.weight_table(cfg)
+    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            del table[f"{pre}{name}.weight"]
+        table[f"{pre}self_attn.qkv_proj.weight"] = (("layers", i, "wqkv"), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D))
+        table[f"{pre}mlp.gate_up_proj.weight"] = (("layers", i, "wgate_up"), (2 * F, D))
+    return table
