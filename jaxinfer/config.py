@@ -28,6 +28,7 @@ class ModelConfig:
     max_position_embeddings: int
     rope_theta: float
     # ("default",) | ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
+    # | ("longrope", short_factors, long_factors, original_max_positions, attention_factor)
     rope_scaling: tuple = ("default",)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
@@ -56,6 +57,9 @@ class ModelConfig:
 def _rope(d: dict) -> tuple[float, tuple]:
     """(theta, scaling) from either the transformers-5 `rope_parameters` or the older keys."""
     params = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):  # longrope's, at the top level
+        if key in d:
+            params.setdefault(key, d[key])
     return rope_settings(params, d.get("rope_theta", 10000.0))
 
 
@@ -76,8 +80,16 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             float(params["high_freq_factor"]),
             int(params["original_max_position_embeddings"]),
         )
+    if kind == "longrope":  # as transformers' _compute_longrope_parameters
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or params["max_position_embeddings"] / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short, long = (tuple(float(f) for f in params[key]) for key in ("short_factor", "long_factor"))
+        return theta, ("longrope", short, long, original, float(attention))
     raise JaxinferError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)"
     )
 
 
@@ -133,13 +145,24 @@ def common_fields(d: dict) -> dict:
     )
 
 
-def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], with the checkpoint's scaling applied (as transformers
-    does); `sliding`: for a sliding-window layer, which Gemma 3 rotates with a base of its own."""
+def longrope_switch(cfg: ModelConfig) -> int:
+    """longrope's original context, past which a sequence's every key takes the long factors: as
+    transformers recomputes its cache when a sequence grows past it, a row that reaches it is
+    prefilled again whole (`Slots`). 0 without longrope."""
+    return cfg.rope_scaling[3] if cfg.rope_scaling[0] == "longrope" else 0
+
+
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False, long: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [rotary dims // 2], with the checkpoint's scaling applied (as
+    transformers does); `sliding`: for a sliding-window layer, which Gemma 3 rotates with a base of
+    its own; `long`: longrope's long factors (else its short ones)."""
     theta, scaling = cfg.rope_local if sliding and cfg.rope_local else (cfg.rope_theta, cfg.rope_scaling)
     dim = cfg.rotary_dim or cfg.head_dim
-    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    powers = theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    inv_freq = 1.0 / powers
     kind = scaling[0]
+    if kind == "longrope":
+        return 1.0 / (np.asarray(scaling[2] if long else scaling[1], np.float32) * powers)
     if kind == "linear":
         return inv_freq / scaling[1]
     if kind == "llama3":

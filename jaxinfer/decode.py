@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import model
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import SamplerArrays, Sampling, sample
 
@@ -105,6 +105,7 @@ def admission(
     lengths = [end - start for start, end in zip(starts, ends)]
     final = [end == len(prompt) for prompt, end in zip(prompts, ends)]
     host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths)) + (np.asarray(final, bool),)
+    host += (np.asarray([len(prompt) for prompt in prompts], np.int32),)  # picks longrope's factors
     seeds = np.asarray([seed % 2**32 for seed in seeds], np.uint32).view(np.int32)  # any integer: its low 32 bits
     host += (np.asarray(limits, np.int32), seeds, np.asarray(ignore_eos, bool), np.asarray(speculate, bool))
     return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
@@ -144,6 +145,7 @@ def prefill(
     start: jax.Array,
     chunk_len: jax.Array,
     final: jax.Array,
+    prompt_len: jax.Array,
     limit: jax.Array,
     seeds: jax.Array,
     ignore_eos: jax.Array,
@@ -161,12 +163,13 @@ def prefill(
     `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the row already holds (a
     chat's earlier turns, or a long prompt's earlier chunks). A row whose chunk is not `final` [R]
     samples nothing and stays done, so decode passes it by; its next chunk starts at its `length`.
-    `kv_len` (static) covers start + T, so attention reads no further.
+    `kv_len` (static) covers start + T, so attention reads no further. `prompt_len` [R]: the whole
+    prompt's length, by which longrope picks its factors for every chunk of it.
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
-    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len, rows)
+    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len, rows, prompt_len[:, None])
     last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
@@ -233,12 +236,14 @@ def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int)
     return drafts, jnp.where(follow >= 0, K, 0)
 
 
-def drafts(state: DecodeState, spec: Speculation, kv_len: int) -> tuple[jax.Array, jax.Array]:
+def drafts(state: DecodeState, spec: Speculation, kv_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Each row's drafts [B, K] and how many to verify [B]: none for a row that is done, does not
     speculate or is backing off; never past the kv bucket (the verified positions must lie inside
     it) or the row's budget (drafts past it are wasted)."""
     tokens, count = lookup(state.tokens, state.length, spec, kv_len)
     room = jnp.minimum(kv_len - state.length, state.limit - state.length - 1)
+    if switch := longrope_switch(cfg):  # a pass never feeds the switch position: plain decoding is prefilled again there
+        room = jnp.where(state.length <= switch, jnp.minimum(room, switch - state.length), room)
     return tokens, jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(count, 0, room), 0)
 
 
@@ -257,7 +262,7 @@ def verify_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
     active = ~state.done
     B, S = state.tokens.shape
     K = spec.draft
-    draft, count = drafts(state, spec, kv_len)
+    draft, count = drafts(state, spec, kv_len, cfg)
     j = jnp.arange(K + 1)
     last = jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)
     feed = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
@@ -303,6 +308,8 @@ def decode(
         i, s = carry
         finished = jnp.any(running & s.done) & stop_on_finish
         full = jnp.any(~s.done & (s.length > kv_len))  # its next query would sit past the bucket
+        if switch := longrope_switch(cfg):  # a row to prefill again with longrope's long factors
+            full |= jnp.any(~s.done & (s.length == switch + 1))
         return (i < steps) & ~jnp.all(s.done) & ~finished & ~full
 
     def plain(carry):
@@ -316,7 +323,7 @@ def decode(
     # a lax.cond per step, which XLA CPU runs on a copy of the whole cache (a 4096-position cache
     # of the bundled model: 2.7 → 6.4 ms per step).
     def drafting(carry) -> jax.Array:
-        return jnp.any(drafts(carry[1], spec, kv_len)[1] > 0)
+        return jnp.any(drafts(carry[1], spec, kv_len, cfg)[1] > 0)
 
     def verify(carry):
         i, s = carry

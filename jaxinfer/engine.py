@@ -176,6 +176,7 @@ class Engine:
         compiling = timings.compile.seconds
         started = time.perf_counter()
         slots.admit([admit], timings.compile)
+        timings.cached_tokens = slots.admitted(0).start  # none where longrope's factors changed
         tokens, length, done = self._fetch()
         timings.ttft_s = time.perf_counter() - started - (timings.compile.seconds - compiling)
         timings.generated_tokens = 1

@@ -82,18 +82,34 @@ def in_out_layout(params: Params, consume: bool = False) -> Params:
     return {**params, "layers": layers}
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers);
-    with fewer frequencies than hd/2 (a partial rotary factor), the first 2·len(inv_freq) dims only."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers),
+    inv_freq [hd/2] or per token [B, T, hd/2]; with fewer frequencies than hd/2 (a partial rotary
+    factor), the first 2·len(inv_freq) dims only. `scale`: longrope's attention factor on cos and sin."""
     rotary = 2 * inv_freq.shape[-1]
     if rotary < x.shape[-1]:
-        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq), x[..., rotary:]], -1)
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq, scale), x[..., rotary:]], -1)
     freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
-    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]  # [B, T, 1, hd]
-    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
+    cos = (jnp.cos(jnp.concatenate([freqs, freqs], -1)) * scale)[:, :, None, :]  # [B, T, 1, hd]
+    sin = (jnp.sin(jnp.concatenate([freqs, freqs], -1)) * scale)[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
     return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def rope_factors(cfg: ModelConfig, sliding: bool, rope_len: jax.Array) -> tuple[jax.Array, float]:
+    """A layer's inverse frequencies ([hd/2], or per token [B, T, hd/2] under longrope) and the
+    factor on cos and sin. longrope takes its long factors where the sequence is longer than the
+    original context, as transformers decides per forward pass by its last position: `rope_len`
+    [B, T] (or [B, 1]) is that length for each token: the whole prompt's for a prompt (chunked or
+    not), each decoded token's own (a speculative check computes its tokens as plain decoding would)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding))
+    kind = cfg.rope_scaling[0]
+    if kind != "longrope" or (sliding and cfg.rope_local):
+        return inv_freq, 1.0
+    _, _, _, original, scale = cfg.rope_scaling
+    long = jnp.asarray(rope_inv_freq(cfg, sliding, long=True))
+    return jnp.where((rope_len > original)[..., None], long, inv_freq), scale
 
 
 def attention_mask(q_pos: jax.Array, kv_len: int, window: int | None) -> jax.Array:
@@ -114,6 +130,7 @@ def attention(
     i: int,
     cfg: ModelConfig,
     kv_len: int,
+    rope_len: jax.Array,
 ) -> tuple[jax.Array, KVCache | None]:
     B, T, _ = x.shape
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -125,8 +142,8 @@ def attention(
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg)
         k = rms_norm(k, layer["k_norm"], cfg)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding=cfg.sliding_windows[i] is not None))
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, rope_len)
+    q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
 
     if cache is None:  # a whole sequence from position 0 (training, perplexity): its own keys
         kv_len, k_scale, v_scale = T, None, None
@@ -201,6 +218,7 @@ def forward(
     cache: KVCache | None,
     kv_len: int,
     rows: jax.Array | None = None,
+    rope_len: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run tokens [B, T] at positions [B, T]; returns final hidden states [B, T, D] and the cache.
 
@@ -208,14 +226,18 @@ def forward(
     slot of a larger cache). K/V of the new tokens are written into the cache first; queries attend
     over the first `kv_len` cache positions (static: the prompt bucket for a fresh prefill, the whole
     cache in decode). With no cache (training), tokens are a whole sequence at positions 0..T-1 and
-    see only each other.
+    see only each other. `rope_len` [B, T] or [B, 1]: the sequence length that picks longrope's
+    factors (`rope_factors`); by default each token's own position + 1 (a whole sequence's length
+    without a cache).
     """
+    if rope_len is None:
+        rope_len = positions + 1 if cache is not None else jnp.max(positions, axis=1, keepdims=True) + 1
     x = embedding(params["embed"], tokens, compute_dtype(params))  # [B, T, D]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), positions, cache, rows, i, cfg, kv_len)
+            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), positions, cache, rows, i, cfg, kv_len, rope_len)
             x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
             h = mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
             x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)

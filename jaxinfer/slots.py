@@ -13,18 +13,23 @@ Prompts longer than `prefill_chunk` tokens are prefilled a chunk per call (Sarat
 prefill): attention scores stay [chunk, kv bucket] instead of [T, T] per head, and while other rows
 are decoding each `step` runs one chunk and then one decode step, so a long admission delays the
 running rows by a chunk at a time instead of stalling them for its whole prefill.
+
+longrope (Phi-3.5, Phi-4-mini): transformers rotates a sequence with the short factors until it
+grows past the original context, and there recomputes its whole cache with the long ones. Here the
+decode loop stops a row at that point and `step` prefills it again whole (in chunks, beside the
+running rows): the same keys, the same tokens.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
 
 from jaxinfer.ceilings import device_memory_bytes
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
 from jaxinfer.roofline import Storage, kv_bytes_per_token
@@ -125,6 +130,9 @@ class Slots:
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
         self._queue: dict[int, tuple[Admission, int]] = {}  # row → its admission, prompt tokens prefilled so far
+        self._admitted: dict[int, Admission] = {}  # row → what it runs
+        self._long = np.zeros(self.batch, bool)  # longrope: the row's keys take the long factors
+        self._carried = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))  # from before a second prefill
         self.counters = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))
 
     @property
@@ -137,6 +145,10 @@ class Slots:
         """[B] bool: rows admitted whose prompt is still being prefilled (no token yet)."""
         return np.isin(np.arange(self.batch), list(self._queue))
 
+    def admitted(self, row: int) -> Admission:
+        """What the row runs, as admitted (its `start`: the prompt tokens it took from the cache)."""
+        return self._admitted[row]
+
     def admit(self, admissions: list[Admission], report: CompileReport) -> None:
         """Start the given rows (replacing whatever they held); other rows keep their place. Each
         prompt + max_tokens must fit max_context (callers check, in their own words). With no row
@@ -146,6 +158,15 @@ class Slots:
         rows[[a.row for a in admissions]] = True
         if (self._live & rows).any():  # their earlier sequences stop decoding now
             self.retire(rows)
+        if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
+            admissions = [a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions]
+            self._long[rows] = False
+            for a in admissions:
+                self._long[a.row] = len(a.prompt) > switch
+        for a in admissions:
+            self._admitted[a.row] = a
+            for counter in vars(self._carried).values():
+                counter[a.row] = 0
         self._queue.update({a.row: (a, a.start) for a in admissions})
         if self._live.any():  # rows are decoding: only what takes one call
             self._prefill_round(report, whole_only=True)
@@ -191,6 +212,8 @@ class Slots:
         bucket; stopping at the first finished row with `stop_on_finish`). Returns what it ran.
         While prompts are queued, a chunk of each first and then one decode step: every running row
         gets a token per chunk (Sarathi's stall-free schedule)."""
+        if switch := longrope_switch(self.cfg):
+            self._prefill_long_again(switch)
         chunked = bool(self._queue)
         if chunked:
             self._prefill_round(report)
@@ -207,8 +230,28 @@ class Slots:
         self.state = run(self.params, self.state, *args)
         # A speculative step makes up to draft + 1 tokens; the loop ends where a row leaves the bucket.
         grown = np.minimum(self._length[self._live] + steps * (spec.draft + 1), kv_len + 1)
+        if switch:  # and where a row reaches longrope's switch
+            grown = np.where(self._length[self._live] <= switch, np.minimum(grown, switch + 1), grown)
         self._length[self._live] = np.minimum(grown, self._limit[self._live])
         return Step(steps, kv_len)
+
+    def _prefill_long_again(self, switch: int) -> None:
+        """Queue every live row that has just grown past longrope's original context (the decode
+        loop stops it there) to be prefilled again whole, with the long factors."""
+        if not (self._live & (self._length == switch + 1)).any():
+            return
+        tokens, length, _ = self.fetch()  # the host's lengths are bounds: make them exact
+        rows = self._live & (length == switch + 1)
+        if not rows.any():
+            return
+        self.retire(rows)  # the loop passes them by until their last chunk
+        for row in np.flatnonzero(rows):
+            a = self._admitted[row]
+            again = replace(a, prompt=tokens[row, : switch + 1].tolist(), max_tokens=len(a.prompt) + a.max_tokens - switch - 1, start=0)
+            self._admitted[row], self._queue[row], self._long[row] = again, (again, 0), True
+            for carried, now in zip(vars(self._carried).values(), vars(self.counters).values()):
+                carried[row] = now[row]  # the counters restart at a prefill
+            self._carried.passes[row] += 1  # which makes the row's next token, as a decode pass would
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """tokens [B, S], length [B], done [B] on the host (whole arrays: slicing on the device would
@@ -217,7 +260,7 @@ class Slots:
         s = self.state
         tokens, length, done, *counters = jax.device_get((s.tokens, s.length, s.done, s.drafted, s.accepted, s.passes))
         self._length[:], self._live[:] = length, ~done  # a prefilling row reads done, with no token yet
-        self.counters = Counters(*counters)
+        self.counters = Counters(*(now + carried for now, carried in zip(counters, vars(self._carried).values())))
         return tokens, length, done
 
     def retire(self, rows: np.ndarray) -> None:

@@ -21,7 +21,10 @@ S = 512
 TEXT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a sliding window of 24, shorter than most chunks' reach
+# mistral: a sliding window of 24, shorter than most chunks' reach; phi3-longrope: prompts past its
+# original context of 48 (long factors from the first chunk), and rows that pass it while decoding
+# (prefilled again whole, in chunks beside the running rows)
+@pytest.fixture(scope="module", params=["llama", "mistral", "phi3-longrope"])
 def models(tiny, request):
     path = tiny(request.param, max_position_embeddings=S)
     return dataclasses.replace(load_model(path), eos_ids=()), reference(path)

@@ -1,9 +1,11 @@
 """Each family's config.json translation, against how transformers reads the same file: the keys a
 hub checkpoint leaves out take transformers' defaults, and the older spellings mean what they meant."""
 
+import numpy as np
 import pytest
 import transformers
 
+from jaxinfer.config import longrope_switch, rope_inv_freq
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import SUPPORTED_ARCHITECTURES, config_from_hf
 
@@ -76,6 +78,29 @@ def test_gemma3_older_keys_mean_what_the_newer_say():
     assert config_from_hf({**newer, "architectures": old["architectures"]}) == cfg
 
 
+@pytest.mark.parametrize("attention_factor", [None, 1.1])
+def test_longrope_factors_are_transformers(attention_factor):
+    """Phi-3.5-mini's rope as its config.json writes it (the older `type` key, the original context at
+    the top level), Phi-4-mini's partial rotation: the frequencies and the attention factor of each
+    set, against transformers' own longrope function."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0], "long_factor": [1.0, 2.0, 5.0, 9.0, 20.0, 40.0]}
+    if attention_factor:
+        scaling["attention_factor"] = attention_factor
+    d = dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], **SHAPE, partial_rotary_factor=0.75,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, rope_scaling=scaling,
+    )
+    cfg = config_from_hf(d)
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+    for long in (False, True):
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](theirs, None, seq_len=4097 if long else None)
+        np.testing.assert_allclose(rope_inv_freq(cfg, long=long), inv_freq.numpy(), rtol=1e-6)  # float32 pow: numpy vs torch, to the ulp
+        assert cfg.rope_scaling[4] == pytest.approx(attention, rel=1e-12)
+    assert longrope_switch(cfg) == 4096
+
+
 def test_errors_name_what_is_wrong():
     with pytest.raises(JaxinferError, match="GemmaForCausalLM.*Qwen3ForCausalLM|Qwen3ForCausalLM.*GemmaForCausalLM"):
         config_from_hf({**CONFIGS["llama, defaults"], "architectures": ["GPT2LMHeadModel"]})
@@ -85,9 +110,11 @@ def test_errors_name_what_is_wrong():
         config_from_hf({**CONFIGS["llama, defaults"], "hidden_act": "gelu_pytorch_tanh"})
     with pytest.raises(JaxinferError, match="activation 'relu'"):
         config_from_hf({**CONFIGS["gemma, defaults"], "hidden_act": "relu"})
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    with pytest.raises(JaxinferError, match="rope scaling type 'longrope' is not supported"):
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 5, "long_factor": [2.0] * 5, "original_max_position_embeddings": 64}
+    with pytest.raises(JaxinferError, match="longrope needs 8 short and long factors"):
         config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": longrope})
+    with pytest.raises(JaxinferError, match="rope scaling type 'yarn' is not supported"):
+        config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(JaxinferError, match="hidden_size"):
         config_from_hf({k: v for k, v in CONFIGS["gemma, defaults"].items() if k != "hidden_size"})
     assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"}

@@ -53,6 +53,28 @@ def test_greedy_generation_matches_transformers(tiny, arch, tmp_path):
         assert text == model.tokenizer.decode(expected)
 
 
+def test_longrope_chat_turn_past_the_original_context_matches_transformers(tiny):
+    """A first turn inside longrope's original context of 48 (short factors), a second that passes
+    it: transformers runs the whole conversation with the long factors, and so do we: the cached
+    short-factor keys are not reused."""
+    path = tiny("phi3-longrope")
+    hf, model = reference(path), load_model(path)
+    engine = Engine(model.config, model.params, 128, eos_ids=())
+    ids = model.tokenizer.encode(PROMPT)
+    first = Generation(model, engine, ids, Sampling(), max_tokens=8)
+    list(first)
+    follow = ids + first.token_ids + model.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(ids) + 8 < 48 < len(follow)
+    again = Generation(model, engine, follow, Sampling(), max_tokens=8)
+    list(again)
+    assert first.token_ids == greedy_reference(hf, ids, 8) and again.token_ids == greedy_reference(hf, follow, 8)
+    assert again.timings.cached_tokens == 0
+    longer = follow + again.token_ids + model.tokenizer.encode(" Rome", add_special_tokens=False)
+    third = Generation(model, engine, longer, Sampling(), max_tokens=8)  # long keys, reused
+    list(third)
+    assert third.timings.cached_tokens > 48 and third.token_ids == greedy_reference(hf, longer, 8)
+
+
 def test_sentencepiece_model_matches_transformers(tiny):
     path = tiny("llama", tokenizer="sentencepiece")
     hf, model = reference(path), load_model(path)

@@ -50,6 +50,13 @@ ARCHITECTURES = {
     ),
     # half of each head rotated (Phi-4-mini rotates 3/4); a window the tests' sequences pass
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5, sliding_window=24, pad_token_id=None),
+    # Phi-4-mini's kind: 3/4 of each head rotated, longrope with an original context of 48, which the
+    # tests' prompts stay under and their decoding passes (max_position_embeddings 256: factor 16/3)
+    "phi3-longrope": dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, pad_token_id=None,
+        original_max_position_embeddings=48,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,

@@ -1,6 +1,7 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): Llama's blocks with q/k/v fused into one
 `qkv_proj` and gate/up into one `gate_up_proj` (kept fused: one matmul where Llama runs three, and
-two), and rope over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75)."""
+two), rope over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75), and longrope
+(Phi-3.5, Phi-4-mini, the 128k Phi-3s: `jaxinfer.model.rope_factors`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def config(d: dict, arch: str) -> ModelConfig:
     rotary = int(fields["head_dim"] * factor)
     if rotary % 2 or not 0 < rotary <= fields["head_dim"]:
         raise JaxinferError(f"config.json: partial_rotary_factor {factor} leaves {rotary} of {fields['head_dim']} dims to rotate")
+    scaling = fields["rope_scaling"]
+    if scaling[0] == "longrope" and not len(scaling[1]) == len(scaling[2]) == rotary // 2:
+        raise JaxinferError(f"config.json: longrope needs {rotary // 2} short and long factors, one per rotated pair of dims")
     return ModelConfig(architecture=arch, **fields, fused_projections=True, rotary_dim=rotary)
 
 
