@@ -32,8 +32,9 @@ def tokenizers(tiny):
     return Tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
 
 
-def test_the_three_real_world_templates_are_there():
-    assert set(TEMPLATES) == {"llama3", "qwen2.5", "mistral"}
+def test_the_real_world_templates_are_there():
+    # gemma: google/gemma-7b-it's (no system role, "model" turns); phi3: microsoft/Phi-3-mini-4k-instruct's
+    assert set(TEMPLATES) == {"llama3", "qwen2.5", "mistral", "gemma", "phi3"}
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

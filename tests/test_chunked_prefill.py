@@ -21,10 +21,7 @@ S = 512
 TEXT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 
 
-# mistral: a sliding window of 24, shorter than most chunks' reach; phi3-longrope: prompts past its
-# original context of 48 (long factors from the first chunk), and rows that pass it while decoding
-# (prefilled again whole, in chunks beside the running rows)
-@pytest.fixture(scope="module", params=["llama", "mistral", "phi3-longrope"])
+@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a sliding window of 24, shorter than most chunks' reach
 def models(tiny, request):
     path = tiny(request.param, max_position_embeddings=S)
     return dataclasses.replace(load_model(path), eos_ids=()), reference(path)
@@ -112,3 +109,25 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
     assert all(r["generated_tokens"] == reqs[r["id"]].max_tokens for r in out)
     itl = {r["id"]: r["timings"]["itl_ms"] for r in out}
     assert all(v["p50"] > 0 and v["max"] >= v["p50"] for v in itl.values())
+
+
+def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
+    """phi3-longrope's original context is 48: a prompt past it takes the long factors in every
+    chunk (transformers' greedy tokens); in a batch, rows that grow past it while decoding are
+    prefilled again whole, in chunks beside the running rows, and each equals its run alone."""
+    path = tiny("phi3-longrope", max_position_embeddings=S)
+    model, hf = dataclasses.replace(load_model(path), eos_ids=()), reference(path)
+    ids = model.tokenizer.encode(TEXT * 2)
+    assert len(ids) > 48
+    gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=16), ids, Sampling(), 16)
+    list(gen)
+    assert gen.token_ids == greedy_reference(hf, ids, 16)
+    reqs = [
+        Request(0, model.tokenizer.encode("x"), Sampling(), max_tokens=70, seed=0),  # passes 48 while decoding
+        Request(1, ids, Sampling(temperature=0.9), max_tokens=30, seed=1),
+        Request(2, model.tokenizer.encode(TEXT[:60]), Sampling(), max_tokens=40, seed=2),  # passes it later
+    ]
+    expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
+    out = []
+    BatchRunner(model, 2, S, prefill_chunk=16).run(reqs, out.append)
+    assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
