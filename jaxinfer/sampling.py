@@ -102,17 +102,24 @@ def _search(scaled: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Arr
     return jax.lax.bitcast_convert_type(jnp.where(hi >= sign, hi & ~sign, ~hi), jnp.float32)
 
 
+def _logsumexp(x: jax.Array, top: jax.Array) -> jax.Array:
+    """log Σ exp(x) per row [B], given each row's maximum `top` [B] (known here from top_k; and
+    jax.nn.logsumexp's guards cost compile time in every program)."""
+    return top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
+
+
 def _cut(ordered: jax.Array, k: jax.Array, top_p: jax.Array, lse_all: jax.Array) -> jax.Array:
     """The top-k, then top-p threshold [B] from the C most likely scaled logits `ordered` [B, C],
     descending; top-p's mass is normalised over the top-k set (all V when k > C: `lse_all`)."""
     C = ordered.shape[-1]
     top_p = jnp.where(top_p < 1, top_p, jnp.inf)  # off at 1, whatever the rounding of the mass
     ordered = jnp.where(jnp.arange(C) < k[:, None], ordered, -jnp.inf)
-    lse = jnp.where(k <= C, jax.nn.logsumexp(ordered, axis=-1), lse_all)
+    lse = jnp.where(k <= C, _logsumexp(ordered, ordered[:, 0]), lse_all)
     probs = jnp.exp(ordered - lse[:, None])
     # Keep a token while the mass strictly before it is < top_p: the first one always stays. Never
     # past top-k: rounded below 1, the mass before a cut token would keep it (and undo top-k).
-    kept = jnp.minimum(jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None], axis=-1), jnp.minimum(k, C))
+    before = probs @ jnp.triu(jnp.ones((C, C), probs.dtype), 1)  # the mass before each: a dot compiles faster than cumsum
+    kept = jnp.minimum(jnp.sum(before < top_p[:, None], axis=-1), jnp.minimum(k, C))
     return jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)[:, 0]
 
 
@@ -130,7 +137,7 @@ def _draw(logits: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
     ordered, index = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(V, CANDIDATES)))
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
     filtered = (k < V) | (p.top_p < 1)  # top-p at 1 is off, as in transformers
-    lse_all = jax.nn.logsumexp(scaled, axis=-1)
+    lse_all = _logsumexp(scaled, ordered[:, 0])
     # min-p: drop tokens less likely than min_p × the most likely one (log space).
     floor = jnp.where(p.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(p.min_p, 1e-30)), -jnp.inf)
     threshold = jnp.maximum(jnp.where(filtered, _cut(ordered, k, p.top_p, lse_all), -jnp.inf), floor)
@@ -140,7 +147,7 @@ def _draw(logits: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
     def searched_threshold() -> jax.Array:
         top_k = _search(scaled, jnp.ones_like(scaled), k.astype(jnp.float32))
         in_top_k = scaled >= top_k[:, None]
-        lse = jax.nn.logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
+        lse = _logsumexp(jnp.where(in_top_k, scaled, -jnp.inf), ordered[:, 0])
         mass = jnp.where(in_top_k, jnp.exp(scaled - lse[:, None]), 0.0)
         top_p = jnp.where(p.top_p < 1, _search(scaled, mass, p.top_p), -jnp.inf)
         return jnp.where(unsure, jnp.maximum(jnp.maximum(top_k, top_p), floor), threshold)

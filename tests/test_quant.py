@@ -240,7 +240,7 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     assert list(argmax[len(prompt) - 1 :]) == out
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma3"])  # sliding and global layers, q/k norms, a tied head
 def test_quantized_batch_rows_equal_run_alone(tiny, arch):
     """W8A8 quantizes each row's activations on its own and the cache each row's K/V: a row's
     result does not depend on its batch-mates (greedy, as test_batch holds for float)."""
