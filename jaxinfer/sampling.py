@@ -118,8 +118,7 @@ def _cut(ordered: jax.Array, k: jax.Array, top_p: jax.Array, lse_all: jax.Array)
     probs = jnp.exp(ordered - lse[:, None])
     # Keep a token while the mass strictly before it is < top_p: the first one always stays. Never
     # past top-k: rounded below 1, the mass before a cut token would keep it (and undo top-k).
-    before = probs @ jnp.triu(jnp.ones((C, C), probs.dtype), 1)  # the mass before each: a dot compiles faster than cumsum
-    kept = jnp.minimum(jnp.sum(before < top_p[:, None], axis=-1), jnp.minimum(k, C))
+    kept = jnp.minimum(jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None], axis=-1), jnp.minimum(k, C))
     return jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)[:, 0]
 
 
