@@ -160,7 +160,6 @@ class Slots:
             self.retire(rows)
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
             admissions = [a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions]
-            self._long[rows] = False
             for a in admissions:
                 self._long[a.row] = len(a.prompt) > switch
         for a in admissions:

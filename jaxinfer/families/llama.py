@@ -17,10 +17,15 @@ DEFAULTS = {
 }
 
 
-def config(d: dict, arch: str) -> ModelConfig:
-    d = {**DEFAULTS[arch], **d}
+def check_silu(d: dict, arch: str) -> None:
+    """Llama's blocks (and Phi-3's) run SwiGLU only."""
     if activation(d.get("hidden_act") or "silu") != "silu":
         raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
+
+
+def config(d: dict, arch: str) -> ModelConfig:
+    d = {**DEFAULTS[arch], **d}
+    check_silu(d, arch)
     attention_bias = bool(d.get("attention_bias", False))
     return ModelConfig(
         architecture=arch,

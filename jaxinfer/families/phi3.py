@@ -5,7 +5,7 @@ kernel at Phi-3-mini's shapes, 1 and 5 rows, f32 and bf16, fused and split measu
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, activation, common_fields
+from jaxinfer.config import ModelConfig, common_fields
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama
 
@@ -17,8 +17,7 @@ DEFAULTS = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_emb
 
 def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS, **d}
-    if activation(d.get("hidden_act") or "silu") != "silu":
-        raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
+    llama.check_silu(d, arch)
     fields = common_fields(d)
     # transformers 5 keeps it in rope_parameters; the hub's configs write it at the top level
     factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
