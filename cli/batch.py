@@ -25,6 +25,7 @@ def batch(
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
     num_draft: Optional[int] = options.NUM_DRAFT,
+    draft_model: Optional[Path] = options.DRAFT_MODEL,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -36,7 +37,7 @@ def batch(
     from jaxinfer.jobs import Job, open_output
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
@@ -50,6 +51,7 @@ def batch(
     from jaxinfer.model import layout_for_batch
 
     loaded = options.load(model, dtype, layout_for_batch(batch_size), quantize, kv_dtype)
+    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize, layout_for_batch(batch_size))
     context = options.context_length(loaded.max_positions, max_context)
     earlier = None if to_stdout else open_output(output, resume)
     if earlier and earlier.dropped:

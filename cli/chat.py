@@ -37,6 +37,7 @@ def chat(
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
     num_draft: Optional[int] = options.NUM_DRAFT,
+    draft_model: Optional[Path] = options.DRAFT_MODEL,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -47,8 +48,9 @@ def chat(
     from jaxinfer.engine import Engine
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)

@@ -115,6 +115,7 @@ def run(
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
     num_draft: Optional[int] = options.NUM_DRAFT,
+    draft_model: Optional[Path] = options.DRAFT_MODEL,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -134,8 +135,9 @@ def run(
     if not text.strip():
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
@@ -281,6 +283,7 @@ def bench(
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
     num_draft: Optional[int] = options.NUM_DRAFT,
+    draft_model: Optional[Path] = options.DRAFT_MODEL,
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
@@ -294,8 +297,9 @@ def bench(
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft)
+    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     roofs = options.ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
     with render.progress("benchmarking") as progress:
         rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)

@@ -51,7 +51,12 @@ SPECULATE = typer.Option(
 )
 NUM_DRAFT = typer.Option(
     None, "--num-draft", "--draft-max", "--num-draft-tokens", metavar="K", show_default=False,
-    help=f"Tokens drafted per step with --speculate [default: {DEFAULT_NUM_DRAFT}].",
+    help=f"Tokens drafted per step with --speculate or --draft-model [default: {DEFAULT_NUM_DRAFT}].",
+)
+DRAFT_MODEL = typer.Option(
+    None, "--draft-model", "--model-draft", metavar="DIR", show_default=False,
+    help="Speculative decoding with a small model that shares the tokenizer: it drafts the next tokens, the model checks them "
+    "in one pass; the output is exactly what plain decoding gives. Loaded with the same --dtype, --quantize and --kv-dtype.",
 )
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
@@ -84,20 +89,35 @@ def chunking(prefill_chunk: Optional[int]) -> dict:
     return {"prefill_chunk": prefill_chunk}
 
 
-def speculation(speculate: Optional[str], num_draft: Optional[int]) -> dict:
-    """`--speculate` and `--num-draft` as the keyword Engine, BatchRunner and bench take."""
+def speculation(speculate: Optional[str], num_draft: Optional[int], draft_model: Optional[Path] = None) -> dict:
+    """`--speculate`, `--num-draft` and `--draft-model` as the keyword Engine, BatchRunner and bench
+    take (the draft model itself is added by `load_draft`, once the model is loaded)."""
     from jaxinfer.decode import Speculation
     from jaxinfer.errors import JaxinferError
 
     if speculate not in (None, *SPECULATE_METHODS):
         raise JaxinferError(f"--speculate must be one of {', '.join(SPECULATE_METHODS)}, not {speculate!r}")
+    if speculate and draft_model:
+        raise JaxinferError("--speculate ngram and --draft-model are two ways to draft: give one")
     if num_draft is not None and not 1 <= num_draft <= 32:
         raise JaxinferError("--num-draft must be between 1 and 32")
-    if speculate is None:
+    if speculate is None and draft_model is None:
         if num_draft is not None:
-            raise JaxinferError("--num-draft needs --speculate ngram")
+            raise JaxinferError("--num-draft needs --speculate ngram or --draft-model")
         return {}
     return {"speculation": Speculation(draft=num_draft or DEFAULT_NUM_DRAFT)}
+
+
+def load_draft(draft_model: Optional[Path], target, decoding: dict, dtype: str, quantize: Optional[str], layout: Optional[str] = None) -> dict:
+    """`--draft-model`, loaded with the target's flags and checked to share its tokenizer, added to
+    the decoding keywords."""
+    from jaxinfer.loading import check_draft
+
+    if draft_model is None:
+        return decoding
+    draft = load(draft_model, dtype, layout, quantize, target.config.kv_dtype)
+    check_draft(target, draft)
+    return decoding | {"speculation": replace(decoding["speculation"], model=draft.config), "draft_params": draft.params}
 
 
 def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None):

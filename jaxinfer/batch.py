@@ -37,7 +37,7 @@ class Request:
     seed: int
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    speculate: bool = False  # draft by prompt lookup (where the runner speculates)
+    speculate: bool = False  # draft (where the runner speculates)
 
 
 @dataclass
@@ -62,10 +62,11 @@ class BatchStats:
 
 class BatchRunner:
     def __init__(
-        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation()
+        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation(),
+        draft_params: dict | None = None,
     ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
-        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation)
+        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation, draft_params)
         self.stats = BatchStats()
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:

@@ -35,6 +35,7 @@ def _spread(values: list[float]) -> dict:
 def bench_point(
     cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings,
     max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation(),
+    draft_params: dict | None = None,
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
     the new tokens); decode reads only the kv buckets the rows reach, whatever its size. Prompts
@@ -44,7 +45,7 @@ def bench_point(
     S = max_context or prompt_tokens + new_tokens
     if prompt_tokens + new_tokens > S:
         raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
-    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk, speculation=speculation)  # no EOS: every row runs all its steps
+    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk, speculation=speculation, draft_params=draft_params)  # no EOS: every row runs all its steps
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
     speculate = speculation.draft > 0
     admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling(), speculate=speculate) for r in range(batch)]  # each row its own seed
@@ -116,6 +117,7 @@ def sweep(
     max_context: int | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
     speculation: Speculation = Speculation(),
+    draft_params: dict | None = None,
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
     layouts = {layout_for_batch(1): params}  # as loaded; each batch size decodes on its fastest layout, as run and batch do
@@ -126,7 +128,7 @@ def sweep(
         layout = layout_for_batch(b)
         if layout not in layouts:
             layouts[layout] = in_out_layout(params)
-        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk, speculation)
+        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk, speculation, draft_params)
         rows.append({**point, "layout": layout})
     if progress:
         progress(len(points), len(points))

@@ -10,8 +10,9 @@ and one call with `steps = max_tokens` is the whole request.
 
 With `Speculation(draft=K)`, a decode step of the rows that ask for it drafts up to K tokens by
 prompt lookup (the tokens that followed the latest earlier occurrence of the row's last n tokens,
-already in the state) and verifies them in one pass over the weights: K+1 positions for about
-the bandwidth of one. Each position's token is sampled exactly as plain decoding samples it (same
+already in the state), or with `Speculation(draft=K, model=cfg)` by K greedy steps of a small
+draft model with the same tokenizer (its own cache in the state), and verifies them in one pass
+over the weights: K+1 positions for about the bandwidth of one. Each position's token is sampled exactly as plain decoding samples it (same
 logits rule, same key `fold_in(seed, position)`), and drafts are kept while they equal it, so the
 output is the plain output, greedy or sampled. For a draft that is one token, not a distribution,
 this is the speculative-sampling rule of Leviathan et al. (accept d with probability p(d), else draw
@@ -58,20 +59,28 @@ class DecodeState:
     passes: jax.Array  # [B] int32: decode steps (forward passes) the row took part in
     backoff: jax.Array  # [B] int32: steps before the row drafts again (after drafts that all failed)
     patience: jax.Array  # [B] int32: the backoff its next failure sets: doubled per failure, 0 after a success
+    draft_cache: KVCache | None = None  # the draft model's, where one drafts: K/V of all but a row's last two tokens at least
 
 
 @dataclass(frozen=True)
 class Speculation:
-    """How the decode loop speculates (static: part of the program). `draft` 0 is off; n-grams
-    of `ngram_max` down to `ngram_min` tokens are looked up, the longest that occurs winning."""
+    """How the decode loop speculates (static: part of the program). `draft` 0 is off. With a
+    draft `model` (its config; its parameters go to `prefill` and `decode` beside the target's),
+    its greedy tokens are the drafts; without one, n-grams of `ngram_max` down to `ngram_min`
+    tokens are looked up, the longest that occurs winning."""
 
     draft: int = 0
     ngram_max: int = 3
     ngram_min: int = 1
+    model: ModelConfig | None = None
 
 
-def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...]) -> DecodeState:
-    """An empty state: zero cache in the weights' dtype, every row done."""
+def initial_state(
+    cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...],
+    spec: Speculation = Speculation(), draft_params: model.Params | None = None,
+) -> DecodeState:
+    """An empty state: zero caches in the weights' dtypes, every row done."""
+    draft_cache = KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params)) if spec.model else None
     return DecodeState(
         cache=KVCache.zeros(cfg, batch, max_context, model.compute_dtype(params)),
         tokens=jnp.zeros((batch, max_context), jnp.int32),
@@ -89,6 +98,7 @@ def initial_state(cfg: ModelConfig, params: model.Params, batch: int, max_contex
         passes=jnp.zeros((batch,), jnp.int32),
         backoff=jnp.zeros((batch,), jnp.int32),
         patience=jnp.zeros((batch,), jnp.int32),
+        draft_cache=draft_cache,
     )
 
 
@@ -136,7 +146,7 @@ def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeSt
     )
 
 
-@partial(jax.jit, static_argnames=("cfg", "kv_len"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
 def prefill(
     params: model.Params,
     state: DecodeState,
@@ -151,8 +161,11 @@ def prefill(
     ignore_eos: jax.Array,
     speculate: jax.Array,
     sampler: SamplerArrays,
+    draft_params: model.Params | None = None,
+    *,
     cfg: ModelConfig,
     kv_len: int,
+    spec: Speculation = Speculation(),
 ) -> DecodeState:
     """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
     `start` [R] on (chunk [R, T], padded to a bucket; true lengths [R]) on top of the first `start`
@@ -170,6 +183,8 @@ def prefill(
     B, S = state.tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
     hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len, rows, prompt_len[:, None])
+    if spec.model:
+        state = replace(state, draft_cache=model.forward(draft_params, spec.model, chunk, positions, state.draft_cache, kv_len, rows)[1])
     last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
@@ -198,14 +213,24 @@ def prefill(
     return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), started)
 
 
-def decode_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int) -> DecodeState:
+def _feed(state: DecodeState, back: int, count: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's `count` tokens from `back` before its length on: tokens [B, count] and where live
+    rows write them [B, count] (finished rows: past the cache, so they write nothing)."""
+    positions = state.length[:, None] - back + jnp.arange(count)
+    tokens = jnp.take_along_axis(state.tokens, positions, axis=1)
+    return tokens, jnp.where(~state.done[:, None], positions, state.tokens.shape[1])
+
+
+def decode_step(
+    params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int, spec: Speculation = Speculation(), draft_params=None
+) -> DecodeState:
     """Feed each live row's last token, sample the next, attending over the first `kv_len` cache
-    positions (every live row's last token must sit below it)."""
+    positions (every live row's last token must sit below it). A draft model takes the token before
+    it, so its cache keeps up with all but the row's last two tokens."""
     active = ~state.done
-    S = state.tokens.shape[1]
-    position = state.length - 1  # [B]: where the last token sits
-    last = jnp.take_along_axis(state.tokens, position[:, None], axis=1)  # [B, 1]
-    write_at = jnp.where(active, position, S)[:, None]  # finished rows write nothing
+    if spec.model:
+        state = replace(state, draft_cache=model.forward(draft_params, spec.model, *_feed(state, 2, 1), state.draft_cache, kv_len)[1])
+    last, write_at = _feed(state, 1, 1)  # [B, 1]
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache, passes=state.passes + active, backoff=jnp.maximum(state.backoff - 1, 0))
     token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg)
@@ -236,18 +261,39 @@ def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int)
     return drafts, jnp.where(follow >= 0, K, 0)
 
 
-def drafts(state: DecodeState, spec: Speculation, kv_len: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Each row's drafts [B, K] and how many to verify [B]: none for a row that is done, does not
-    speculate or is backing off; never past the kv bucket (the verified positions must lie inside
-    it) or the row's budget (drafts past it are wasted)."""
-    tokens, count = lookup(state.tokens, state.length, spec, kv_len)
+def draft_room(state: DecodeState, spec: Speculation, kv_len: int, cfg: ModelConfig) -> jax.Array:
+    """How many drafts each row may verify now [B]: none for a row that is done, does not speculate
+    or is backing off; never past the kv bucket (the verified positions must lie inside it) or the
+    row's budget (drafts past it are wasted); with prompt lookup, only as many as it found."""
     room = jnp.minimum(kv_len - state.length, state.limit - state.length - 1)
     if switch := longrope_switch(cfg):  # a pass never feeds the switch position: plain decoding is prefilled again there
         room = jnp.where(state.length <= switch, jnp.minimum(room, switch - state.length), room)
-    return tokens, jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(count, 0, room), 0)
+    if not spec.model:
+        room = jnp.minimum(room, lookup(state.tokens, state.length, spec, kv_len)[1])
+    return jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(room, 0, spec.draft), 0)
 
 
-def verify_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int, spec: Speculation) -> DecodeState:
+def model_drafts(draft_params: model.Params, state: DecodeState, spec: Speculation, kv_len: int) -> tuple[jax.Array, KVCache]:
+    """The draft model's K tokens after each row [B, K], and its cache. Each is drawn as the target
+    draws the token at its position (the row's sampling settings and key), so where the two models'
+    distributions are close the same uniform picks the same token, and a sampled row keeps drafts
+    about as often as a greedy one. The cache holds all but the row's last two tokens (a verifying
+    pass may keep every draft and add one), so the first step feeds both; each draft is then fed to
+    make the next. What it writes past the row's kept tokens is overwritten when the row gets there."""
+    cache, seen, tokens = state.draft_cache, state.seen, []
+    feed, write_at = _feed(state, 2, 2)
+    for k in range(spec.draft):
+        hidden, cache = model.forward(draft_params, spec.model, feed, write_at, cache, kv_len)
+        logits = model.logits(draft_params, hidden[:, -1], spec.model)
+        tokens.append(_sample_at(state.seeds, seen, state.sampler, logits, state.length + k, spec.model))
+        seen = seen.at[jnp.arange(seen.shape[0]), tokens[-1]].set(True)
+        feed, write_at = tokens[-1][:, None], write_at[:, -1:] + 1
+    return jnp.stack(tokens, axis=1), cache
+
+
+def verify_step(
+    params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int, spec: Speculation, draft_params=None
+) -> DecodeState:
     """One pass that emits 1 to K+1 tokens per live row: its last token and its drafts go in at
     their positions; at each, the token plain decoding would sample there is sampled (given the
     drafts before it); the row keeps the drafts up to the first disagreement and then the model's
@@ -262,9 +308,14 @@ def verify_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
     active = ~state.done
     B, S = state.tokens.shape
     K = spec.draft
-    draft, count = drafts(state, spec, kv_len, cfg)
+    count = draft_room(state, spec, kv_len, cfg)
+    if spec.model:
+        draft, draft_cache = model_drafts(draft_params, state, spec, kv_len)
+        state = replace(state, draft_cache=draft_cache)
+    else:
+        draft = lookup(state.tokens, state.length, spec, kv_len)[0]
     j = jnp.arange(K + 1)
-    last = jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)
+    last = _feed(state, 1, 1)[0]
     feed = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
     positions = state.length[:, None] - 1 + j  # [B, K+1]
     write_at = jnp.where(active[:, None] & (j <= count[:, None]), positions, S)
@@ -294,8 +345,8 @@ def verify_step(params: model.Params, state: DecodeState, cfg: ModelConfig, kv_l
 
 @partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
 def decode(
-    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, cfg: ModelConfig, kv_len: int,
-    spec: Speculation = Speculation(),
+    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, draft_params: model.Params | None = None,
+    *, cfg: ModelConfig, kv_len: int, spec: Speculation = Speculation(),
 ) -> DecodeState:
     """Up to `steps` decode steps, ending early once every row is done, or (`stop_on_finish`, a
     traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request.
@@ -314,7 +365,7 @@ def decode(
 
     def plain(carry):
         i, s = carry
-        return i + 1, decode_step(params, s, cfg, kv_len)
+        return i + 1, decode_step(params, s, cfg, kv_len, spec, draft_params)
 
     if not spec.draft:
         return jax.lax.while_loop(live, plain, (jnp.int32(0), state))[1]
@@ -323,11 +374,11 @@ def decode(
     # a lax.cond per step, which XLA CPU runs on a copy of the whole cache (a 4096-position cache
     # of the bundled model: 2.7 → 6.4 ms per step).
     def drafting(carry) -> jax.Array:
-        return jnp.any(drafts(carry[1], spec, kv_len, cfg)[1] > 0)
+        return jnp.any(draft_room(carry[1], spec, kv_len, cfg) > 0)
 
     def verify(carry):
         i, s = carry
-        return i + 1, verify_step(params, s, cfg, kv_len, spec)
+        return i + 1, verify_step(params, s, cfg, kv_len, spec, draft_params)
 
     def alternate(carry):
         carry = jax.lax.while_loop(lambda c: live(c) & ~drafting(c), plain, carry)

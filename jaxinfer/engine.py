@@ -121,10 +121,10 @@ class Engine:
 
     def __init__(
         self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK,
-        speculation: Speculation = Speculation(),
+        speculation: Speculation = Speculation(), draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation)
+        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation, draft_params)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
     def cached_prefix(self, prompt: list[int]) -> int:
@@ -210,7 +210,8 @@ class Engine:
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
         """Row 0's tokens, length and done flag. Also records what the cache now holds: K/V of
-        every token but the last."""
+        every token but the last (but the last two, for a draft model's)."""
         tokens, length, done = self.slots.fetch()
-        self._cached = tokens[0, : int(length[0]) - 1].copy()
+        held = int(length[0]) - (2 if self.slots.speculation.model else 1)  # a draft model's cache may lag one more
+        self._cached = tokens[0, :held].copy()
         return tokens[0], int(length[0]), bool(done[0])

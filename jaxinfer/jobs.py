@@ -3,7 +3,7 @@
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
 seed, stop, ignore_eos and speculate (false: this request does not draft, in a job run with
---speculate); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
+--speculate or --draft-model); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
 ({"custom_id", "method", "url", "body"}) gets its result in that API's output shape. A bad line,
 unknown fields included, becomes an error record in the output and the job goes on. The output is locked while a job writes it. On resume, ids already in the
 output are skipped (and bad lines already recorded), and a last record cut short by a kill is
@@ -222,7 +222,7 @@ class Job:
         if not isinstance(speculate, bool):
             raise JaxinferError('"speculate" must be true or false')
         if speculate and not self.speculating:
-            raise JaxinferError('"speculate": true needs the job to run with --speculate ngram')
+            raise JaxinferError('"speculate": true needs the job to run with --speculate ngram or --draft-model')
         return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate)
 
 

@@ -230,3 +230,12 @@ def load_model(
         eos_ids=_eos_ids(config_json, generation, tokenizer),
         max_new_tokens=generation.get("max_new_tokens"),
     )
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must speak the target's tokenizer: its drafts are verified as token ids."""
+    if draft.tokenizer.pieces() != target.tokenizer.pieces():
+        raise JaxinferError(
+            f"the draft model {draft.path.name} has a different vocabulary from {target.path.name} "
+            f"({draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens, not the same pieces): a draft must share the tokenizer"
+        )

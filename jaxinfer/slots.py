@@ -62,9 +62,9 @@ def chunk_size(n: int) -> int:
     return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
 
 
-def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int) -> None:
+def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None) -> None:
     """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap)."""
-    per_position = batch * (kv_bytes_per_token(cfg, storage) + 4)  # K and V, and the token buffer
+    per_position = batch * (kv_bytes_per_token(cfg, storage) + 4 + (kv_bytes_per_token(*draft) if draft else 0))  # K and V, the tokens
     free = device_memory_bytes(free=True)
     if per_position * max_context > free:
         raise JaxinferError(
@@ -85,7 +85,7 @@ class Admission:
     sampling: Sampling
     start: int = 0
     ignore_eos: bool = False
-    speculate: bool = False  # draft by prompt lookup, where the Slots speculate
+    speculate: bool = False  # draft, where the Slots speculate
 
 
 @dataclass
@@ -114,18 +114,20 @@ class Slots:
 
     def __init__(
         self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK,
-        speculation: Speculation = Speculation(),
+        speculation: Speculation = Speculation(), draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
-        self.speculation = speculation
+        self.speculation, self.draft_params = speculation, draft_params  # the draft model's, where speculation.model is one
         self.prefill_chunk = chunk_size(prefill_chunk)
-        _check_memory(cfg, Storage.of_params(params), batch, max_context)
+        _check_memory(cfg, Storage.of_params(params), batch, max_context, speculation.model and (speculation.model, Storage.of_params(draft_params)))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.reset()
 
     def reset(self) -> None:
         """An empty cache, every row free."""
-        self.state: DecodeState = initial_state(self.cfg, self.params, self.batch, self.max_context, self.eos_ids)
+        self.state: DecodeState = initial_state(
+            self.cfg, self.params, self.batch, self.max_context, self.eos_ids, self.speculation, self.draft_params
+        )
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
@@ -197,7 +199,9 @@ class Slots:
             [a.row for a in admissions], [a.prompt for a in admissions], starts, ends, limits, [a.seed for a in admissions],
             [a.sampling for a in admissions], [a.ignore_eos for a in admissions], [a.speculate for a in admissions], bucket,
         )
-        run = self._programs.get(("prefill", len(group), bucket, kv_len), report, prefill, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len)
+        args += (self.draft_params,)
+        static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation)
+        run = self._programs.get(("prefill", len(group), bucket, kv_len), report, prefill, self.params, self.state, *args, **static)
         self.state = run(self.params, self.state, *args)
         for a, end, limit in zip(admissions, ends, limits):
             if end < len(a.prompt):
@@ -223,7 +227,7 @@ class Slots:
         longest = int(self._length[self._live].max())  # the next step's query sits at longest - 1
         kv_len = kv_bucket(longest, self.max_context)
         steps = 1 if chunked else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
-        args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish)))
+        args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish))) + (self.draft_params,)
         spec = self.speculation
         run = self._programs.get(("decode", kv_len), report, decode, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
         self.state = run(self.params, self.state, *args)

@@ -54,6 +54,13 @@ class Tokenizer:
         specials = sorted({t for t in self.special_tokens.values() if t}, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
+    def pieces(self) -> dict[str, int]:
+        """Every token's text (as the tokenizer names it) → its id: two tokenizers with the same
+        pieces turn the same ids into the same text."""
+        if self._hf is not None:
+            return self._hf.get_vocab(with_added_tokens=True)
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
     def _special_tokens(self) -> dict[str, str | None]:
         """bos_token, eos_token, unk_token, pad_token as text."""
         found = {f"{name}_token": _token_text(self.config.get(f"{name}_token")) for name in ("bos", "eos", "unk", "pad")}

@@ -4,12 +4,19 @@ repeats text already there (copy-heavy) and on open-ended ones.
 
     python scripts/bench_speculation.py --model bundled --draft 2,4,8
     python scripts/bench_speculation.py --model smollm-135m --quantize int8
+    python scripts/bench_speculation.py --draft-model --layers 48 --scale 0,0.3 --draft 2,4
 
 The bundled model (trained on Python's standard library) is asked to write out again a function
 from its prompt; an open-ended prompt asks for new code. Random-weight shapes have no text to copy:
 their greedy output falls into loops within a few dozen tokens, which lookup predicts, so their
 copy-heavy figure is the best case and their open-ended one (a prompt of random ids, sampled at
 temperature 1) is the worst.
+
+With --draft-model the bundled model drafts for a deeper model shaped from it (`shapes.deepened`:
+its six layers, then copies of them up to --layers with their output projections scaled by
+--scale): at scale 0 the target's tokens are the draft's (every draft kept: the mechanism's
+ceiling at that cost ratio), and larger scales make it disagree more, as a bigger model trained on
+the same text would.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import statistics
 import textwrap
 
 import numpy as np
-from shapes import SHAPES, loaded
+from shapes import SHAPES, deepened, loaded
 
 from jaxinfer import quant
 from jaxinfer.decode import Speculation
@@ -61,9 +68,29 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quantize", choices=quant.METHODS, default=None)
+    parser.add_argument("--draft-model", action="store_true", help="the bundled model drafts for a deeper one made from it")
+    parser.add_argument("--layers", type=int, default=48, help="with --draft-model: the target's layers")
+    parser.add_argument("--scale", default="0,0.3", help="with --draft-model: the added layers' output scales to compare")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    drafts = [int(k) for k in args.draft.split(",")]
+    if args.draft_model:
+        if args.quantize or args.model != "bundled":
+            parser.error("--draft-model shapes a float32 target from the bundled model: no --model or --quantize")
+        draft = load_model(None)
+        source = load_model(None, layout="out_in")
+        prompts = bundled_prompts(draft)
+        rows = []
+        for scale in map(float, args.scale.split(",")):
+            cfg, params = deepened(source.config, source.params, args.layers, scale)
+            engines = {0: Engine(cfg, params, 512, eos_ids=())} | {
+                k: Engine(cfg, params, 512, eos_ids=(), speculation=Speculation(draft=k, model=draft.config), draft_params=draft.params)
+                for k in drafts
+            }
+            rows += [{"scale": scale, **row} for row in compare(engines, prompts, args.tokens, args.repeat)]
+        report(rows, args, f"the bundled model drafting for {args.layers} layers made from it")
+        return
     if args.model == "bundled":
         model = load_model(None, quantize=args.quantize)
         cfg, params, prompts, context = model.config, model.params, bundled_prompts(model), 512
@@ -71,30 +98,38 @@ def main() -> None:
         cfg = SHAPES[args.model]
         params = loaded(cfg, args.quantize)
         prompts, context = shape_prompts(cfg.vocab_size), 1024
-    drafts = [int(k) for k in args.draft.split(",")]
     engines = {k: Engine(cfg, params, context, eos_ids=(), speculation=Speculation(draft=k)) for k in [0, *drafts]}
+    report(compare(engines, prompts, args.tokens, args.repeat), args, f"{args.model} ({cfg.architecture}, {args.quantize or 'float32'})")
+
+
+def compare(engines: dict[int, Engine], prompts: dict, tokens: int, repeat: int) -> list[dict]:
+    """Each prompt on each engine (key: K, 0 plain), alternated over repeats; medians."""
     rows = []
     for name, (prompt, sampling) in prompts.items():
         for engine in engines.values():  # compile every program the runs need before timing
-            decode_tok_s(engine, prompt, sampling, args.tokens)
+            decode_tok_s(engine, prompt, sampling, tokens)
         speeds = {k: [] for k in engines}
         stats = {}
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             for k, engine in engines.items():
-                tok_s, stats[k] = decode_tok_s(engine, prompt, sampling, args.tokens)
+                tok_s, stats[k] = decode_tok_s(engine, prompt, sampling, tokens)
                 speeds[k].append(tok_s)
         plain = statistics.median(speeds[0])
-        for k in drafts:
+        for k in [k for k in speeds if k]:
             fast = statistics.median(speeds[k])
             rows.append({"prompt": name, "draft": k, "plain_tok_s": round(plain, 1), "speculative_tok_s": round(fast, 1),
                          "speedup": round(fast / plain, 3), **stats[k]})
+    return rows
+
+
+def report(rows: list[dict], args, what: str) -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    storage = f"{cfg.architecture}, {args.quantize or 'float32'}"
-    print(f"{args.model} ({storage}), {args.tokens} tokens, median of {args.repeat}")
+    print(f"{what}, {args.tokens} tokens, median of {args.repeat}")
     for r in rows:
-        print(f"  {r['prompt']:15} K={r['draft']}: {r['plain_tok_s']:7.1f} → {r['speculative_tok_s']:7.1f} tok/s "
+        scale = f"scale {r['scale']}: " if "scale" in r else ""
+        print(f"  {scale}{r['prompt']:15} K={r['draft']}: {r['plain_tok_s']:7.1f} → {r['speculative_tok_s']:7.1f} tok/s "
               f"(×{r['speedup']:.2f}); accepted {r['accepted']}/{r['drafted']} ({r['acceptance_rate']:.0%}), "
               f"{r['tokens_per_step']:.2f} tokens per step")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 
@@ -43,3 +45,15 @@ def loaded(cfg: ModelConfig, quantize: str | None = None, dtype=jnp.float32, lay
 
         params = jax.tree_util.tree_map_with_path(pack, params)
     return lay_out(params, check_layout(layout), consume=True)
+
+
+def deepened(cfg: ModelConfig, params: dict, layers: int, scale: float) -> tuple[ModelConfig, dict]:
+    """A deeper model made from a trained one (params as the checkpoint lays them out), for
+    speculation with that one as its draft: its layers, then copies of them in turn up to `layers`
+    whose output projections (wo, wdown) are multiplied by `scale`. At 0 the copies add nothing and
+    its tokens are the small model's; above 0 they move its distribution away from the draft's.
+    Returned in the fastest layout here."""
+    extra = [params["layers"][i % cfg.num_layers] for i in range(cfg.num_layers, layers)]
+    extra = [{k: v * scale if k in ("wo", "wdown") else v for k, v in layer.items()} for layer in extra]
+    deep = replace(cfg, num_layers=layers, sliding_windows=(None,) * layers)
+    return deep, lay_out({**params, "layers": params["layers"] + extra}, check_layout(None))
