@@ -101,3 +101,16 @@ def test_greedy_is_the_first_most_likely_token():
     keys = jax.random.split(jax.random.key(0), 2)
     got = sample(logits, jnp.zeros(logits.shape, bool), keys, SamplerArrays.from_settings([Sampling()] * 2))
     assert got.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=0.8, top_p=0.95), Sampling(temperature=1.0)], ids=["candidates", "whole vocabulary"])
+def test_two_near_distributions_drawn_with_the_same_keys_mostly_agree(s):
+    # What a draft model's tokens rest on: drawn with the key the target's token at that position
+    # is drawn with, they equal it with probability ≥ (1 - TV) / (1 + TV) (Gumbel-max coupling;
+    # Daliri et al. 2024), where a shared uniform through an inverse CDF falls far below.
+    base = PEAKED if s.top_p < 1 else FLAT
+    near = base + np.random.default_rng(2).normal(size=V) * 0.3
+    tv = 0.5 * np.abs(reference(base, s) - reference(near, s)).sum()
+    agree = np.mean(draws(base, s) == draws(near, s))
+    assert 0.1 < tv < 0.5
+    assert agree >= (1 - tv) / (1 + tv) - 0.03, (agree, tv)
