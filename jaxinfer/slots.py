@@ -117,7 +117,9 @@ class Slots:
         speculation: Speculation = Speculation(), draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
-        self.speculation, self.draft_params = speculation, draft_params  # the draft model's, where speculation.model is one
+        if (speculation.model is None) != (draft_params is None):
+            raise ValueError("a draft model needs both its config (Speculation.model) and its parameters (draft_params)")
+        self.speculation, self.draft_params = speculation, draft_params
         self.prefill_chunk = chunk_size(prefill_chunk)
         _check_memory(cfg, Storage.of_params(params), batch, max_context, speculation.model and (speculation.model, Storage.of_params(draft_params)))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
