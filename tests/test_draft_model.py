@@ -51,24 +51,24 @@ def models(tiny):
 
 
 def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
-    target, near, small = models
+    target, near, _ = models
     ids = target.tokenizer.encode(PROMPT)
-    expected = greedy_reference(reference(tiny("llama", init_std=0.05)), ids, 200)  # past the first kv bucket
-    for draft in (target, near, small):
+    expected = greedy_reference(reference(tiny("llama", init_std=0.05)), ids, 120)  # past the first kv bucket
+    for draft in (target, near):  # (the small model's drafts are checked by the sampled test)
         engine = Engine(target.config, target.params, S, (), prefill_chunk=16, speculation=Speculation(4, model=draft.config), draft_params=draft.params)
-        gen = generate(target, ids, n=200, engine=engine)
+        gen = generate(target, ids, n=120, engine=engine)
         assert gen.token_ids == expected
         spec = gen.timings.speculation
         assert spec.passes + spec.accepted == len(gen.token_ids) - 1  # a pass's own token and the drafts it kept
         if draft is target:
-            assert spec.accepted == spec.drafted > 100  # its own drafts: never rejected
+            assert spec.accepted == spec.drafted > 60  # its own drafts: never rejected
         if draft is near:
             assert 0 < spec.accepted < spec.drafted
-        if draft is not small:  # the same K/V as the model's: the draft's cache holds the row's tokens but the last two
-            held = len(ids) + len(gen.token_ids) - 2
-            state = engine.slots.state
-            np.testing.assert_allclose(state.draft_cache.k[:, :, :held], state.cache.k[:, :, :held], atol=1e-5)
-            np.testing.assert_allclose(state.draft_cache.v[:, :, :held], state.cache.v[:, :, :held], atol=1e-5)
+        # The same K/V as the model's: the draft's cache holds the row's tokens but the last two.
+        held = len(ids) + len(gen.token_ids) - 2
+        state = engine.slots.state
+        np.testing.assert_allclose(state.draft_cache.k[:, :, :held], state.cache.k[:, :, :held], atol=1e-5)
+        np.testing.assert_allclose(state.draft_cache.v[:, :, :held], state.cache.v[:, :, :held], atol=1e-5)
 
 
 def test_sampled_rows_keep_the_same_tokens_and_a_draft_of_itself_is_always_kept(models):
@@ -118,13 +118,11 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, models):
     check_draft(models[0], models[2])
 
 
-def test_the_cli_drafts_with_a_model(tiny):
+def test_the_cli_drafts_with_a_model(tiny, models):
     target, draft = tiny("llama", init_std=0.05), tiny("llama", init_std=0.05, num_hidden_layers=1)
-    common = ("run", "-m", target, PROMPT, "-n", "40", "--temp", "0", "--ignore-eos", "--json")
-    plain = json.loads(jaxinfer(*common).stdout)
-    proc = jaxinfer(*common, "--draft-model", draft, "--num-draft", "3")
+    proc = jaxinfer("run", "-m", target, PROMPT, "-n", "40", "--temp", "0", "--ignore-eos", "--json", "--draft-model", draft, "--num-draft", "3")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["text"] == plain["text"] and result["timings"]["speculation"]["drafted"] > 0
+    assert result["text"] == generate(models[0], PROMPT, n=40).text and result["timings"]["speculation"]["drafted"] > 0
     assert_one_line_error(jaxinfer("run", "-m", target, "x", "--draft-model", tiny("llama", tokenizer="sentencepiece")), "vocabulary")
     assert_one_line_error(jaxinfer("run", "x", "--speculate", "ngram", "--draft-model", target), "--draft-model")
