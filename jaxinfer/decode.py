@@ -131,19 +131,25 @@ def _sample_at(
     return sample(logits[:, :n], seen[:, :n], keys, sampler)
 
 
-def _append(state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeState:
-    """Write token [B] at each active row's `length` and advance it."""
-    rows = jnp.arange(token.shape[0])
-    S = state.tokens.shape[1]
-    at = jnp.where(active, state.length, S)  # S: out of range, so the write is dropped
-    length = state.length + active
-    return replace(
+def _append(state: DecodeState, tokens: jax.Array, offered: jax.Array) -> tuple[DecodeState, jax.Array]:
+    """Write tokens [B, T] from each row's `length` on, those `offered` [B, T] (a prefix per row)
+    up to the first that ends the row (an EOS id, or its budget reached). Returns the state and
+    how many tokens each row took [B]. One write per array whatever T (a verifying pass's K+1
+    tokens): per-op costs weigh on a small model's step."""
+    B, T = tokens.shape
+    j = jnp.arange(T)
+    ends = (jnp.isin(tokens, state.eos) & ~state.ignore_eos[:, None]) | (state.length[:, None] + j + 1 >= state.limit[:, None])
+    made = offered & (jnp.cumsum(ends, axis=1) - ends == 0)  # [B, T]
+    rows = jnp.arange(B)[:, None]
+    at = jnp.where(made, state.length[:, None] + j, state.tokens.shape[1])  # past the buffer: the write is dropped
+    state = replace(
         state,
-        tokens=state.tokens.at[rows, at].set(token, mode="drop"),
-        length=length,
-        done=state.done | (active & ((jnp.isin(token, state.eos) & ~state.ignore_eos) | (length >= state.limit))),
-        seen=state.seen.at[rows, token].max(active),
+        tokens=state.tokens.at[rows, at].set(tokens, mode="drop"),
+        length=state.length + made.sum(1),
+        done=state.done | jnp.any(made & ends, axis=1),
+        seen=state.seen.at[rows, tokens].max(made),
     )
+    return state, made.sum(1)
 
 
 @partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
@@ -210,7 +216,7 @@ def prefill(
     )
     token = _sample_at(seeds, seen, sampler, model.logits(params, last, cfg), length, cfg)
     started = jnp.zeros(B, bool).at[rows].set(final)
-    return _append(state, jnp.zeros(B, jnp.int32).at[rows].set(token), started)
+    return _append(state, jnp.zeros((B, 1), jnp.int32).at[rows, 0].set(token), started[:, None])[0]
 
 
 def _feed(state: DecodeState, back: int, count: int) -> tuple[jax.Array, jax.Array]:
@@ -234,7 +240,7 @@ def decode_step(
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache, passes=state.passes + active, backoff=jnp.maximum(state.backoff - 1, 0))
     token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg)
-    return _append(state, token, active)
+    return _append(state, token[:, None], active[:, None])[0]
 
 
 def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -331,11 +337,9 @@ def verify_step(
         flat(model.logits(params, hidden, cfg)), flat(state.length[:, None] + j), cfg,
     ).reshape(B, K + 1)
     agree = jnp.cumprod((draft == target[:, :K]) & (j[:K] < count[:, None]), axis=1, dtype=jnp.int32).sum(1)  # [B]
-    start = state.length
     state = replace(state, cache=cache, passes=state.passes + active, drafted=state.drafted + count)
-    for d in range(K + 1):
-        state = _append(state, target[:, d], active & ~state.done & (d <= agree))
-    kept = jnp.minimum(agree, state.length - start)
+    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]))  # the kept drafts and the model's own token
+    kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid
     patience = jnp.where(failed, jnp.clip(2 * state.patience, 1, MAX_BACKOFF), jnp.where(count > 0, 0, state.patience))
