@@ -10,13 +10,15 @@ and one call with `steps = max_tokens` is the whole request.
 
 With `Speculation(draft=K)`, a decode step of the rows that ask for it drafts up to K tokens by
 prompt lookup (the tokens that followed the latest earlier occurrence of the row's last n tokens,
-already in the state), or with `Speculation(draft=K, model=cfg)` by K greedy steps of a small
-draft model with the same tokenizer (its own cache in the state), and verifies them in one pass
-over the weights: K+1 positions for about the bandwidth of one. Each position's token is sampled exactly as plain decoding samples it (same
-logits rule, same key `fold_in(seed, position)`), and drafts are kept while they equal it, so the
-output is the plain output, greedy or sampled. For a draft that is one token, not a distribution,
-this is the speculative-sampling rule of Leviathan et al. (accept d with probability p(d), else draw
-from p without d). A step where no row found a draft is the plain one-token step.
+already in the state), or with `Speculation(draft=K, model=cfg)` by K steps of a small draft
+model with the same tokenizer (its own cache in the state), and verifies them in one pass over the
+weights: K+1 positions for about the bandwidth of one. Each position's token is sampled exactly as
+plain decoding samples it (same logits rule, same key `fold_in(seed, position)`), and drafts are
+kept while they equal it, so the output is the plain output, greedy or sampled. For a draft that
+is one token, not a distribution, this is the speculative-sampling rule of Leviathan et al. (accept
+d with probability p(d), else draw from p without d); a draft model's tokens are drawn with the
+same keys, so they are kept about as often as that rule would keep them (`sampling._gumbel_max`).
+A step where no row found a draft is the plain one-token step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class DecodeState:
 class Speculation:
     """How the decode loop speculates (static: part of the program). `draft` 0 is off. With a
     draft `model` (its config; its parameters go to `prefill` and `decode` beside the target's),
-    its greedy tokens are the drafts; without one, n-grams of `ngram_max` down to `ngram_min`
+    its tokens are the drafts (`model_drafts`); without one, n-grams of `ngram_max` down to `ngram_min`
     tokens are looked up, the longest that occurs winning."""
 
     draft: int = 0
