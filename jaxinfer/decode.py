@@ -76,6 +76,12 @@ class Speculation:
     ngram_min: int = 1
     model: ModelConfig | None = None
 
+    @property
+    def uncached(self) -> int:
+        """Tokens at a row's end whose K/V a cache may not hold yet: the last one, whose K/V the
+        next step writes; with a draft model, the two its cache may lag by (`model_drafts`)."""
+        return 2 if self.model else 1
+
 
 def initial_state(
     cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...],
@@ -269,23 +275,22 @@ def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int)
     return drafts, jnp.where(follow >= 0, K, 0)
 
 
-def draft_room(state: DecodeState, spec: Speculation, kv_len: int, cfg: ModelConfig) -> jax.Array:
-    """How many drafts each row may verify now [B]: none for a row that is done, does not speculate
-    or is backing off; never past the kv bucket (the verified positions must lie inside it) or the
-    row's budget (drafts past it are wasted); with prompt lookup, only as many as it found."""
+def draft_room(state: DecodeState, kv_len: int, cfg: ModelConfig, found: jax.Array | int) -> jax.Array:
+    """How many of the drafts each row has (`found` [B]: prompt lookup's count, or K for a draft
+    model) it may verify now [B]: none for a row that is done, does not speculate or is backing
+    off; never past the kv bucket (the verified positions must lie inside it) or the row's budget
+    (drafts past it are wasted)."""
     room = jnp.minimum(kv_len - state.length, state.limit - state.length - 1)
     if switch := longrope_switch(cfg):  # a pass never feeds the switch position: plain decoding is prefilled again there
         room = jnp.where(state.length <= switch, jnp.minimum(room, switch - state.length), room)
-    if not spec.model:
-        room = jnp.minimum(room, lookup(state.tokens, state.length, spec, kv_len)[1])
-    return jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(room, 0, spec.draft), 0)
+    return jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(found, 0, room), 0)
 
 
 def model_drafts(draft_params: model.Params, state: DecodeState, spec: Speculation, kv_len: int) -> tuple[jax.Array, KVCache]:
     """The draft model's K tokens after each row [B, K], and its cache. Each is drawn as the target
     draws the token at its position (the row's sampling settings and key), so where the two models'
-    distributions are close the same uniform picks the same token, and a sampled row keeps drafts
-    about as often as a greedy one. The cache holds all but the row's last two tokens (a verifying
+    distributions are close the same noise picks the same token (`sampling._gumbel_max`), and a
+    sampled row keeps drafts about as often as a greedy one. The cache holds all but the row's last two tokens (a verifying
     pass may keep every draft and add one), so the first step feeds both; each draft is then fed to
     make the next. What it writes past the row's kept tokens is overwritten when the row gets there."""
     cache, seen, tokens = state.draft_cache, state.seen, []
@@ -316,12 +321,13 @@ def verify_step(
     active = ~state.done
     B, S = state.tokens.shape
     K = spec.draft
-    count = draft_room(state, spec, kv_len, cfg)
     if spec.model:
         draft, draft_cache = model_drafts(draft_params, state, spec, kv_len)
+        count = draft_room(state, kv_len, cfg, K)
         state = replace(state, draft_cache=draft_cache)
     else:
-        draft = lookup(state.tokens, state.length, spec, kv_len)[0]
+        draft, found = lookup(state.tokens, state.length, spec, kv_len)
+        count = draft_room(state, kv_len, cfg, found)
     j = jnp.arange(K + 1)
     last = _feed(state, 1, 1)[0]
     feed = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
@@ -380,7 +386,9 @@ def decode(
     # a lax.cond per step, which XLA CPU runs on a copy of the whole cache (a 4096-position cache
     # of the bundled model: 2.7 → 6.4 ms per step).
     def drafting(carry) -> jax.Array:
-        return jnp.any(draft_room(carry[1], spec, kv_len, cfg) > 0)
+        s = carry[1]
+        found = spec.draft if spec.model else lookup(s.tokens, s.length, spec, kv_len)[1]
+        return jnp.any(draft_room(s, kv_len, cfg, found) > 0)
 
     def verify(carry):
         i, s = carry

@@ -209,9 +209,8 @@ class Engine:
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
-        """Row 0's tokens, length and done flag. Also records what the cache now holds: K/V of
-        every token but the last (but the last two, for a draft model's)."""
+        """Row 0's tokens, length and done flag. Also records what the caches now hold: K/V of
+        every token but the last (`Speculation.uncached`)."""
         tokens, length, done = self.slots.fetch()
-        held = int(length[0]) - (2 if self.slots.speculation.model else 1)  # a draft model's cache may lag one more
-        self._cached = tokens[0, :held].copy()
+        self._cached = tokens[0, : int(length[0]) - self.slots.speculation.uncached].copy()
         return tokens[0], int(length[0]), bool(done[0])
