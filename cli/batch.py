@@ -29,6 +29,7 @@ def batch(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[int] = options.DEVICES,
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
 ) -> None:
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
@@ -50,8 +51,10 @@ def batch(
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
     from jaxinfer.model import layout_for_batch
 
-    loaded = options.load(model, dtype, layout_for_batch(batch_size), quantize, kv_dtype)
-    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize, layout_for_batch(batch_size))
+    mesh = options.mesh(devices)
+    layout = layout_for_batch(batch_size, mesh is not None)
+    loaded = options.load(model, dtype, layout, quantize, kv_dtype, mesh)
+    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize, layout)
     context = options.context_length(loaded.max_positions, max_context)
     earlier = None if to_stdout else open_output(output, resume)
     if earlier and earlier.dropped:

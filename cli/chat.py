@@ -41,6 +41,7 @@ def chat(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[int] = options.DEVICES,
     on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
 ) -> None:
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
@@ -49,7 +50,7 @@ def chat(
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=options.mesh(devices))
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)

@@ -119,6 +119,7 @@ def run(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[int] = options.DEVICES,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
     show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
@@ -136,7 +137,7 @@ def run(
         raise JaxinferError("the prompt is empty: give some text to continue")
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=options.mesh(devices))
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)

@@ -58,6 +58,11 @@ DRAFT_MODEL = typer.Option(
     help="Speculative decoding with a small model that shares the tokenizer: it drafts the next tokens, the model checks them "
     "in one pass; the output is exactly what plain decoding gives. Loaded with the same --dtype, --quantize and --kv-dtype.",
 )
+DEVICES = typer.Option(
+    None, "--devices", metavar="N", show_default=False,
+    help="Devices to spread the model over (tensor parallel: attention heads, the MLP and the vocabulary split, the KV cache by kv heads) "
+    "[default: 1 on the CPU, every local GPU/TPU otherwise]. On the CPU, N devices share the same cores: a way to test, not a speed-up.",
+)
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
 
@@ -109,18 +114,28 @@ def speculation(speculate: Optional[str], num_draft: Optional[int], draft_model:
 
 
 def load_draft(draft_model: Optional[Path], target, decoding: dict, dtype: str, quantize: Optional[str], layout: Optional[str] = None) -> dict:
-    """`--draft-model`, loaded with the target's flags and checked to share its tokenizer, added to
-    the decoding keywords."""
+    """`--draft-model`, loaded with the target's flags (onto its devices) and checked to share its
+    tokenizer, added to the decoding keywords."""
     from jaxinfer.loading import check_draft
+    from jaxinfer.sharding import mesh_of
 
     if draft_model is None:
         return decoding
-    draft = load(draft_model, dtype, layout, quantize, target.config.kv_dtype)
+    draft = load(draft_model, dtype, layout, quantize, target.config.kv_dtype, mesh_of(target.params))
     check_draft(target, draft)
     return decoding | {"speculation": replace(decoding["speculation"], model=draft.config), "draft_params": draft.params}
 
 
-def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None):
+def mesh(devices: Optional[int]):
+    """`--devices` as a mesh (None for one device). First thing in a command: on the CPU, the number
+    of devices is fixed when JAX starts."""
+    from jaxinfer.sharding import device_mesh
+
+    check_positive(devices=devices)
+    return device_mesh(devices)
+
+
+def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None, mesh=None):
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import load_model
     from jaxinfer.quant import check_method
@@ -128,7 +143,7 @@ def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quanti
     check_method(quantize)  # bad flags fail before a multi-GB load
     check_kv_dtype(kv_dtype)
     with render.progress("loading weights") as progress:
-        return load_model(model, dtype, progress, layout, quantize, kv_dtype)
+        return load_model(model, dtype, progress, layout, quantize, kv_dtype, mesh)
 
 
 def sampling(loaded, **flags):

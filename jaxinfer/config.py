@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,6 +53,16 @@ class ModelConfig:
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
     kv_dtype: str | None = None
+
+
+class Weight(NamedTuple):
+    """One checkpoint tensor: where it goes in our tree, its shape, and what each of its dimensions
+    indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused"; None: nothing
+    a mesh splits), from which `jaxinfer.sharding` lays it out over devices."""
+
+    path: tuple  # ("layers", 3, "wq") or ("embed",)
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
 
 
 def _rope(d: dict) -> tuple[float, tuple]:

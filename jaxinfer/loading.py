@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer import weights
 from jaxinfer.config import ModelConfig
@@ -19,6 +20,7 @@ from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.packed import pack_params
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
+from jaxinfer.sharding import place
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -153,11 +155,11 @@ def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict
 LAYOUTS = ("out_in", "in_out", "packed")
 
 
-def check_layout(layout: str | None) -> str:
+def check_layout(layout: str | None, sharded: bool = False) -> str:
     """`layout`, or by default the fastest here for one row (`model.layout_for_batch`)."""
     from jaxinfer.model import layout_for_batch
 
-    layout = layout or layout_for_batch(1)
+    layout = layout or layout_for_batch(1, sharded)
     if layout not in LAYOUTS:
         raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     return layout
@@ -191,13 +193,15 @@ def load_model(
     layout: str | None = None,
     quantize: str | None = None,
     kv_dtype: str | None = None,
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
     """Load a model directory; with no path, the bundled default model. `layout`: "packed" for the
     CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed (`model.in_out_layout`),
     "out_in" as the checkpoint stores them; by default the fastest here (`model.layout_for_batch(1)`);
     `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
-    the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`)."""
-    layout = check_layout(layout)
+    the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`); `mesh`
+    spreads the weights over its devices as they are read (`jaxinfer.sharding`)."""
+    layout = check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
@@ -214,15 +218,16 @@ def load_model(
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params
 
-        abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize)
+        abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh)
         params = restore_params(model_dir / ORBAX_DIR, abstract)
     else:
         files = weights.safetensors_files(model_dir)
-        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize)
+        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
+    params = lay_out(params, layout, consume=True)
     return LoadedModel(
         path=model_dir,
         config=cfg,
-        params=lay_out(params, layout, consume=True),
+        params=params if mesh is None else place(params, cfg, mesh),  # the kernel's forms made whole on each device
         tokenizer=tokenizer,
         dtype=chosen,
         quantize=quantize,

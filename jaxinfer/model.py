@@ -54,11 +54,12 @@ def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
     return y if bias is None else y + bias
 
 
-def layout_for_batch(batch: int) -> str:
+def layout_for_batch(batch: int, sharded: bool = False) -> str:
     """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size: packed for
-    the kernel wherever it is built with AVX-512; on XLA's dot, [in, out] for batches and [out, in]
-    for one row."""
-    if kernel.vectorised():
+    the kernel wherever it is built with AVX-512, except over a mesh (`sharded`: the kernel's custom
+    call takes whole matrices, XLA's dot takes each device's shard); on XLA's dot, [in, out] for
+    batches and [out, in] for one row."""
+    if kernel.vectorised() and not sharded:
         return "packed"
     return "in_out" if batch > 1 else "out_in"
 

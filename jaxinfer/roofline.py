@@ -72,7 +72,7 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, flo
     or in bytes as `storage` stores them."""
     layer_matrices = head = other = 0.0
     embed_per_value = 1.0
-    for name, (path, shape) in weight_table(cfg).items():
+    for path, shape, _ in weight_table(cfg).values():
         n = int(np.prod(shape)) * (storage.bytes_per_value(path, shape) if storage else 1)
         if path[0] == "layers" and len(shape) == 2:
             layer_matrices += n
@@ -88,12 +88,12 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, flo
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    return sum(int(np.prod(shape)) for _, shape in weight_table(cfg).values())
+    return sum(int(np.prod(shape)) for _, shape, _ in weight_table(cfg).values())
 
 
 def weight_bytes(cfg: ModelConfig, storage: Storage) -> int:
     """The weights' size in memory as `storage` stores them."""
-    return round(sum(int(np.prod(shape)) * storage.bytes_per_value(path, shape) for path, shape in weight_table(cfg).values()))
+    return round(sum(int(np.prod(shape)) * storage.bytes_per_value(path, shape) for path, shape, _ in weight_table(cfg).values()))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage) -> int:

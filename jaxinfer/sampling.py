@@ -133,7 +133,8 @@ def _draw(logits: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
     scaled = logits / jnp.maximum(p.temperature, 1e-6)[:, None]
     # The barrier keeps XLA CPU's TopK custom call: with slices such as ordered[:, -1] folded into
     # its output, XLA lowers top_k as a full sort again (measured: 10 ms against 0.12 ms, V = 49152).
-    ordered, index = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(V, CANDIDATES)))
+    # One barrier per output: one over the pair crashes XLA's SPMD partitioner (jax 0.10.2, --devices > 1).
+    ordered, index = map(jax.lax.optimization_barrier, jax.lax.top_k(scaled, min(V, CANDIDATES)))
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, V), V)
     filtered = (k < V) | (p.top_p < 1)  # top-p at 1 is off, as in transformers
     lse_all = _logsumexp(scaled, ordered[:, 0])

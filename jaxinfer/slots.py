@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
 import numpy as np
@@ -35,6 +36,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs
 from jaxinfer.sampling import Sampling
+from jaxinfer.sharding import mesh_of, state_shardings
 
 MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
@@ -126,10 +128,13 @@ class Slots:
         self.reset()
 
     def reset(self) -> None:
-        """An empty cache, every row free."""
-        self.state: DecodeState = initial_state(
-            self.cfg, self.params, self.batch, self.max_context, self.eos_ids, self.speculation, self.draft_params
-        )
+        """An empty cache, every row free; over a mesh, made in place on its devices (`sharding.state_shardings`)."""
+        empty = partial(initial_state, self.cfg, self.params, self.batch, self.max_context, self.eos_ids, self.speculation, self.draft_params)
+        mesh = mesh_of(self.params)
+        if mesh is None:
+            self.state: DecodeState = empty()
+        else:
+            self.state = jax.jit(empty, out_shardings=state_shardings(jax.eval_shape(empty), self.cfg, mesh, self.speculation.model))()
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done

@@ -13,21 +13,24 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer import quant
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import family
+from jaxinfer.sharding import param_shardings, weight_sharding
 
 TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
 ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
+
 
 # Buffers some exporters save that are not weights: recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, tuple[TreePath, tuple[int, ...]]]:
-    """HF tensor name → (path in our tree, expected shape), as the model's family lays it out."""
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
+    """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's family lays it out."""
     return family(cfg.architecture).weight_table(cfg)
 
 
@@ -47,15 +50,19 @@ def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     return tree
 
 
-def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None) -> dict:
-    """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation)."""
+def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None, mesh: Mesh | None = None) -> dict:
+    """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation), each
+    leaf with its place on `mesh` where there is one (orbax reads each device's shard only)."""
 
     def leaf(path: TreePath, shape: tuple[int, ...]):
         if quantize and quantized_here(path, shape):
             return {name: jax.ShapeDtypeStruct(*packed) for name, packed in quant.packed_shapes(shape, quantize).items()}
         return jax.ShapeDtypeStruct(shape, dtype)
 
-    return tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape in weight_table(cfg).values()})
+    tree = tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape, _ in weight_table(cfg).values()})
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree, param_shardings(cfg, tree, mesh))
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -79,10 +86,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_safetensors(
-    cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None, quantize: str | None = None
+    cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None, quantize: str | None = None, mesh: Mesh | None = None
 ) -> dict:
     """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices
-    packed by `quantize` as they are read (peak memory: the quantized model and one float matrix)."""
+    packed by `quantize` as they are read (peak memory: the quantized model and one float matrix).
+    With a `mesh`, each tensor goes from the file straight into its shards (`jaxinfer.sharding`);
+    those to be quantized whole onto every device (the kernel's custom call takes a whole matrix)."""
     from safetensors import SafetensorError, safe_open
 
     table = weight_table(cfg)
@@ -101,7 +110,7 @@ def read_safetensors(
             continue  # tied head: the checkpoint repeats the embedding
         if name not in table:
             raise JaxinferError(f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json")
-        path, shape = table[name]
+        path, shape, axes = table[name]
         try:
             array = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
@@ -110,9 +119,10 @@ def read_safetensors(
             raise JaxinferError(f"tensor {name} holds {array.dtype} values: jaxinfer reads float32, bfloat16 and float16 weights (not quantized checkpoints)")
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
-        leaves[path] = jnp.asarray(array, dtype=dtype)
+        packs = quantize and quantized_here(path, shape)
+        leaves[path] = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
         del array
-        if quantize and quantized_here(path, shape):
+        if packs:
             leaves[path] = quant.quantize(leaves[path], quantize)
         if progress:
             progress(done, len(names))

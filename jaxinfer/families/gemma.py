@@ -6,7 +6,7 @@ a sliding pattern and a rope base of its own for the sliding layers."""
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, activation, common_fields, rope_settings
+from jaxinfer.config import ModelConfig, Weight, activation, common_fields, rope_settings
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama
 
@@ -87,7 +87,7 @@ def _gemma3_rope(d: dict) -> tuple[tuple, tuple]:
     )
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """Llama's names; with Gemma 2/3's norms around each block, `post_attention_layernorm` is the
     attention output's norm and `pre_feedforward_layernorm` the MLP input's."""
     table = llama.weight_table(cfg)
@@ -99,5 +99,5 @@ def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
                 ("pre_feedforward_layernorm", "mlp_norm"),
                 ("post_feedforward_layernorm", "post_mlp_norm"),
             ):
-                table[f"model.layers.{i}.{hf_name}.weight"] = (("layers", i, name), (D,))
+                table[f"model.layers.{i}.{hf_name}.weight"] = Weight(("layers", i, name), (D,), ("embed",))
     return table

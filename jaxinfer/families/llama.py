@@ -3,7 +3,7 @@ and the flags each architecture sets."""
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, activation, common_fields
+from jaxinfer.config import ModelConfig, Weight, activation, common_fields
 from jaxinfer.errors import JaxinferError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -37,35 +37,37 @@ def config(d: dict, arch: str) -> ModelConfig:
     )
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
-    """HF tensor name → (path in our tree, expected shape). Gemma's layers share these names."""
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
+    """HF tensor name → (path in our tree, expected shape, logical axes). Gemma's layers share these
+    names. Axes as Megatron splits a layer: q/k/v and gate/up by their outputs, o and down by their
+    inputs, so a layer needs one sum across devices after each block."""
     D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     table = {
-        "model.embed_tokens.weight": (("embed",), (V, D)),
-        "model.norm.weight": (("norm",), (D,)),
+        "model.embed_tokens.weight": Weight(("embed",), (V, D), ("vocab", "embed")),
+        "model.norm.weight": Weight(("norm",), (D,), ("embed",)),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), (V, D))
+        table["lm_head.weight"] = Weight(("lm_head",), (V, D), ("vocab", "embed"))
     for i in range(cfg.num_layers):
 
-        def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-            table[f"model.layers.{i}.{hf_name}"] = (("layers", i, name), shape)
+        def add(hf_name: str, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
+            table[f"model.layers.{i}.{hf_name}"] = Weight(("layers", i, name), shape, axes)
 
-        add("input_layernorm.weight", "attn_norm", (D,))
-        add("post_attention_layernorm.weight", "mlp_norm", (D,))
-        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
-            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D))
+        add("input_layernorm.weight", "attn_norm", (D,), ("embed",))
+        add("post_attention_layernorm.weight", "mlp_norm", (D,), ("embed",))
+        for proj, out, heads in (("q", q_out, "heads"), ("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")):
+            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D), (heads, "embed"))
             if cfg.qkv_bias:
-                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,))
-        add("self_attn.o_proj.weight", "wo", (D, q_out))
+                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,), (heads,))
+        add("self_attn.o_proj.weight", "wo", (D, q_out), ("embed", "heads"))
         if cfg.o_bias:
-            add("self_attn.o_proj.bias", "bo", (D,))
+            add("self_attn.o_proj.bias", "bo", (D,), ("embed",))
         if cfg.qk_norm:
-            add("self_attn.q_norm.weight", "q_norm", (hd,))
-            add("self_attn.k_norm.weight", "k_norm", (hd,))
-        for proj, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-            add(f"mlp.{proj}_proj.weight", f"w{proj}", shape)
+            add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
+            add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
+        for proj, shape, axes in (("gate", (F, D), ("mlp", "embed")), ("up", (F, D), ("mlp", "embed")), ("down", (D, F), ("embed", "mlp"))):
+            add(f"mlp.{proj}_proj.weight", f"w{proj}", shape, axes)
             if cfg.mlp_bias:
-                add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],))
+                add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],), axes[:1])
     return table

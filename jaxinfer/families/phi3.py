@@ -5,7 +5,7 @@ kernel at Phi-3-mini's shapes, 1 and 5 rows, f32 and bf16, fused and split measu
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, common_fields
+from jaxinfer.config import ModelConfig, Weight, common_fields
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama
 
@@ -30,15 +30,16 @@ def config(d: dict, arch: str) -> ModelConfig:
     return ModelConfig(architecture=arch, **fields, fused_projections=True, rotary_dim=rotary)
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """Llama's names, with `self_attn.qkv_proj` → wqkv ([q; k; v] rows) and `mlp.gate_up_proj` →
-    wgate_up ([gate; up] rows) in place of the separate projections."""
+    wgate_up ([gate; up] rows) in place of the separate projections. A mesh leaves the fused rows
+    whole on each device: split evenly, a device's rows would mix q with k or gate with up."""
     table = llama.weight_table(cfg)
     D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             del table[f"{pre}{name}.weight"]
-        table[f"{pre}self_attn.qkv_proj.weight"] = (("layers", i, "wqkv"), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D))
-        table[f"{pre}mlp.gate_up_proj.weight"] = (("layers", i, "wgate_up"), (2 * F, D))
+        table[f"{pre}self_attn.qkv_proj.weight"] = Weight(("layers", i, "wqkv"), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D), ("fused", "embed"))
+        table[f"{pre}mlp.gate_up_proj.weight"] = Weight(("layers", i, "wgate_up"), (2 * F, D), ("fused", "embed"))
     return table

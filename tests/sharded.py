@@ -1,0 +1,53 @@
+"""Run as a process of its own, with 4 CPU devices (by `tests/test_sharding.py`): each model's greedy
+tokens through run's engine and batch's runner at --devices 1, 2 and 4, with what each device holds.
+Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted"}}}."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+if __name__ == "__main__":  # not when the test imports its prompts: that process keeps one device
+    jax.config.update("jax_num_cpu_devices", 4)
+
+from jaxinfer.batch import BatchRunner, Request  # noqa: E402
+from jaxinfer.checkpoint import convert  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
+from jaxinfer.loading import load_model  # noqa: E402
+from jaxinfer.sampling import Sampling  # noqa: E402
+from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E402
+
+GREEDY = Sampling(temperature=0.0)
+CHUNK = 16  # a long prompt goes in chunks; 100 tokens after it cross from the 128-position kv bucket to 256
+LONG = "The capital of France is Paris. The capital of Italy is Rome. Def fibonacci(n): return n if n < 2 else"
+BATCH = {"a": ("The capital of France", 30), "b": ("Def fibonacci(n):", 12), "c": ("Emoji", 20)}  # three requests, two rows
+
+
+def converted(path: str, model) -> bool:
+    """Whether the orbax form of the model restores onto the same devices with the same shards."""
+    with tempfile.TemporaryDirectory() as directory:
+        restored = load_model(convert(path, Path(directory) / "converted"), mesh=mesh_of(model.params))
+        pairs = zip(jax.tree.leaves(model.params), jax.tree.leaves(restored.params))
+        return all(a.sharding == b.sharding and bool((a == b).all()) for a, b in pairs)
+
+
+def tokens(path: str, devices: int) -> dict:
+    model = load_model(path, mesh=device_mesh(devices))
+    engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
+    run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 100, seed=0, ignore_eos=True) for t in chunk]
+    requests = [Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()]
+    records = []
+    BatchRunner(model, 2, 256).run(requests, records.append)
+    return {
+        "run": run,
+        "batch": {r["id"]: r["text"] for r in records},
+        "bytes": bytes_per_device(model.params),
+        "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
+        "converted": converted(path, model),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({path: {n: tokens(path, n) for n in (1, 2, 4)} for path in sys.argv[1:]}))

@@ -1,0 +1,71 @@
+"""Tensor parallelism (`--devices`): the same greedy tokens on 1, 2 and 4 CPU devices, through run's
+engine and batch's runner, with the weights and the cache really split. The devices are XLA's CPU
+devices, which must be asked for before JAX starts: the runs happen in a process of their own
+(`tests/sharded.py`)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import assert_one_line_error, jaxinfer
+from sharded import BATCH, LONG
+
+# Between them: GQA whose kv heads divide 4, biases and tied embeddings (everything splits 4 ways);
+# MQA (one kv head: the cache stays whole on each device); Phi-3's fused q/k/v and gate/up rows.
+MODELS = {
+    "llama": dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=384, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "qwen2": dict(num_key_value_heads=1),
+    "phi3": {},
+}
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny):
+    paths = {arch: str(tiny(arch, **overrides)) for arch, overrides in MODELS.items()}
+    proc = subprocess.run([sys.executable, Path(__file__).with_name("sharded.py"), *paths.values()], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    return {arch: results[path] for arch, path in paths.items()}, paths
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_devices_give_the_same_tokens(sharded, arch):
+    by_devices = sharded[0][arch]
+    one = by_devices["1"]
+    assert len(one["run"]) == 100 and len(one["batch"]) == 3
+    for devices in ("2", "4"):
+        assert by_devices[devices]["run"] == one["run"], devices
+        assert by_devices[devices]["batch"] == one["batch"], devices
+
+
+def test_weights_and_cache_are_split(sharded):
+    results = sharded[0]
+    everything = results["llama"]["1"]["bytes"][0]
+    for devices in (2, 4):  # all but the norms split
+        held = results["llama"][str(devices)]["bytes"]
+        assert len(held) == devices and max(held) < 1.05 * everything / devices, held
+        assert results["llama"][str(devices)]["converted"]  # orbax restores into the same shards
+    assert results["llama"]["4"]["cache"] == "P(None, None, None, 'tensor')"
+    assert results["qwen2"]["4"]["cache"] == "P()"  # one kv head: whole on every device
+    mqa = results["qwen2"]["4"]["bytes"]
+    assert max(mqa) < 0.5 * results["qwen2"]["1"]["bytes"][0]  # its heads, MLP and vocabulary still split
+
+
+def test_cli_devices(sharded, tmp_path):
+    """The flag reaches JAX before it starts (batch's layout choice would start it), and the draft
+    model goes onto the same devices."""
+    results, paths = sharded
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) + "\n" for i, (p, n) in BATCH.items()))
+    proc = jaxinfer("batch", requests, "-m", paths["qwen2"], "-b", "2", "-c", "256", "--devices", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert {r["id"]: r["text"] for r in map(json.loads, proc.stdout.splitlines())} == results["qwen2"]["1"]["batch"]
+    proc = jaxinfer("run", "-m", paths["llama"], "-c", "256", "-n", "100", "--temp", "0", "--ignore-eos", "--prefill-chunk", "16",
+                    "--draft-model", paths["llama"], "--devices", "4", "--json", LONG)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == results["llama"]["1"]["run"]
+    assert_one_line_error(jaxinfer("run", "-m", paths["llama"], "--devices", "0", "x"), "--devices")
+
