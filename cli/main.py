@@ -231,6 +231,7 @@ def info(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[int] = options.DEVICES,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
@@ -244,16 +245,20 @@ def info(
     from jaxinfer.loading import compute_dtype, load_config, resolve_dtype, stored_quantization
     from jaxinfer.model import layout_for_batch
     from jaxinfer.roofline import Storage, model_facts
+    from jaxinfer.runtime import check_backend
 
     options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
+    mesh = options.mesh(devices)
     model_dir, cfg, config_json = load_config(model)
-    layout = layout_for_batch(batch_size)
+    layout = layout_for_batch(batch_size, mesh is not None)
     chosen = resolve_dtype(dtype, config_json, layout)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context_length(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(compute_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
-    facts = model_facts(cfg, Storage.of(chosen, quantize, compute_dtype(chosen, layout)), context, batch_size, prompt_tokens, roofs, device_memory_bytes())
+    storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout))
+    shared = check_backend() == "cpu"  # the CPU's devices share its memory
+    facts = model_facts(cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared)
     facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, "quantize": quantize, "kv_dtype": cfg.kv_dtype, **facts}
     if json_output:
         render.print_json(json.dumps(facts))
@@ -288,6 +293,10 @@ def bench(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[str] = typer.Option(
+        None, "--devices", metavar="N,...", show_default=False,
+        help="Device counts to sweep, comma-separated: the model spread over each in turn, as run --devices N does [default: 1 on the CPU, every local GPU/TPU otherwise].",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
     plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
@@ -297,13 +306,18 @@ def bench(
     from jaxinfer import bench as benchmark
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
+    device_list = _int_list(devices, "--devices") if devices else [None]
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
-    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
-    roofs = options.ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
-    with render.progress("benchmarking") as progress:
-        rows = benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
+    flags = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
+    options.mesh(max(device_list, key=lambda n: n or 0))  # on the CPU: all the devices any count needs, before JAX starts
+    rows = []
+    for count in device_list:  # loaded again for each: onto its devices, in its layout, as run would
+        mesh = options.mesh(count)
+        loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
+        decoding = options.load_draft(draft_model, loaded, flags, dtype, quantize)
+        roofs = options.ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
+        with render.progress(f"benchmarking{f' on {mesh.size} devices' if mesh else ''}") as progress:
+            rows += benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
     if json_output:

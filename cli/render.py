@@ -160,6 +160,10 @@ def model_info(facts: dict) -> None:
             f"memory at context {facts['context']:,} × batch {facts['batch']}",
             f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache)",
         ),
+        *(
+            [(f"per device, over {facts['devices']}", f"{_bytes(facts['weight_bytes_per_device'])} weights, {_bytes(facts['kv_bytes_per_token_per_device'])} KV per token")]
+            if facts["devices"] > 1 else []
+        ),
         ("device memory available", _bytes(facts["device_memory_bytes"])),
         (
             "longest context that fits",
@@ -190,13 +194,14 @@ def bench_table(rows: list[dict], caption: str) -> None:
         return f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
     table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1), pad_edge=False)
-    for name in ("prompt", "batch", "TTFT ms\n(min–max)", "prefill\ntok/s", "MFU", "decode\ntok/s\n(min–max)", "ITL ms\np50/p99", "MBU", "compile\ns"):
+    meshes = any(r["devices"] > 1 for r in rows)  # each batch over its devices, on a second line
+    for name in ("prompt", "batch\ndevices" if meshes else "batch", "TTFT ms\n(min–max)", "prefill\ntok/s", "MFU", "decode\ntok/s\n(min–max)", "ITL ms\np50/p99", "MBU", "compile\ns"):
         table.add_column(name, justify="right", overflow="fold")
     for r in rows:
         ttft, dec = {k: v * 1000 for k, v in r["ttft_s"].items()}, r["decode_tok_s"]
         table.add_row(
             str(r["prompt_tokens"]),
-            str(r["batch"]),
+            f"{r['batch']}\n{r['devices']}" if meshes else str(r["batch"]),
             f"{ms(ttft['median'])}\n({ms(ttft['min'])}–{ms(ttft['max'])})",
             f"{r['prefill_tok_s']:.0f}",
             f"{r['prefill']['mfu']:.1%}",

@@ -22,6 +22,7 @@ from jaxinfer.decode import Speculation
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.model import in_out_layout, layout_for_batch
+from jaxinfer.sharding import mesh_of
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -120,16 +121,18 @@ def sweep(
     draft_params: dict | None = None,
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
-    layouts = {layout_for_batch(1): params}  # as loaded; each batch size decodes on its fastest layout, as run and batch do
+    mesh = mesh_of(params)
+    sharded = mesh is not None
+    layouts = {layout_for_batch(1, sharded): params}  # as loaded; each batch size decodes on its fastest layout, as run and batch do
     rows = []
     for done, (p, b) in enumerate(points):
         if progress:
             progress(done, len(points))
-        layout = layout_for_batch(b)
+        layout = layout_for_batch(b, sharded)
         if layout not in layouts:
             layouts[layout] = in_out_layout(params)
         point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk, speculation, draft_params)
-        rows.append({**point, "layout": layout})
+        rows.append({**point, "layout": layout, "devices": mesh.size if sharded else 1})
     if progress:
         progress(len(points), len(points))
     return rows

@@ -127,6 +127,11 @@ class Engine:
         self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation, draft_params)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
+    def reset(self) -> None:
+        """An empty cache: nothing of earlier requests is reused."""
+        self.slots.reset()
+        self._cached = self._cached[:0]
+
     def cached_prefix(self, prompt: list[int]) -> int:
         """How many leading prompt tokens to take from the cache instead of prefilling them: the
         common prefix with what it holds (all but the prompt's last token at most, whose logits
@@ -167,8 +172,7 @@ class Engine:
     def _run(self, prompt, sampling, max_tokens, stream, ignore_eos, result: TokenStream) -> Iterator[list[int]]:
         timings, slots = result.timings, self.slots
         if slots.lost:  # a previous call was interrupted while it held the state
-            slots.reset()
-            self._cached = self._cached[:0]
+            self.reset()
         n = len(prompt)
         start = timings.cached_tokens = self.cached_prefix(prompt)
         self._cached = self._cached[:start]  # prefill overwrites what follows

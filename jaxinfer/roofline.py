@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.sharding import splits
 from jaxinfer.weights import quantized_here, weight_table
 
 # Bytes per weight of a packed matrix: 32 values and a bfloat16 scale per block.
@@ -91,15 +92,25 @@ def parameter_count(cfg: ModelConfig) -> int:
     return sum(int(np.prod(shape)) for _, shape, _ in weight_table(cfg).values())
 
 
-def weight_bytes(cfg: ModelConfig, storage: Storage) -> int:
-    """The weights' size in memory as `storage` stores them."""
-    return round(sum(int(np.prod(shape)) * storage.bytes_per_value(path, shape) for path, shape, _ in weight_table(cfg).values()))
+def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
+    """The weights' size in memory as `storage` stores them; over a mesh of `devices`, what each
+    device holds (`jaxinfer.sharding`: a tensor splits where one of its axes does, a quantized
+    matrix stays whole)."""
+
+    def held(path: tuple, shape: tuple[int, ...], axes: tuple) -> float:
+        whole = storage.quantize and quantized_here(path, shape)
+        split = not whole and any(splits(cfg, axis, devices) for axis in axes)
+        return int(np.prod(shape)) * storage.bytes_per_value(path, shape) / (devices if split else 1)
+
+    return round(sum(held(*weight) for weight in weight_table(cfg).values()))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, storage: Storage) -> int:
-    """K and V of one position: in the compute dtype, or int8 with a float32 scale per head."""
+def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
+    """K and V of one position: in the compute dtype, or int8 with a float32 scale per head; over a
+    mesh of `devices`, what each device holds (split by kv heads where they divide)."""
     per_head = cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    heads = cfg.num_kv_heads // devices if splits(cfg, "kv_heads", devices) else cfg.num_kv_heads
+    return 2 * cfg.num_layers * heads * per_head
 
 
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
@@ -176,13 +187,17 @@ def predicted_seconds(cost: Cost, peak_flops: float, peak_bandwidth: float) -> f
 
 
 def model_facts(
-    cfg: ModelConfig, storage: Storage, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int
+    cfg: ModelConfig, storage: Storage, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int,
+    devices: int = 1, shared_memory: bool = False,
 ) -> dict:
     """Sizes, memory for a context and batch, the longest context that fits, and the roofline's
-    TTFT and ITL: what `jaxinfer info` shows, from the config alone."""
+    TTFT and ITL: what `jaxinfer info` shows, from the config alone. Over `devices`, what each holds
+    and fits in `memory_bytes`, its own (GPUs) or, `shared_memory`, all of theirs (the CPU's devices)."""
     params = parameter_count(cfg)
     weights = weight_bytes(cfg, storage)
     kv_token = kv_bytes_per_token(cfg, storage)
+    weights_each, kv_each = weight_bytes(cfg, storage, devices), kv_bytes_per_token(cfg, storage, devices)
+    holders = devices if shared_memory else 1  # the devices whose shards count against memory_bytes
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
     itl = predicted_seconds(decode_step_cost(cfg, storage, context, batch), *roofs)
@@ -196,8 +211,11 @@ def model_facts(
         "batch": batch,
         "kv_cache_bytes": kv_token * context * batch,
         "total_bytes": weights + kv_token * context * batch,
+        "devices": devices,
+        "weight_bytes_per_device": weights_each,
+        "kv_bytes_per_token_per_device": kv_each,
         "device_memory_bytes": memory_bytes,
-        "longest_context_that_fits": max(0, (memory_bytes - weights) // (kv_token * batch)),
+        "longest_context_that_fits": max(0, (memory_bytes - holders * weights_each) // (holders * kv_each * batch)),
         "max_position_embeddings": cfg.max_position_embeddings,
         "peak_flops": ceilings.peak_flops,
         "peak_bandwidth": ceilings.peak_bandwidth,

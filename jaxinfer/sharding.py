@@ -60,13 +60,17 @@ def mesh_of(params: dict) -> Mesh | None:
     return sharding.mesh if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 else None
 
 
+def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
+    """Whether a mesh of `devices` splits this logical axis: one of those it can, whose count divides it."""
+    counts = {"vocab": cfg.vocab_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size}
+    return axis in counts and counts[axis] % devices == 0
+
+
 def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSharding | None:
-    """Where a tensor with these logical axes goes (None: no mesh): each axis whose count divides
-    the mesh is split over it."""
+    """Where a tensor with these logical axes goes (None: no mesh)."""
     if mesh is None:
         return None
-    counts = {"vocab": cfg.vocab_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size}
-    return NamedSharding(mesh, PartitionSpec(*(AXIS if counts.get(name, 1) % mesh.size == 0 and name in counts else None for name in axes)))
+    return NamedSharding(mesh, PartitionSpec(*(AXIS if splits(cfg, name, mesh.size) else None for name in axes)))
 
 
 def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
@@ -97,7 +101,7 @@ def place(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
 
 def cache_spec(cfg: ModelConfig, devices: int) -> PartitionSpec:
     """K/V [L, B, S, KV, hd] and their scales [L, B, S, KV]: split by kv heads where they divide."""
-    return PartitionSpec(None, None, None, AXIS) if cfg.num_kv_heads % devices == 0 else PartitionSpec()
+    return PartitionSpec(None, None, None, AXIS) if splits(cfg, "kv_heads", devices) else PartitionSpec()
 
 
 def state_shardings(state, cfg: ModelConfig, mesh: Mesh, draft: ModelConfig | None = None):

@@ -131,10 +131,8 @@ class Slots:
         """An empty cache, every row free; over a mesh, made in place on its devices (`sharding.state_shardings`)."""
         empty = partial(initial_state, self.cfg, self.params, self.batch, self.max_context, self.eos_ids, self.speculation, self.draft_params)
         mesh = mesh_of(self.params)
-        if mesh is None:
-            self.state: DecodeState = empty()
-        else:
-            self.state = jax.jit(empty, out_shardings=state_shardings(jax.eval_shape(empty), self.cfg, mesh, self.speculation.model))()
+        self._placed = None if mesh is None else state_shardings(jax.eval_shape(empty), self.cfg, mesh, self.speculation.model)
+        self.state: DecodeState = empty() if mesh is None else jax.jit(empty, out_shardings=self._placed)()
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
@@ -208,8 +206,7 @@ class Slots:
         )
         args += (self.draft_params,)
         static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation)
-        run = self._programs.get(("prefill", len(group), bucket, kv_len), report, prefill, self.params, self.state, *args, **static)
-        self.state = run(self.params, self.state, *args)
+        self.state = self._program(("prefill", len(group), bucket, kv_len), report, prefill, *args, **static)(self.params, self.state, *args)
         for a, end, limit in zip(admissions, ends, limits):
             if end < len(a.prompt):
                 self._queue[a.row] = (a, end)
@@ -236,7 +233,7 @@ class Slots:
         steps = 1 if chunked else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
         args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish))) + (self.draft_params,)
         spec = self.speculation
-        run = self._programs.get(("decode", kv_len), report, decode, self.params, self.state, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
+        run = self._program(("decode", kv_len), report, decode, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
         self.state = run(self.params, self.state, *args)
         # A speculative step makes up to draft + 1 tokens; the loop ends where a row leaves the bucket.
         grown = np.minimum(self._length[self._live] + steps * (spec.draft + 1), kv_len + 1)
@@ -244,6 +241,14 @@ class Slots:
             grown = np.where(self._length[self._live] <= switch, np.minimum(grown, switch + 1), grown)
         self._length[self._live] = np.minimum(grown, self._limit[self._live])
         return Step(steps, kv_len)
+
+    def _program(self, key: tuple, report: CompileReport, phase, *args, **static):
+        """`phase` (prefill, decode) compiled for the state and these arguments. Over a mesh its state
+        comes out placed as it went in: left to choose, XLA splits the seen-token mask by vocabulary
+        as it does the logits, and the next call's state no longer matches the program."""
+        if self._placed is not None:
+            phase = jax.jit(phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed)
+        return self._programs.get(key, report, phase, self.params, self.state, *args, **static)
 
     def _prefill_long_again(self, switch: int) -> None:
         """Queue every live row that has just grown past longrope's original context (the decode

@@ -144,17 +144,17 @@ def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
 
     from jaxinfer.cli import render
 
-    def row(scale):  # the README's B=16 point; scaled up, figures wider than any column allows
+    def row(scale, devices):  # the README's B=16 point; scaled up, figures wider than any column allows
         return {
             "prompt_tokens": 448, "batch": 16, "prefill_tok_s": 13950.4 * scale, "prefill": {"mfu": 0.763}, "decode": {"mbu": 0.203},
             "ttft_s": {"median": 0.5138 * scale, "min": 0.5071 * scale, "max": 0.5302 * scale},
             "decode_tok_s": {"median": 2261.3 * scale, "min": 2210.4 * scale, "max": 2290.9 * scale},
-            "itl_ms": {"p50": 7.01, "p99": 9.29}, "compile_s": 4.96,
+            "itl_ms": {"p50": 7.01, "p99": 9.29}, "compile_s": 4.96, "devices": devices,
         }
 
-    for scale, folded in ((1, False), (10_000, True)):
+    for scale, folded, devices in ((1, False, 1), (1, False, 4), (10_000, True, 1)):  # 4 devices: a column more
         monkeypatch.setattr(render, "out", Console(file=io.StringIO(), width=80, highlight=False, soft_wrap=True))
-        render.bench_table([row(scale)], "caption")
+        render.bench_table([row(scale, devices)], "caption")
         text = render.out.file.getvalue()
         assert "…" not in text and max(map(len, text.splitlines())) <= 80  # folded onto more lines, never cut
         if not folded:

@@ -15,8 +15,9 @@ from sharded import BATCH, LONG
 
 # Between them: GQA whose kv heads divide 4, biases and tied embeddings (everything splits 4 ways);
 # MQA (one kv head: the cache stays whole on each device); Phi-3's fused q/k/v and gate/up rows.
+# (The sentencepiece tokenizer's 400 ids divide 4: the head and the seen-token mask split too.)
 MODELS = {
-    "llama": dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=384, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "llama": dict(tokenizer="sp", num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     "qwen2": dict(num_key_value_heads=1),
     "phi3": {},
 }
@@ -37,7 +38,7 @@ def test_devices_give_the_same_tokens(sharded, arch):
     one = by_devices["1"]
     assert len(one["run"]) == 100 and len(one["batch"]) == 3
     for devices in ("2", "4"):
-        assert by_devices[devices]["run"] == one["run"], devices
+        assert by_devices[devices]["run"] == by_devices[devices]["again"] == one["run"], devices
         assert by_devices[devices]["batch"] == one["batch"], devices
 
 
@@ -68,4 +69,7 @@ def test_cli_devices(sharded, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == results["llama"]["1"]["run"]
     assert_one_line_error(jaxinfer("run", "-m", paths["llama"], "--devices", "0", "x"), "--devices")
+    facts = json.loads(jaxinfer("info", "-m", paths["llama"], "--devices", "4", "--json", "--peak-flops", "1e11", "--peak-bandwidth", "1e10").stdout)
+    assert facts["weight_bytes_per_device"] == max(results["llama"]["4"]["bytes"])  # info's sums, from the config alone, match the arrays'
+    assert facts["kv_bytes_per_token_per_device"] == facts["kv_bytes_per_token"] / 4
 
