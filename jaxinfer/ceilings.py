@@ -124,7 +124,7 @@ def machine_ceilings(
 def device_memory_bytes(free: bool = False) -> int:
     """Memory the model and cache can use: the accelerator's own (`free`: less what is in use),
     or on the CPU the RAM available now."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - (int(stats.get("bytes_in_use", 0)) if free else 0)
     try:
