@@ -91,11 +91,8 @@ def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def place(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
-    """The tree spread over `mesh` (None: gathered onto the default device); leaves already where
-    they belong stay."""
-    if mesh is None:
-        return jax.device_put(params, jax.devices()[0])
+def place(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The tree spread over `mesh`; leaves already where they belong stay."""
     return jax.device_put(params, param_shardings(cfg, params, mesh))
 
 
