@@ -3,8 +3,10 @@ records, resume) is jaxinfer.jobs; the slots and continuous batching are jaxinfe
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -30,12 +32,17 @@ def batch(
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
     devices: Optional[int] = options.DEVICES,
+    coordinator: Optional[str] = options.COORDINATOR,
+    num_processes: Optional[int] = options.NUM_PROCESSES,
+    process_id: Optional[int] = options.PROCESS_ID,
+    join_timeout: Optional[float] = options.JOIN_TIMEOUT,
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
 ) -> None:
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
     from jaxinfer.batch import BatchRunner
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.jobs import Job, open_output
+    from jaxinfer.jobs import Job
+    from jaxinfer.sharding import share
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
@@ -43,20 +50,24 @@ def batch(
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
     output = Path(output_path)
-    if not to_stdout and output.is_dir():
-        raise JaxinferError(f"{output} is a directory: -o names the results file")
-    if not to_stdout and output.exists() and not resume:
-        raise JaxinferError(f"{output} exists: add --resume to continue that job, or choose another output")
-    lines = _read_lines(input_path)
+    mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
+
+    def read() -> list[str]:  # in the first process only, which writes the results
+        if not to_stdout and output.is_dir():
+            raise JaxinferError(f"{output} is a directory: -o names the results file")
+        if not to_stdout and output.exists() and not resume:
+            raise JaxinferError(f"{output} exists: add --resume to continue that job, or choose another output")
+        return _read_lines(input_path)
+
+    lines = share(read)
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
     from jaxinfer.model import layout_for_batch
 
-    mesh = options.mesh(devices)
     layout = layout_for_batch(batch_size, mesh is not None)
     loaded = options.load(model, dtype, layout, quantize, kv_dtype, mesh)
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize, layout)
     context = options.context_length(loaded.max_positions, max_context)
-    earlier = None if to_stdout else open_output(output, resume)
+    earlier = None if to_stdout else _open_output(output, resume)
     if earlier and earlier.dropped:
         render.notice(f"resuming: removed a record cut short at the end of {output}: {earlier.dropped[:60]}…")
     job = Job(
@@ -88,6 +99,23 @@ def batch(
         raise typer.Exit(130)
     if job.failed:
         raise typer.Exit(min(job.failed, MAX_EXIT_CODE))
+
+
+def _open_output(output: Path, resume: bool):
+    """The results file, opened by the first process; the others write nowhere, knowing what an
+    earlier run of the job left in it (they must skip the same requests)."""
+    from jaxinfer.jobs import Output, open_output
+    from jaxinfer.sharding import share
+
+    opened = None
+
+    def open_first() -> Output:
+        nonlocal opened
+        opened = open_output(output, resume)
+        return replace(opened, file=None)
+
+    earlier = share(open_first)
+    return opened or replace(earlier, file=open(os.devnull, "w"))
 
 
 def _read_lines(path: str) -> list[str]:

@@ -42,15 +42,21 @@ def chat(
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
     devices: Optional[int] = options.DEVICES,
+    coordinator: Optional[str] = options.COORDINATOR,
+    num_processes: Optional[int] = options.NUM_PROCESSES,
+    process_id: Optional[int] = options.PROCESS_ID,
+    join_timeout: Optional[float] = options.JOIN_TIMEOUT,
     on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
 ) -> None:
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
     from jaxinfer.chat import ChatSession
     from jaxinfer.engine import Engine
+    from jaxinfer.sharding import share
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=options.mesh(devices))
+    mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
@@ -63,7 +69,7 @@ def chat(
     last: dict | None = None
     while True:
         try:
-            line = _read_message()
+            line = share(_read_message)  # the first process's terminal speaks for all
         except (EOFError, KeyboardInterrupt):
             render.end_stream()
             return
@@ -110,6 +116,7 @@ def _turn(session, text: str) -> dict | None:
 def _command(session, line: str, last: dict | None) -> bool:
     """Run one /command; False means leave."""
     from jaxinfer.errors import JaxinferError
+    from jaxinfer.sharding import share
 
     name, _, arg = line.partition(" ")
     arg = arg.strip()
@@ -130,7 +137,7 @@ def _command(session, line: str, last: dict | None) -> bool:
                 render.turn_stats(last, session.context_used, session.engine.max_context)
         elif name in ("/save", "/save!", "/load") and not arg:
             render.error(f"{name} needs a file name")
-        elif name == "/save" and Path(arg).exists():
+        elif name == "/save" and share(Path(arg).exists):
             render.error(f"{arg} exists: /save! {arg} replaces it")
         elif name in ("/save", "/save!"):
             session.save(Path(arg))

@@ -120,6 +120,10 @@ def run(
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
     devices: Optional[int] = options.DEVICES,
+    coordinator: Optional[str] = options.COORDINATOR,
+    num_processes: Optional[int] = options.NUM_PROCESSES,
+    process_id: Optional[int] = options.PROCESS_ID,
+    join_timeout: Optional[float] = options.JOIN_TIMEOUT,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
     show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
@@ -130,14 +134,21 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
 
-    if model is None and prompt and Path(prompt).is_dir():  # the ollama / llama.cpp habit
-        raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
-    text = _read_prompt(prompt, prompt_option, prompt_file, escape)
-    if not text.strip():
-        raise JaxinferError("the prompt is empty: give some text to continue")
+    from jaxinfer.sharding import share
+
+    def read() -> str:
+        if model is None and prompt and Path(prompt).is_dir():  # the ollama / llama.cpp habit
+            raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
+        text = _read_prompt(prompt, prompt_option, prompt_file, escape)
+        if not text.strip():
+            raise JaxinferError("the prompt is empty: give some text to continue")
+        return text
+
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=options.mesh(devices))
+    mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
+    text = share(read)  # the first process reads it (its stdin, its files)
+    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
     context = options.context_length(loaded.max_positions, max_context)

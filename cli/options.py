@@ -63,6 +63,21 @@ DEVICES = typer.Option(
     help="Devices to spread the model over (tensor parallel: attention heads, the MLP and the vocabulary split, the KV cache by kv heads) "
     "[default: 1 on the CPU, every local GPU/TPU otherwise]. On the CPU, N devices share the same cores: a way to test, not a speed-up.",
 )
+_PROCESSES = "Multi-process (jax.distributed: one mesh over several processes or hosts)"
+COORDINATOR = typer.Option(
+    None, "--coordinator", metavar="HOST:PORT", show_default=False, envvar="JAX_COORDINATOR_ADDRESS", rich_help_panel=_PROCESSES,
+    help="Join other jaxinfer processes started with the same flags into one mesh: process 0 listens at this address, "
+    "reads the input and prints; the others hold their share of the model and stay quiet.",
+)
+NUM_PROCESSES = typer.Option(
+    None, "--num-processes", metavar="P", show_default=False, rich_help_panel=_PROCESSES,
+    help="How many processes join [default: what SLURM or Open MPI set]. --devices counts all of theirs (an equal share each).",
+)
+PROCESS_ID = typer.Option(None, "--process-id", metavar="I", show_default=False, rich_help_panel=_PROCESSES, help="This process's number, 0 to P-1 [default: SLURM's or Open MPI's].")
+JOIN_TIMEOUT = typer.Option(
+    None, "--join-timeout", metavar="SECONDS", show_default=False, rich_help_panel=_PROCESSES,
+    help="How long to wait for every process to join before giving up [default: 120].",
+)
 DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
 
 
@@ -126,13 +141,28 @@ def load_draft(draft_model: Optional[Path], target, decoding: dict, dtype: str, 
     return decoding | {"speculation": replace(decoding["speculation"], model=draft.config), "draft_params": draft.params}
 
 
-def mesh(devices: Optional[int]):
-    """`--devices` as a mesh (None for one device). First thing in a command: on the CPU, the number
-    of devices is fixed when JAX starts."""
-    from jaxinfer.sharding import device_mesh
+def mesh(devices: Optional[int], coordinator: Optional[str] = None, num_processes: Optional[int] = None, process_id: Optional[int] = None, join_timeout: Optional[float] = None):
+    """`--devices` as a mesh (None for one device), over the processes the multi-process flags join;
+    a process other than the first prints nothing but errors from here on. First thing in a command:
+    on the CPU, the number of devices is fixed when JAX starts."""
+    import jax
 
-    check_positive(devices=devices)
-    return device_mesh(devices)
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.sharding import JOIN_TIMEOUT_S, check_share, device_mesh, join
+
+    check_positive(devices=devices, num_processes=num_processes)
+    if process_id is not None and process_id < 0:
+        raise JaxinferError("--process-id must be 0 or more")
+    if join_timeout is not None and join_timeout <= 0:
+        raise JaxinferError("--join-timeout must be positive")
+    if coordinator is None and num_processes is None and process_id is None:
+        return device_mesh(devices)
+    check_share(devices, num_processes)  # before waiting for the others
+    render.keep_stdout_for_results()  # gloo prints its connections on stdout
+    mesh = device_mesh(devices, join(coordinator, num_processes, process_id, join_timeout or JOIN_TIMEOUT_S))
+    if jax.process_index() != 0:
+        render.follow()
+    return mesh
 
 
 def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None, mesh=None):

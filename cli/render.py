@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -15,8 +16,25 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def keep_stdout_for_results() -> None:
+    """What native code prints on stdout (gloo's lines on joining processes) goes nowhere; Python's
+    output goes on to the real stdout."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    sys.stdout = os.fdopen(kept, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors, buffering=1)
+
+
+def follow() -> None:
+    """This process follows the first of a multi-process run: no output but errors."""
+    out.quiet = err.quiet = True
+    sys.stdout = open(os.devnull, "w")
+
+
 def error(message: str) -> None:
-    if err.is_terminal:
+    if err.is_terminal and not err.quiet:
         err.print(f"[bold red]error:[/] {message}", markup=True)
     else:
         print(f"error: {message}", file=sys.stderr)
@@ -240,6 +258,6 @@ def job_progress(total: int, log_every_s: float = 10.0) -> Iterator:
         now = time.monotonic()
         if now - last[0] >= log_every_s or done == total:
             last[0] = now
-            print(f"batch: {done}/{total} done, {rate:.1f} tok/s", file=sys.stderr, flush=True)
+            err.print(f"batch: {done}/{total} done, {rate:.1f} tok/s", markup=False)  # quiet in a follower process
 
     yield log

@@ -16,6 +16,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
 from jaxinfer.sampling import Sampling
+from jaxinfer.sharding import share
 
 ON_FULL = ("drop-oldest", "error")
 
@@ -96,20 +97,30 @@ class ChatSession:
         self.context_used = 0
 
     def save(self, path: Path) -> None:
+        """Write the conversation to `path` (the first process of several writes it)."""
         data = {"system": self.system, "messages": self.messages}
-        try:
-            path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
-        except OSError as e:
-            raise JaxinferError(f"cannot write {path}: {e.strerror}") from None
+
+        def write() -> None:
+            try:
+                path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+            except OSError as e:
+                raise JaxinferError(f"cannot write {path}: {e.strerror}") from None
+
+        share(write)
 
     def load(self, path: Path) -> None:
-        try:
-            data = json.loads(path.read_text())
-            system, messages = data.get("system"), data["messages"]
-            if not all(m["role"] in ("user", "assistant") and isinstance(m["content"], str) for m in messages):
-                raise ValueError("messages must be user/assistant turns with text content")
-        except OSError as e:
-            raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise JaxinferError(f"{path} is not a saved chat ({e})") from None
-        self.system, self.messages = system, [{"role": m["role"], "content": m["content"]} for m in messages]
+        """Continue the conversation saved in `path` (as the first process of several reads it)."""
+        self.system, self.messages = share(lambda: _read_saved(path))
+
+
+def _read_saved(path: Path) -> tuple[str | None, list[dict]]:
+    try:
+        data = json.loads(path.read_text())
+        system, messages = data.get("system"), data["messages"]
+        if not all(m["role"] in ("user", "assistant") and isinstance(m["content"], str) for m in messages):
+            raise ValueError("messages must be user/assistant turns with text content")
+    except OSError as e:
+        raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise JaxinferError(f"{path} is not a saved chat ({e})") from None
+    return system, [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -11,7 +11,6 @@ against one whole-request loop.
 
 from __future__ import annotations
 
-import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
+from jaxinfer.sharding import agree, shared_seed
 from jaxinfer.slots import MIN_BUCKET, PREFILL_CHUNK, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
@@ -164,7 +164,7 @@ class Engine:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
         call per kv bucket the sequence passes through)."""
         self.check_fits(len(prompt), max_tokens)
-        seed = secrets.randbits(31) if seed is None else seed
+        seed = shared_seed() if seed is None else seed
         result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)))
         result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, result)
         return result
@@ -207,7 +207,7 @@ class Engine:
                 c = slots.counters
                 timings.speculation = Speculated(int(c.drafted[0]), int(c.accepted[0]), int(c.passes[0]), timings.generated_tokens - 1)
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
-                steps = max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6))))
+                steps = agree(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))  # processes run in step
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"

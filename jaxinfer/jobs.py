@@ -25,6 +25,7 @@ from jaxinfer.batch import Request
 from jaxinfer.chat_template import ChatTemplate, read_template
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
+from jaxinfer.sharding import shared_seed
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
 FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", "speculate", *SAMPLING_FIELDS}
@@ -200,7 +201,7 @@ class Job:
                 self._template = ChatTemplate(read_template(self.model.path, tokenizer.config), tokenizer.special_tokens)
             ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.default_max_tokens)
-        seed = _whole(item, "seed", secrets.randbits(31), minimum=None)
+        seed = _whole(item, "seed", shared_seed(), minimum=None)
         if len(ids) + max_tokens > self.context:
             raise JaxinferError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.context}"

@@ -17,7 +17,13 @@ The parameters carry their mesh: `mesh_of(params)` is how `Slots` places its sta
 
 from __future__ import annotations
 
+import os
+import pickle
+import secrets
+import sys
+import threading
 from dataclasses import replace
+from typing import Callable, TypeVar
 
 import jax
 import numpy as np
@@ -28,30 +34,117 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import check_backend
 
 AXIS = "tensor"
+T = TypeVar("T")
+JOIN_TIMEOUT_S = 120  # time for every process to start and reach the coordinator (a first import of JAX takes seconds)
 
 
-def default_devices() -> int:
-    """1 on the CPU (N CPU devices are N slices of the same cores), every local device elsewhere."""
-    return 1 if check_backend() == "cpu" else jax.local_device_count()
+def join(coordinator: str | None, processes: int | None, process_id: int | None, timeout_s: float = JOIN_TIMEOUT_S) -> int:
+    """Join this process to the others of one run (`jax.distributed`): every process then sees every
+    process's devices, and a mesh spans them. None leaves a value to JAX, which reads
+    $JAX_COORDINATOR_ADDRESS and what SLURM, Open MPI or Kubernetes set. Returns the number of
+    processes. Call it before anything runs on JAX; on the CPU the processes talk through gloo.
+
+    Every process must then make the same calls with the same values (JAX is one program per
+    process, in step): the engine agrees its host-side choices through `agree`."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # read by the CPU backend only
+    joined = threading.Event()
+
+    def give_up() -> None:
+        # JAX aborts the process with a stack trace when a peer never comes (a C++ check, not an
+        # exception): stop first, with the line a user needs.
+        if not joined.wait(timeout_s):
+            where = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "the coordinator")
+            who = f"process {process_id} of {processes}: " if None not in (process_id, processes) else ""
+            sys.stderr.write(
+                f"error: {who}not every process joined at {where} within {timeout_s:.0f} s; "
+                "start the others with the same --coordinator and --num-processes and each its own --process-id\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=give_up, daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator, processes, process_id, initialization_timeout=int(timeout_s) + 30)
+    except (ValueError, TypeError) as e:  # what JAX could not find: the flags, or a cluster's variables
+        raise JaxinferError(f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)") from None
+    finally:
+        joined.set()
+    from jax._src.distributed import global_state  # the count, without starting a backend (jax.process_count would)
+
+    return global_state.num_processes
 
 
-def device_mesh(devices: int | None) -> Mesh | None:
-    """A mesh over the first `devices` devices (None: `default_devices`); None for one device.
+def default_devices(processes: int = 1) -> int:
+    """One per process on the CPU (N CPU devices are N slices of the same cores), every device elsewhere."""
+    return processes if check_backend() == "cpu" else jax.device_count()
 
-    On the CPU, XLA makes one device unless asked for more before its backend starts: this asks,
-    so call it before anything runs on JAX (the CLI does, first thing)."""
-    if devices is not None and devices > 1:
+
+def check_share(devices: int | None, processes: int | None) -> None:
+    """Every process gives the mesh an equal share of its devices."""
+    if devices is not None and processes is not None and devices % processes:
+        raise JaxinferError(f"--devices {devices}: not a multiple of the {processes} processes (each gives the mesh an equal share)")
+
+
+def device_mesh(devices: int | None, processes: int = 1) -> Mesh | None:
+    """A mesh over `devices` devices (None: `default_devices`), an equal share from each of
+    `processes` processes (`join`); None for one device.
+
+    On the CPU, XLA makes one device per process unless asked for more before its backend starts:
+    this asks, so call it before anything runs on JAX (the CLI does, first thing)."""
+    check_share(devices, processes)
+    if devices is not None and devices > processes:
         try:
-            jax.config.update("jax_num_cpu_devices", devices)  # read by the CPU backend only
+            jax.config.update("jax_num_cpu_devices", devices // processes)  # read by the CPU backend only
         except RuntimeError:
             pass  # the backends have started: what they have is what there is
     backend = check_backend()
-    devices = devices or default_devices()
-    there = jax.devices()
-    if devices > len(there):
+    devices = devices or default_devices(processes)
+    share = devices // processes
+    local = {p: [d for d in jax.devices() if d.process_index == p] for p in range(processes)}
+    if share > min(len(held) for held in local.values()):
+        have = len(local[0])
         hint = " (the CPU's devices are set when JAX starts: ask before anything else runs)" if backend == "cpu" else ""
-        raise JaxinferError(f"--devices {devices}: JAX has {len(there)} {backend} device{'s' if len(there) > 1 else ''} here{hint}")
-    return Mesh(np.array(there[:devices]), (AXIS,)) if devices > 1 else None
+        each = " in each process" if processes > 1 else ""
+        raise JaxinferError(f"--devices {devices}: JAX has {have} {backend} device{'s' if have > 1 else ''}{each} here{hint}")
+    chosen = [d for p in range(processes) for d in local[p][:share]]
+    return Mesh(np.array(chosen), (AXIS,)) if devices > 1 else None
+
+
+def agree(value: int) -> int:
+    """Process 0's value, in every process (one process: the value). For the choices a host makes
+    from its clock (how many steps the next streamed chunk runs): all must run the same programs."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def share(produce: Callable[[], T]) -> T:
+    """What `produce()` returns (or raises) in process 0, in every process; the others do not call
+    it. For what only the first process reads (a prompt on its stdin, a job's file on its host)."""
+    if jax.process_count() == 1:
+        return produce()
+    from jax.experimental import multihost_utils
+
+    data = b""
+    if jax.process_index() == 0:
+        try:
+            data = pickle.dumps((produce(), None))
+        except (JaxinferError, EOFError, KeyboardInterrupt) as e:  # what a command reports, or the end of the input
+            data = pickle.dumps((None, e))
+    size = agree(len(data))
+    padded = np.zeros(1 << (size - 1).bit_length(), np.uint8)  # whole powers of two: few programs compile
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    value, error = pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:size].tobytes())
+    if error is not None:
+        raise error
+    return value
+
+
+def shared_seed() -> int:
+    """A fresh random seed, the same in every process."""
+    return agree(secrets.randbits(31))
 
 
 def mesh_of(params: dict) -> Mesh | None:

@@ -1,9 +1,11 @@
 """Tensor parallelism (`--devices`): the same greedy tokens on 1, 2 and 4 CPU devices, through run's
 engine and batch's runner, with the weights and the cache really split. The devices are XLA's CPU
 devices, which must be asked for before JAX starts: the runs happen in a process of their own
-(`tests/sharded.py`)."""
+(`tests/sharded.py`); two processes join one mesh through `jax.distributed`."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +73,46 @@ def test_cli_devices(sharded, tmp_path):
     assert facts["weight_bytes_per_device"] == max(results["llama"]["4"]["bytes"])  # info's sums, from the config alone, match the arrays'
     assert facts["kv_bytes_per_token_per_device"] == facts["kv_bytes_per_token"] / 4
 
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_processes_join_one_mesh(sharded, tmp_path):
+    """Two `jaxinfer run` processes with 2 CPU devices each, joined on loopback by jax.distributed
+    (gloo), give one process's tokens: the first prints them, reading the prompt from its stdin; the
+    other, given no prompt at all, stays quiet. Then batch, whose input only the first can read."""
+    results, paths = sharded
+    coordinator = f"127.0.0.1:{_free_port()}"
+
+    def start(i, *args, stdin=subprocess.DEVNULL):
+        flags = ("--devices", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i))
+        return subprocess.Popen(["jaxinfer", *map(str, args), *flags], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "JAXINFER_CACHE_DIR": ""})
+
+    run = ("run", "-m", paths["llama"], "-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", "16", "--json", "-")
+    first, other = start(0, *run, stdin=subprocess.PIPE), start(1, *run)
+    out, err = first.communicate(LONG, timeout=300)
+    assert first.returncode == 0, err
+    assert json.loads(out)["token_ids"] == results["llama"]["1"]["run"]
+    out, err = other.communicate(timeout=300)
+    assert other.returncode == 0 and out == "" and err == "", err
+
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) + "\n" for i, (p, n) in BATCH.items()))
+    coordinator = f"127.0.0.1:{_free_port()}"
+    batch = ("-m", paths["phi3"], "-b", "2", "-c", "256", "-o", tmp_path / "out.jsonl")
+    first, other = start(0, "batch", requests, *batch), start(1, "batch", tmp_path / "absent.jsonl", *batch)
+    assert first.wait(timeout=300) == 0 and other.wait(timeout=300) == 0, first.stderr.read() + other.stderr.read()
+    records = map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
+    assert {r["id"]: r["text"] for r in records} == results["phi3"]["1"]["batch"]
+
+
+def test_missing_process(tiny):
+    """A process whose peers never come says so and stops (JAX itself would abort with a stack trace)."""
+    proc = jaxinfer("run", "-m", tiny(), "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",
+                    "--join-timeout", "2", "x")
+    assert_one_line_error(proc, "not every process joined", "within 2 s")
