@@ -95,6 +95,13 @@ def _read_prompt(argument: Optional[str], option: Optional[str], file: Optional[
     return options.unescape(text) if escape else text
 
 
+def _names_a_directory(text: str) -> bool:
+    try:
+        return Path(text).is_dir()
+    except OSError:  # a prompt longer than a path may be
+        return False
+
+
 @app.command(epilog=_epilog("run"))
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
@@ -137,7 +144,7 @@ def run(
     from jaxinfer.sharding import share
 
     def read() -> str:
-        if model is None and prompt and Path(prompt).is_dir():  # the ollama / llama.cpp habit
+        if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit
             raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
         text = _read_prompt(prompt, prompt_option, prompt_file, escape)
         if not text.strip():
