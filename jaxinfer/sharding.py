@@ -13,6 +13,11 @@ whole cache on every device; Phi-3's fused q/k/v and gate/up rows (an even split
 matrices in the CPU kernel's forms (`packed`, `quant`), whose custom call runs on a whole matrix.
 
 The parameters carry their mesh: `mesh_of(params)` is how `Slots` places its state beside them.
+
+A mesh may span processes, on one host or several (`join`: jax.distributed). JAX then runs one copy
+of the program per process, in step: each process must make the same calls with the same values.
+The first reads the input and the others take it from there (`share`); what a host would choose by
+itself, from its clock or at random, is the first's choice too (`agree`, `shared_seed`).
 """
 
 from __future__ import annotations
@@ -42,10 +47,7 @@ def join(coordinator: str | None, processes: int | None, process_id: int | None,
     """Join this process to the others of one run (`jax.distributed`): every process then sees every
     process's devices, and a mesh spans them. None leaves a value to JAX, which reads
     $JAX_COORDINATOR_ADDRESS and what SLURM, Open MPI or Kubernetes set. Returns the number of
-    processes. Call it before anything runs on JAX; on the CPU the processes talk through gloo.
-
-    Every process must then make the same calls with the same values (JAX is one program per
-    process, in step): the engine agrees its host-side choices through `agree`."""
+    processes. Call it before anything runs on JAX; on the CPU the processes talk through gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # read by the CPU backend only
     joined = threading.Event()
 

@@ -48,7 +48,7 @@ def tokens(path: str, devices: int) -> dict:
         "batch": {r["id"]: r["text"] for r in records},
         "bytes": bytes_per_device(model.params),
         "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
-        "converted": converted(path, model),
+        "converted": devices == 4 and converted(path, model),
     }
 
 

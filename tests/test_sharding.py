@@ -49,21 +49,16 @@ def test_weights_and_cache_are_split(sharded):
     for devices in (2, 4):  # all but the norms split
         held = results["llama"][str(devices)]["bytes"]
         assert len(held) == devices and max(held) < 1.05 * everything / devices, held
-        assert results["llama"][str(devices)]["converted"]  # orbax restores into the same shards
+    assert results["llama"]["4"]["converted"] and results["phi3"]["4"]["converted"]  # orbax restores into the same shards
     assert results["llama"]["4"]["cache"] == "P(None, None, None, 'tensor')"
     assert results["phi3"]["4"]["cache"] == "P()"  # one kv head: whole on every device
     assert max(results["phi3"]["4"]["bytes"]) < 0.9 * results["phi3"]["1"]["bytes"][0]  # o and down still split
 
 
-def test_cli_devices(sharded, tmp_path):
-    """The flag reaches JAX before it starts (batch's layout choice would start it), and the draft
-    model goes onto the same devices."""
+def test_cli_devices(sharded):
+    """The draft model goes onto the target's devices; info's figures are the arrays'. (That the flag
+    reaches JAX before it starts, batch's layout choice included, the processes' test shows.)"""
     results, paths = sharded
-    requests = tmp_path / "in.jsonl"
-    requests.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) + "\n" for i, (p, n) in BATCH.items()))
-    proc = jaxinfer("batch", requests, "-m", paths["phi3"], "-b", "2", "-c", "256", "--devices", "2")
-    assert proc.returncode == 0, proc.stderr
-    assert {r["id"]: r["text"] for r in map(json.loads, proc.stdout.splitlines())} == results["phi3"]["1"]["batch"]
     proc = jaxinfer("run", "-m", paths["llama"], "-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", "16",
                     "--draft-model", paths["llama"], "--devices", "4", "--json", LONG)
     assert proc.returncode == 0, proc.stderr
