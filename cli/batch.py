@@ -42,7 +42,7 @@ def batch(
     from jaxinfer.batch import BatchRunner
     from jaxinfer.errors import JaxinferError
     from jaxinfer.jobs import Job
-    from jaxinfer.sharding import share
+    from jaxinfer.processes import share
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
@@ -105,7 +105,7 @@ def _open_output(output: Path, resume: bool):
     """The results file, opened by the first process; the others write nowhere, knowing what an
     earlier run of the job left in it (they must skip the same requests)."""
     from jaxinfer.jobs import Output, open_output
-    from jaxinfer.sharding import share
+    from jaxinfer.processes import share
 
     opened = None
 

@@ -51,7 +51,7 @@ def chat(
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
     from jaxinfer.chat import ChatSession
     from jaxinfer.engine import Engine
-    from jaxinfer.sharding import share
+    from jaxinfer.processes import share
 
     options.check_positive(max_tokens=max_tokens, max_context=max_context)
     decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
@@ -116,7 +116,7 @@ def _turn(session, text: str) -> dict | None:
 def _command(session, line: str, last: dict | None) -> bool:
     """Run one /command; False means leave."""
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.sharding import share
+    from jaxinfer.processes import share
 
     name, _, arg = line.partition(" ")
     arg = arg.strip()

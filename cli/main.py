@@ -141,7 +141,7 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
 
-    from jaxinfer.sharding import share
+    from jaxinfer.processes import share
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit

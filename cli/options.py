@@ -148,7 +148,8 @@ def mesh(devices: Optional[int], coordinator: Optional[str] = None, num_processe
     import jax
 
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.sharding import JOIN_TIMEOUT_S, check_share, device_mesh, join
+    from jaxinfer.processes import JOIN_TIMEOUT_S, join
+    from jaxinfer.sharding import check_share, device_mesh
 
     check_positive(devices=devices, num_processes=num_processes)
     if process_id is not None and process_id < 0:

@@ -23,6 +23,7 @@ from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
+from jaxinfer.processes import stop_point
 from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
@@ -91,6 +92,7 @@ class BatchRunner:
             if freed and not exhausted and continuous:
                 continue  # fill the freed slots before decoding on
             if any(slots):
+                stop_point()  # joined processes: a Ctrl-C in the first stops all here
                 before = self.stats.compile.seconds
                 self.slots.step(CHUNK_STEPS, self.stats.compile, stop_on_finish=True)
                 for slot in filter(None, slots):

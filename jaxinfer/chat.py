@@ -16,7 +16,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
 from jaxinfer.sampling import Sampling
-from jaxinfer.sharding import share
+from jaxinfer.processes import share
 
 ON_FULL = ("drop-oldest", "error")
 

@@ -23,7 +23,7 @@ from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.sharding import agree, shared_seed
+from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.slots import MIN_BUCKET, PREFILL_CHUNK, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
@@ -191,6 +191,7 @@ class Engine:
         if slots.speculation.draft:
             timings.speculation = Speculated()
         while not done:
+            stop_point()  # joined processes: a Ctrl-C in the first stops all here
             compiling = timings.compile.seconds
             started = time.perf_counter()
             ran = slots.step(steps, timings.compile)

@@ -25,7 +25,7 @@ from jaxinfer.batch import Request
 from jaxinfer.chat_template import ChatTemplate, read_template
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
-from jaxinfer.sharding import shared_seed
+from jaxinfer.processes import shared_seed
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
 FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", "speculate", *SAMPLING_FIELDS}

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.sharding import splits
+from jaxinfer.config import ModelConfig, Weight
+from jaxinfer.sharding import held_axes, splits
 from jaxinfer.weights import quantized_here, weight_table
 
 # Bytes per weight of a packed matrix: 32 values and a bfloat16 scale per block.
@@ -94,15 +94,14 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     """The weights' size in memory as `storage` stores them; over a mesh of `devices`, what each
-    device holds (`jaxinfer.sharding`: a tensor splits where one of its axes does, a quantized
-    matrix stays whole)."""
+    device holds (`jaxinfer.sharding`: a tensor splits where one of its axes does)."""
 
-    def held(path: tuple, shape: tuple[int, ...], axes: tuple) -> float:
-        whole = storage.quantize and quantized_here(path, shape)
-        split = not whole and any(splits(cfg, axis, devices) for axis in axes)
-        return int(np.prod(shape)) * storage.bytes_per_value(path, shape) / (devices if split else 1)
+    def held(weight: Weight) -> float:
+        quantized = bool(storage.quantize) and quantized_here(weight.path, weight.shape)
+        split = any(splits(cfg, axis, devices) for axis in held_axes(cfg, weight, quantized, devices))
+        return int(np.prod(weight.shape)) * storage.bytes_per_value(weight.path, weight.shape) / (devices if split else 1)
 
-    return round(sum(held(*weight) for weight in weight_table(cfg).values()))
+    return round(sum(held(weight) for weight in weight_table(cfg).values()))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:

@@ -10,70 +10,30 @@ device per step: N devices' bandwidth serves one token stream.
 
 What does not divide stays whole: a model whose kv heads do not divide N (MQA: one kv head) keeps the
 whole cache on every device; Phi-3's fused q/k/v and gate/up rows (an even split would mix q with k);
-matrices in the CPU kernel's forms (`packed`, `quant`), whose custom call runs on a whole matrix.
+a quantized matrix's dimension whose share is not whole blocks; matrices the CPU kernel runs
+(`packed`, and `quant` on the CPU), whose custom call takes a whole matrix.
 
 The parameters carry their mesh: `mesh_of(params)` is how `Slots` places its state beside them.
 
-A mesh may span processes, on one host or several (`join`: jax.distributed). JAX then runs one copy
-of the program per process, in step: each process must make the same calls with the same values.
-The first reads the input and the others take it from there (`share`); what a host would choose by
-itself, from its clock or at random, is the first's choice too (`agree`, `shared_seed`).
+A mesh may span processes, on one host or several (`jaxinfer.processes`): an equal share of each
+one's devices.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import secrets
-import sys
-import threading
 from dataclasses import replace
-from typing import Callable, TypeVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfer.config import ModelConfig
+from jaxinfer import kernel
+from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
+from jaxinfer.quant import BLOCK, GROUP
 from jaxinfer.runtime import check_backend
 
 AXIS = "tensor"
-T = TypeVar("T")
-JOIN_TIMEOUT_S = 120  # time for every process to start and reach the coordinator (a first import of JAX takes seconds)
-
-
-def join(coordinator: str | None, processes: int | None, process_id: int | None, timeout_s: float = JOIN_TIMEOUT_S) -> int:
-    """Join this process to the others of one run (`jax.distributed`): every process then sees every
-    process's devices, and a mesh spans them. None leaves a value to JAX, which reads
-    $JAX_COORDINATOR_ADDRESS and what SLURM, Open MPI or Kubernetes set. Returns the number of
-    processes. Call it before anything runs on JAX; on the CPU the processes talk through gloo."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # read by the CPU backend only
-    joined = threading.Event()
-
-    def give_up() -> None:
-        # JAX aborts the process with a stack trace when a peer never comes (a C++ check, not an
-        # exception): stop first, with the line a user needs.
-        if not joined.wait(timeout_s):
-            where = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "the coordinator")
-            who = f"process {process_id} of {processes}: " if None not in (process_id, processes) else ""
-            sys.stderr.write(
-                f"error: {who}not every process joined at {where} within {timeout_s:.0f} s; "
-                "start the others with the same --coordinator and --num-processes and each its own --process-id\n"
-            )
-            sys.stderr.flush()
-            os._exit(1)
-
-    threading.Thread(target=give_up, daemon=True).start()
-    try:
-        jax.distributed.initialize(coordinator, processes, process_id, initialization_timeout=int(timeout_s) + 30)
-    except (ValueError, TypeError) as e:  # what JAX could not find: the flags, or a cluster's variables
-        raise JaxinferError(f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)") from None
-    finally:
-        joined.set()
-    from jax._src.distributed import global_state  # the count, without starting a backend (jax.process_count would)
-
-    return global_state.num_processes
 
 
 def default_devices(processes: int = 1) -> int:
@@ -112,43 +72,6 @@ def device_mesh(devices: int | None, processes: int = 1) -> Mesh | None:
     return Mesh(np.array(chosen), (AXIS,)) if devices > 1 else None
 
 
-def agree(value: int) -> int:
-    """Process 0's value, in every process (one process: the value). For the choices a host makes
-    from its clock (how many steps the next streamed chunk runs): all must run the same programs."""
-    if jax.process_count() == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
-
-
-def share(produce: Callable[[], T]) -> T:
-    """What `produce()` returns (or raises) in process 0, in every process; the others do not call
-    it. For what only the first process reads (a prompt on its stdin, a job's file on its host)."""
-    if jax.process_count() == 1:
-        return produce()
-    from jax.experimental import multihost_utils
-
-    data = b""
-    if jax.process_index() == 0:
-        try:
-            data = pickle.dumps((produce(), None))
-        except (JaxinferError, EOFError, KeyboardInterrupt) as e:  # what a command reports, or the end of the input
-            data = pickle.dumps((None, e))
-    size = agree(len(data))
-    padded = np.zeros(1 << (size - 1).bit_length(), np.uint8)  # whole powers of two: few programs compile
-    padded[: len(data)] = np.frombuffer(data, np.uint8)
-    value, error = pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded))[:size].tobytes())
-    if error is not None:
-        raise error
-    return value
-
-
-def shared_seed() -> int:
-    """A fresh random seed, the same in every process."""
-    return agree(secrets.randbits(31))
-
-
 def mesh_of(params: dict) -> Mesh | None:
     """The mesh a parameter tree is spread over, or None on one device."""
     sharding = params["norm"].sharding
@@ -161,6 +84,17 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
     return axis in counts and counts[axis] % devices == 0
 
 
+def held_axes(cfg: ModelConfig, weight: Weight, quantized: bool, devices: int) -> tuple:
+    """The logical axes a weight can split by as it is stored: the table's; for a matrix quantized
+    in blocks (16 outputs by 32 inputs), only those where each device gets whole blocks, and none
+    where the CPU kernel runs it (its custom call takes whole matrices: XLA would gather them)."""
+    if not quantized:
+        return weight.axes
+    if kernel.available():
+        return (None,) * len(weight.axes)
+    return tuple(name if size % (block * devices) == 0 else None for name, size, block in zip(weight.axes, weight.shape, (GROUP, BLOCK)))
+
+
 def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSharding | None:
     """Where a tensor with these logical axes goes (None: no mesh)."""
     if mesh is None:
@@ -170,17 +104,19 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
 
 def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     """A NamedSharding for every leaf of a parameter tree (concrete or abstract) in any layout: the
-    weight table's axes for the matrices as stored ([out, in], or reversed for `_io`), whole for
-    everything the table does not name (the kernel's packed and quantized forms)."""
+    weight table's axes for the matrices as stored ([out, in], reversed for `_io`, by blocks where
+    quantized: `held_axes`), whole for the CPU kernel's packed float form."""
     from jaxinfer.weights import weight_table
 
-    axes = {w.path: w.axes for w in weight_table(cfg).values()}
+    table = {w.path: w for w in weight_table(cfg).values()}
 
     def one(keys, leaf) -> NamedSharding:
         path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
-        named = axes.get(path)
+        named = table[path].axes if path in table else None
         if named is None and isinstance(path[-1], str) and path[-1].endswith("_io"):
-            named = axes.get((*path[:-1], path[-1][: -len("_io")]), ())[::-1]
+            named = table.get((*path[:-1], path[-1][: -len("_io")]), Weight(path, (), ())).axes[::-1]
+        if named is None and path[-1] in ("q", "scale") and path[:-1] in table:  # [out/16, in/32, ...] blocks
+            named = held_axes(cfg, table[path[:-1]], True, mesh.size) + (None,) * (leaf.ndim - 2)
         return weight_sharding(cfg, named or (), mesh)
 
     return jax.tree_util.tree_map_with_path(one, params)

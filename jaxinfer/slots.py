@@ -34,7 +34,7 @@ from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
 from jaxinfer.roofline import Storage, kv_bytes_per_token
-from jaxinfer.runtime import CompileReport, Programs
+from jaxinfer.runtime import CompileReport, Programs, check_backend
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
 
@@ -64,9 +64,13 @@ def chunk_size(n: int) -> int:
     return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
 
 
-def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None) -> None:
-    """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap)."""
-    per_position = batch * (kv_bytes_per_token(cfg, storage) + 4 + (kv_bytes_per_token(*draft) if draft else 0))  # K and V, the tokens
+def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None, mesh) -> None:
+    """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap).
+    Over a mesh, each device's share against its memory; the CPU's devices share one memory."""
+    devices = mesh.size if mesh else 1
+    holders = len(mesh.local_devices) if mesh and check_backend() == "cpu" else 1
+    kv = kv_bytes_per_token(cfg, storage, devices) + (kv_bytes_per_token(*draft, devices) if draft else 0)
+    per_position = batch * (kv + 4) * holders  # K and V, the tokens
     free = device_memory_bytes(free=True)
     if per_position * max_context > free:
         raise JaxinferError(
@@ -123,16 +127,17 @@ class Slots:
             raise ValueError("a draft model needs both its config (Speculation.model) and its parameters (draft_params)")
         self.speculation, self.draft_params = speculation, draft_params
         self.prefill_chunk = chunk_size(prefill_chunk)
-        _check_memory(cfg, Storage.of_params(params), batch, max_context, speculation.model and (speculation.model, Storage.of_params(draft_params)))
+        draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
+        _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
+        self._empty = partial(initial_state, cfg, params, batch, max_context, eos_ids, speculation, draft_params)
+        mesh = mesh_of(params)  # over a mesh, the state is made in place on its devices and stays there
+        self._placed = None if mesh is None else state_shardings(jax.eval_shape(self._empty), cfg, mesh, speculation.model)
         self.reset()
 
     def reset(self) -> None:
-        """An empty cache, every row free; over a mesh, made in place on its devices (`sharding.state_shardings`)."""
-        empty = partial(initial_state, self.cfg, self.params, self.batch, self.max_context, self.eos_ids, self.speculation, self.draft_params)
-        mesh = mesh_of(self.params)
-        self._placed = None if mesh is None else state_shardings(jax.eval_shape(empty), self.cfg, mesh, self.speculation.model)
-        self.state: DecodeState = empty() if mesh is None else jax.jit(empty, out_shardings=self._placed)()
+        """An empty cache, every row free."""
+        self.state: DecodeState = self._empty() if self._placed is None else jax.jit(self._empty, out_shardings=self._placed)()
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done

@@ -18,7 +18,8 @@ import time
 
 
 def measure(devices: int, processes: int = 1, process_id: int = 0, coordinator: str = "", prompt: int = 128, tokens: int = 64, repeats: int = 3) -> str:
-    from jaxinfer.sharding import device_mesh, join
+    from jaxinfer.processes import join
+    from jaxinfer.sharding import device_mesh
 
     mesh = device_mesh(devices, join(coordinator, processes, process_id) if processes > 1 else 1)
     from jaxinfer.engine import Engine

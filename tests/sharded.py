@@ -1,8 +1,9 @@
 """Run as a process of its own, with 4 CPU devices (by `tests/test_sharding.py`): each model's greedy
 tokens through run's engine and batch's runner at --devices 1, 2 and 4, with what each device holds.
-Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted"}}}."""
+Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8", "fits"}}}."""
 
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -12,10 +13,13 @@ import jax
 if __name__ == "__main__":  # not when the test imports its prompts: that process keeps one device
     jax.config.update("jax_num_cpu_devices", 4)
 
+from jaxinfer import kernel  # noqa: E402
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.checkpoint import convert  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
+from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
+from jaxinfer.roofline import Storage, weight_bytes  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E402
 
@@ -31,6 +35,29 @@ def converted(path: str, model) -> bool:
         restored = load_model(convert(path, Path(directory) / "converted"), mesh=mesh_of(model.params))
         pairs = zip(jax.tree.leaves(model.params), jax.tree.leaves(restored.params))
         return all(a.sharding == b.sharding and bool((a == b).all()) for a, b in pairs)
+
+
+def int8(path: str, devices: int) -> dict:
+    """-q int8 as GPUs run it: dequantized in the graph, the matrices split by whole blocks (the CPU
+    kernel's custom call takes whole matrices: with it they stay whole)."""
+    kernel.enabled = False
+    try:
+        model = load_model(path, quantize="int8", mesh=device_mesh(devices))
+        engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
+        run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
+        counted = weight_bytes(model.config, Storage.of_params(model.params), devices)  # what info says, from the config
+        return {"run": run, "bytes": bytes_per_device(model.params), "counted": counted}
+    finally:
+        kernel.enabled = True
+
+
+def longest(model) -> int:
+    """The longest context the memory check allows one row (it refuses 10⁹ positions, saying so)."""
+    try:
+        Engine(model.config, model.params, 10**9, model.eos_ids)
+    except JaxinferError as e:
+        return int(re.search(r"fits is (\d+)", str(e)).group(1))
+    raise AssertionError("a 10⁹-position cache was allowed")
 
 
 def tokens(path: str, devices: int) -> dict:
@@ -49,6 +76,8 @@ def tokens(path: str, devices: int) -> dict:
         "bytes": bytes_per_device(model.params),
         "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
         "converted": devices == 4 and converted(path, model),
+        "int8": int8(path, devices) if devices < 4 else None,  # 2 is where its blocks split
+        "fits": longest(model),
     }
 
 

@@ -5,9 +5,11 @@ devices, which must be asked for before JAX starts: the runs happen in a process
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,17 @@ def test_weights_and_cache_are_split(sharded):
         held = results["llama"][str(devices)]["bytes"]
         assert len(held) == devices and max(held) < 1.05 * everything / devices, held
     assert results["llama"]["4"]["converted"] and results["phi3"]["4"]["converted"]  # orbax restores into the same shards
+    for arch in MODELS:  # (Phi-3's fused quantized rows stay whole)
+        assert results[arch]["2"]["int8"]["run"] == results[arch]["1"]["int8"]["run"], arch
+    quantized = {n: results["llama"][n]["int8"] for n in ("1", "2")}
+    # Every matrix splits but down (80 inputs a device: not whole blocks of 32) and the embedding
+    # (200 rows: not whole blocks of 16).
+    assert max(quantized["2"]["bytes"]) < 0.75 * quantized["1"]["bytes"][0]
+    assert all(max(q["bytes"]) == q["counted"] for q in quantized.values())  # info's rule is the loader's
+    # The memory check counts each device's share of the cache, against the memory the CPU's devices
+    # share: a split cache fits as long a context as on one device, a whole one (MQA) a quarter.
+    assert results["llama"]["4"]["fits"] == pytest.approx(results["llama"]["1"]["fits"], rel=0.1)
+    assert results["phi3"]["4"]["fits"] == pytest.approx(results["phi3"]["1"]["fits"] / 4, rel=0.1)
     assert results["llama"]["4"]["cache"] == "P(None, None, None, 'tensor')"
     assert results["phi3"]["4"]["cache"] == "P()"  # one kv head: whole on every device
     assert max(results["phi3"]["4"]["bytes"]) < 0.9 * results["phi3"]["1"]["bytes"][0]  # o and down still split
@@ -79,7 +92,8 @@ def _free_port() -> int:
 def test_processes_join_one_mesh(sharded, tmp_path):
     """Two `jaxinfer run` processes with 2 CPU devices each, joined on loopback by jax.distributed
     (gloo), give one process's tokens: the first prints them, reading the prompt from its stdin; the
-    other, given no prompt at all, stays quiet. Then batch, whose input only the first can read."""
+    other, given no prompt at all, stays quiet. Then batch, whose input only the first can read; then
+    a Ctrl-C."""
     results, paths = sharded
     coordinator = f"127.0.0.1:{_free_port()}"
 
@@ -104,6 +118,16 @@ def test_processes_join_one_mesh(sharded, tmp_path):
     assert first.wait(timeout=300) == 0 and other.wait(timeout=300) == 0, first.stderr.read() + other.stderr.read()
     records = map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
     assert {r["id"]: r["text"] for r in records} == results["phi3"]["1"]["batch"]
+
+    coordinator = f"127.0.0.1:{_free_port()}"  # Ctrl-C in the first stops both at the next chunk, the text so far kept
+    run = ("run", "-m", paths["llama"], "-c", "256", "-n", "250", "--temp", "0", "--ignore-eos", "--no-stats", "x")
+    first, other = start(0, *run), start(1, *run)
+    assert first.stdout.read(1)  # streaming
+    first.send_signal(signal.SIGINT)
+    interrupted = time.monotonic()
+    assert first.wait(timeout=120) == 130 and other.wait(timeout=120) == 130, first.stderr.read() + other.stderr.read()
+    assert time.monotonic() - interrupted < 30  # not JAX's heartbeat timeout (100 s), nor its shutdown barrier's
+    assert first.stdout.read() and "finish" not in other.stderr.read()
 
 
 def test_missing_process(tiny):
