@@ -54,21 +54,19 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
     target, near, _ = models
     ids = target.tokenizer.encode(PROMPT)
     expected = greedy_reference(reference(tiny("llama", init_std=0.05)), ids, 120)  # past the first kv bucket
-    for draft in (target, near):  # (the small model's drafts are checked by the sampled test)
-        engine = Engine(target.config, target.params, S, (), prefill_chunk=16, speculation=Speculation(4, model=draft.config), draft_params=draft.params)
-        gen = generate(target, ids, n=120, engine=engine)
-        assert gen.token_ids == expected
-        spec = gen.timings.speculation
-        assert spec.passes + spec.accepted == len(gen.token_ids) - 1  # a pass's own token and the drafts it kept
-        if draft is target:
-            assert spec.accepted == spec.drafted > 60  # its own drafts: never rejected
-        if draft is near:
-            assert 0 < spec.accepted < spec.drafted
-        # The same K/V as the model's: the draft's cache holds the row's tokens but the last two.
-        held = len(ids) + len(gen.token_ids) - 2
-        state = engine.slots.state
-        np.testing.assert_allclose(state.draft_cache.k[:, :, :held], state.cache.k[:, :, :held], atol=1e-5)
-        np.testing.assert_allclose(state.draft_cache.v[:, :, :held], state.cache.v[:, :, :held], atol=1e-5)
+    # The near draft (the small model's drafts are checked by the sampled test, a draft of itself by
+    # every test below): some drafts kept, some not.
+    engine = Engine(target.config, target.params, S, (), prefill_chunk=16, speculation=Speculation(4, model=near.config), draft_params=near.params)
+    gen = generate(target, ids, n=120, engine=engine)
+    assert gen.token_ids == expected
+    spec = gen.timings.speculation
+    assert spec.passes + spec.accepted == len(gen.token_ids) - 1  # a pass's own token and the drafts it kept
+    assert 0 < spec.accepted < spec.drafted
+    # The same K/V as the model's: the draft's cache holds the row's tokens but the last two.
+    held = len(ids) + len(gen.token_ids) - 2
+    state = engine.slots.state
+    np.testing.assert_allclose(state.draft_cache.k[:, :, :held], state.cache.k[:, :, :held], atol=1e-5)
+    np.testing.assert_allclose(state.draft_cache.v[:, :, :held], state.cache.v[:, :, :held], atol=1e-5)
 
 
 def test_sampled_rows_keep_the_same_tokens_and_a_draft_of_itself_is_always_kept(models):
