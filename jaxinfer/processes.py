@@ -43,6 +43,8 @@ def join(coordinator: str | None, processes: int | None, process_id: int | None,
             jax.distributed.initialize(coordinator, processes, process_id, initialization_timeout=int(timeout_s) + 30)
         except (ValueError, TypeError) as e:  # what JAX could not find: the flags, or a cluster's variables
             failed.append(JaxinferError(f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)"))
+        except Exception as e:  # raised in the caller's thread, as it would have been
+            failed.append(e)
         finally:
             joined.set()
 

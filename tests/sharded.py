@@ -1,5 +1,6 @@
 """Run as a process of its own, with 4 CPU devices (by `tests/test_sharding.py`): each model's greedy
-tokens through run's engine and batch's runner at --devices 1, 2 and 4, with what each device holds.
+tokens through run's engine and batch's runner at --devices 1, 2 and 4, with what each device holds;
+the first model's also with -q int8.
 Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8", "fits"}}}."""
 
 import json
@@ -60,7 +61,7 @@ def longest(model) -> int:
     raise AssertionError("a 10⁹-position cache was allowed")
 
 
-def tokens(path: str, devices: int) -> dict:
+def tokens(path: str, devices: int, quantized: bool) -> dict:
     model = load_model(path, mesh=device_mesh(devices))
     engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
     run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
@@ -76,10 +77,10 @@ def tokens(path: str, devices: int) -> dict:
         "bytes": bytes_per_device(model.params),
         "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
         "converted": devices == 4 and converted(path, model),
-        "int8": int8(path, devices) if devices < 4 else None,  # 2 is where its blocks split
+        "int8": int8(path, devices) if quantized and devices < 4 else None,  # 2 is where its blocks split
         "fits": longest(model),
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps({path: {n: tokens(path, n) for n in (1, 2, 4)} for path in sys.argv[1:]}))
+    print(json.dumps({path: {n: tokens(path, n, quantized=i == 0) for n in (1, 2, 4)} for i, path in enumerate(sys.argv[1:])}))

@@ -5,6 +5,7 @@ devices, which must be asked for before JAX starts: the runs happen in a process
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,9 +53,8 @@ def test_weights_and_cache_are_split(sharded):
         held = results["llama"][str(devices)]["bytes"]
         assert len(held) == devices and max(held) < 1.05 * everything / devices, held
     assert results["llama"]["4"]["converted"] and results["phi3"]["4"]["converted"]  # orbax restores into the same shards
-    for arch in MODELS:  # (Phi-3's fused quantized rows stay whole)
-        assert results[arch]["2"]["int8"]["run"] == results[arch]["1"]["int8"]["run"], arch
     quantized = {n: results["llama"][n]["int8"] for n in ("1", "2")}
+    assert quantized["2"]["run"] == quantized["1"]["run"]
     # Every matrix splits but down (80 inputs a device: not whole blocks of 32) and the embedding
     # (200 rows: not whole blocks of 16).
     assert max(quantized["2"]["bytes"]) < 0.75 * quantized["1"]["bytes"][0]
@@ -80,7 +80,6 @@ def test_cli_devices(sharded):
     facts = json.loads(jaxinfer("info", "-m", paths["llama"], "--devices", "4", "--json", "--peak-flops", "1e11", "--peak-bandwidth", "1e10").stdout)
     assert facts["weight_bytes_per_device"] == max(results["llama"]["4"]["bytes"])  # info's sums, from the config alone, match the arrays'
     assert facts["kv_bytes_per_token_per_device"] == facts["kv_bytes_per_token"] / 4
-
 
 
 def _free_port() -> int:
@@ -120,14 +119,16 @@ def test_processes_join_one_mesh(sharded, tmp_path):
     assert {r["id"]: r["text"] for r in records} == results["phi3"]["1"]["batch"]
 
     coordinator = f"127.0.0.1:{_free_port()}"  # Ctrl-C in the first stops both at the next chunk, the text so far kept
-    run = ("run", "-m", paths["llama"], "-c", "256", "-n", "250", "--temp", "0", "--ignore-eos", "--no-stats", "x")
+    run = ("run", "-m", paths["llama"], "-c", "256", "-n", "250", "--temp", "0", "--ignore-eos", "x")
     first, other = start(0, *run), start(1, *run)
     assert first.stdout.read(1)  # streaming
     first.send_signal(signal.SIGINT)
     interrupted = time.monotonic()
     assert first.wait(timeout=120) == 130 and other.wait(timeout=120) == 130, first.stderr.read() + other.stderr.read()
     assert time.monotonic() - interrupted < 30  # not JAX's heartbeat timeout (100 s), nor its shutdown barrier's
-    assert first.stdout.read() and "finish" not in other.stderr.read()
+    stats = first.stderr.read()
+    assert "finish: interrupted" in stats and int(re.search(r"decode: +(\d+) tokens", stats).group(1)) < 249, stats
+    assert other.stderr.read() == ""
 
 
 def test_missing_process(tiny):
