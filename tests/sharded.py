@@ -65,8 +65,8 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
     model = load_model(path, mesh=device_mesh(devices))
     engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
     run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
-    engine.reset()  # a fresh state must fit the programs compiled for the one they made (as bench's repeats do)
-    again = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
+    engine.reset()  # over a mesh, a fresh state must fit the programs compiled for the one they made (as bench's repeats do)
+    again = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk] if devices > 1 else run
     requests = [Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()]
     records = []
     BatchRunner(model, 2, 256).run(requests, records.append)

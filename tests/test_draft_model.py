@@ -71,7 +71,7 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
 
 def test_sampled_rows_keep_the_same_tokens_and_a_draft_of_itself_is_always_kept(models):
     target, _, small = models
-    for seed in range(3):
+    for seed in range(2):
         plain = generate(target, PROMPT, n=64, sampling=SAMPLED, seed=seed)
         for draft in (small, target):
             gen = generate(target, PROMPT, draft, n=64, sampling=SAMPLED, seed=seed)
