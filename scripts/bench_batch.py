@@ -38,7 +38,10 @@ def models_for(name: str, dtype: str, sizes) -> dict[int, LoadedModel]:
             by_layout[layout] = dataclasses.replace(load_model(dtype=dtype, layout=layout), eos_ids=())
         else:
             cfg = SHAPES[name]
-            by_layout[layout] = LoadedModel(Path(name), cfg, loaded(cfg, dtype=jnp.dtype(dtype), layout=layout), None, dtype, Sampling(), (), None)
+            by_layout[layout] = LoadedModel(
+                Path(name), cfg, loaded(cfg, dtype=jnp.dtype(dtype), layout=layout), tokenizer=None, dtype=dtype, quantize=None,
+                sampling=Sampling(), eos_ids=(), max_new_tokens=None,
+            )
     return {size: by_layout[layout_for_batch(size)] for size in sizes}
 
 
