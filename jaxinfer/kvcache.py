@@ -55,11 +55,15 @@ class KVCache:
             return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    def read(self, layer: int, kv_len: int, rows: jax.Array | None = None):
-        """(k, v, k_scale, v_scale) of the first `kv_len` positions of `layer` for cache rows `rows`
-        (default: all): [B, S, KV, hd] each, the scales [B, S, KV] or None. All rows: a slice;
-        some rows (a batch slot's prefill): a gather of just those."""
-        pick = (lambda a: a[layer, :, :kv_len]) if rows is None else (lambda a: a[layer, rows, :kv_len])
+    def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
+        """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
+        cache rows `rows` (default: all): [B, size, KV, hd] each, the scales [B, size, KV] or None.
+        Some rows (a batch slot's prefill): a gather of just those."""
+
+        def pick(a):
+            block = jax.lax.dynamic_slice_in_dim(a[layer], start, size, 1)
+            return block if rows is None else block[rows]
+
         scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
         return pick(self.k), pick(self.v), *scales
 
