@@ -22,7 +22,8 @@ setup(
     ext_modules=[
         Extension(
             "jaxinfer._kernels",
-            sources=["jaxinfer/kernels/matmul.cc"],
+            sources=["jaxinfer/kernels/matmul.cc", "jaxinfer/kernels/attention.cc"],
+            depends=["jaxinfer/kernels/common.h"],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
             optional=True,

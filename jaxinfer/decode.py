@@ -34,6 +34,7 @@ from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import SamplerArrays, Sampling, sample
+from jaxinfer.sharding import mesh_of
 
 
 MAX_BACKOFF = 64  # steps a row with failing drafts waits at most before drafting again
@@ -88,9 +89,10 @@ def initial_state(
     spec: Speculation = Speculation(), draft_params: model.Params | None = None,
 ) -> DecodeState:
     """An empty state: zero caches in the weights' dtypes, every row done."""
-    draft_cache = KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params)) if spec.model else None
+    whole = mesh_of(params) is None
+    draft_cache = KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
     return DecodeState(
-        cache=KVCache.zeros(cfg, batch, max_context, model.compute_dtype(params)),
+        cache=KVCache.zeros(cfg, batch, max_context, model.compute_dtype(params), whole),
         tokens=jnp.zeros((batch, max_context), jnp.int32),
         length=jnp.zeros((batch,), jnp.int32),
         limit=jnp.zeros((batch,), jnp.int32),

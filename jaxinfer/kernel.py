@@ -14,8 +14,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul")
+TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
 
 
 def _library_path() -> Path | None:
@@ -64,3 +65,20 @@ def call(target: str, x: jax.Array, out: int, *weights: jax.Array) -> jax.Array:
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(flat, *weights)
     return y.reshape(*x.shape[:-1], out)
+
+
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's vectorised paths
+
+
+def attention(
+    q: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, layer: int, kv_len: int, window: int | None,
+    scale: float, softcap: float | None,
+) -> jax.Array:
+    """Queries q [B, T, KV, G, hd] at positions [B, T] over layer `layer` of a whole stacked cache
+    k, v [L, R, S, KV, hd] (rows `rows` [B]), keys below `kv_len`: softmax(q·k · scale) · v per
+    query, float32 [B, T, KV, G, hd]. Queries at positions ≥ kv_len (finished rows) get zeros."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxinfer_attention", out)(
+        q.astype(jnp.float32), positions.astype(jnp.int32), k, v, rows.astype(jnp.int32), layer=np.int64(layer),
+        kv_len=np.int64(kv_len), window=np.int64(window or 0), scale=np.float32(scale), softcap=np.float32(softcap or 0),
+    )

@@ -11,11 +11,12 @@ attention never dequantizes: K's scales multiply the scores, V's the attention w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 
@@ -45,15 +46,19 @@ class KVCache:
     v: jax.Array  # [L, B, S, KV, hd]
     k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
     v_scale: jax.Array | None = None
+    kernel: bool = field(default=False, metadata=dict(static=True))  # attended by the CPU kernel (`attend`)
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-        """An empty cache in `dtype`, or in int8 with scales where `cfg.kv_dtype` says so."""
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, whole: bool = True) -> KVCache:
+        """An empty cache in `dtype`, or in int8 with scales where `cfg.kv_dtype` says so. On one
+        device (`whole`: not spread over a mesh, whose shards the kernel's custom call would gather
+        every layer) a float cache is attended by the CPU kernel where it is built."""
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
             return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        fused = whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=fused)
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
@@ -66,6 +71,13 @@ class KVCache:
 
         scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
         return pick(self.k), pick(self.v), *scales
+
+    def attend(self, layer: int, q: jax.Array, positions: jax.Array, rows: jax.Array | None, kv_len: int, window: int | None, scale: float, softcap: float | None) -> jax.Array:
+        """The kernel's attention of queries q [B, T, KV, G, hd] at positions [B, T] over `layer`'s
+        first `kv_len` positions of cache rows `rows` (default: all), float32 [B, T, KV, G, hd]:
+        it reads the cache where it lies, each key once per block of queries."""
+        rows = jnp.arange(q.shape[0]) if rows is None else rows
+        return kernel.attention(q, positions, self.k, self.v, rows, layer, kv_len, window, scale, softcap)
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None
@@ -82,6 +94,7 @@ class KVCache:
             return KVCache(
                 k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
                 v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"),
+                kernel=self.kernel,
             )
         (kq, ks), (vq, vs) = quantize_heads(k), quantize_heads(v)
         return KVCache(

@@ -6,6 +6,10 @@ flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of fo
 CPU kernel (`jaxinfer.packed`, what the CPU runs on where the kernel is built), quantized
 (`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for batched decode).
 
+Attention over a float cache runs on the CPU kernel where it is built (`KVCache.attend`: each key
+read once per block of queries, the softmax never leaving the cache); elsewhere (GPUs, an int8
+cache, a mesh) on XLA's einsums below.
+
 A Python loop over layers (not `lax.scan` over stacked weights): on XLA CPU a scan copies every
 layer's weights out of the stack before each matmul, which halves decode speed.
 """
@@ -165,6 +169,9 @@ def attention(
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
+    if cache is not None and cache.kernel:  # the CPU kernel, both phases (see `attend`)
+        out = cache.attend(i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap)
+        return linear(out.astype(x.dtype).reshape(B, T, H * hd), layer, "o"), cache
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     q = q if T > 1 else q[:, 0]

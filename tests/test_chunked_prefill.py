@@ -3,12 +3,14 @@ cached. Alone (run, chat) the chunks run back to back and the tokens are transfo
 they interleave with the running rows' decode steps, one chunk per step, and every row's result is
 what it would be alone."""
 
+import contextlib
 import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import kernel
 from jaxinfer import model as M
 
 from jaxinfer.batch import BatchRunner, Request
@@ -20,6 +22,7 @@ from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
 from jaxinfer.model import KEY_BLOCK
+from kernel_helpers import xla_dot
 from reference import alone, assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 
 S = 512
@@ -138,22 +141,27 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 
+@pytest.mark.parametrize("attention", ["kernel", "xla"])
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])  # sliding windows (blocks skipped below them); soft-capped scores
-def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family):
-    """Past KEY_BLOCK keys a prompt's queries attend a block at a time, over the blocks they can see:
-    every position's logits are transformers' (one prefill of 1124 tokens over 2048 keys), and so are
-    the greedy tokens after 128-token chunks (kv buckets of 1024 and 2048 keys, read up to the chunk).
-    An int8 cache gives, block by block, what the whole-sequence path gives with the same int8 keys."""
+def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, attention):
+    """Past KEY_BLOCK keys a prompt's queries attend a block at a time, over the blocks they can see
+    (the CPU kernel's blocks, or XLA's `_blockwise`): every position's logits are transformers' (one
+    prefill of 1124 tokens over 2048 keys), and so are the greedy tokens after 128-token chunks (kv
+    buckets of 1024 and 2048 keys, read up to the chunk). On XLA, an int8 cache gives, block by
+    block, what the whole-sequence path gives with the same int8 keys."""
+    if attention == "kernel" and not kernel.vectorised():
+        pytest.skip("the attention kernel does not run on this CPU")
     S = 4 * KEY_BLOCK
     path = tiny(family, max_position_embeddings=S)
-    model, hf = dataclasses.replace(load_model(path), eos_ids=()), reference(path)
-    ids = model.tokenizer.encode(TEXT * 40)[: 2 * KEY_BLOCK + 100]
-    assert len(ids) == 2 * KEY_BLOCK + 100 and prompt_bucket(len(ids), S) == S
-    assert_close(our_prompt_logits(model, ids, S)[0], hf_logits(hf, ids))
-    gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=128), ids, Sampling(), 8)
-    list(gen)
-    assert gen.token_ids == greedy_reference(hf, ids, 8)
-
-    int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
-    whole, _ = M.forward(model.params, int8.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
-    assert_close(our_prompt_logits(int8, ids, S)[0], np.asarray(M.logits(model.params, whole, int8.config))[0])
+    with xla_dot() if attention == "xla" else contextlib.nullcontext():
+        model, hf = dataclasses.replace(load_model(path), eos_ids=()), reference(path)
+        ids = model.tokenizer.encode(TEXT * 40)[: 2 * KEY_BLOCK + 100]
+        assert len(ids) == 2 * KEY_BLOCK + 100 and prompt_bucket(len(ids), S) == S
+        assert_close(our_prompt_logits(model, ids, S)[0], hf_logits(hf, ids))
+        gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=128), ids, Sampling(), 8)
+        list(gen)
+        assert gen.token_ids == greedy_reference(hf, ids, 8)
+        if attention == "xla":
+            int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
+            whole, _ = M.forward(model.params, int8.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
+            assert_close(our_prompt_logits(int8, ids, S)[0], np.asarray(M.logits(model.params, whole, int8.config))[0])

@@ -16,23 +16,21 @@
 // int8 weights are read as unsigned (q ^ 0x80 = q + 128) and int4 nibbles are q + 8, so every
 // weight byte is an unsigned operand and the offset comes back as `offset * sum(xq)` per block.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace jaxinfer {
 namespace {
 
 constexpr int kBlock = 32;  // k per scale
@@ -51,12 +49,6 @@ struct Problem {
   const int32_t* xsum;
 };
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
-}
 
 void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum) {
   for (int64_t row = 0; row < m; ++row) {
@@ -182,14 +174,6 @@ void groups_vnni(const Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
-std::atomic<bool> force_generic{false};  // tests: the portable paths on a machine with AVX-512
-
-bool has_vnni() {
-  if (force_generic.load(std::memory_order_relaxed)) return false;
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
 #endif
 
 void run_groups(const Problem& p, int64_t g0, int64_t g1) {
@@ -290,12 +274,6 @@ void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
   for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16>(p, g);
   for (; g < g1; ++g) frows_avx512<1, kBf16>(p, g);
 }
-
-bool has_avx512() {
-  if (force_generic.load(std::memory_order_relaxed)) return false;
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
 #endif
 
 template <bool kBf16>
@@ -304,40 +282,6 @@ void run_fgroups(const FProblem& p, int64_t g0, int64_t g1) {
   if (has_avx512()) return fgroups_avx512<kBf16>(p, g0, g1);
 #endif
   fgroups_generic<kBf16>(p, g0, g1);
-}
-
-// The groups are shared out in chunks between this thread and XLA's intra-op pool. Whoever is free
-// takes the next chunk, and the caller waits only for chunks already taken, so a pool that is busy
-// (or absent) costs speed, never a deadlock. The state is shared, not on this stack: a pool task may
-// start after the call has returned and must find nothing left to do.
-struct Shared {
-  std::function<void(int64_t, int64_t)> run;  // groups [g0, g1)
-  int64_t groups, chunk_groups, chunks;
-  std::atomic<int64_t> next{0}, finished{0};
-
-  void work() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      run(c * chunk_groups, std::min(groups, (c + 1) * chunk_groups));
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs `run` over [0, groups) on this thread and the pool, in chunks of at least ~32 KiB of work
-// (`group_bytes` per group) and a few per thread to even out the finish. `run` may read the
-// caller's stack: it is only called before the caller returns.
-void parallel_groups(ffi::ThreadPool& pool, int64_t groups, int64_t group_bytes, std::function<void(int64_t, int64_t)> run) {
-  auto shared = std::make_shared<Shared>();
-  shared->run = std::move(run);
-  shared->groups = groups;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, group_bytes));
-  shared->chunk_groups = std::min(by_size, std::max<int64_t>(1, groups / (4 * threads)));
-  shared->chunks = (groups + shared->chunk_groups - 1) / shared->chunk_groups;
-  const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->finished.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
@@ -374,7 +318,7 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
                         y->typed_data(),
                         m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data()};
   const int64_t group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
-  parallel_groups(pool, groups, group_bytes, [&problem](int64_t g0, int64_t g1) { run_groups(problem, g0, g1); });
+  parallel_items(pool, groups, group_bytes, [&problem](int64_t g0, int64_t g1) { run_groups(problem, g0, g1); });
   return ffi::Error::Success();
 }
 
@@ -395,7 +339,7 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const FProblem problem{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, groups};
   const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
   const int64_t tile_bytes = kTileGroups * k * kGroup * (bf16 ? 2 : 4) * std::max<int64_t>(1, m / 6);
-  parallel_groups(pool, tiles, tile_bytes, [&problem, bf16](int64_t t0, int64_t t1) {
+  parallel_items(pool, tiles, tile_bytes, [&problem, bf16](int64_t t0, int64_t t1) {
     const int64_t g0 = t0 * kTileGroups, g1 = std::min(problem.groups, t1 * kTileGroups);
     if (bf16) run_fgroups<true>(problem, g0, g1); else run_fgroups<false>(problem, g0, g1);
   });
@@ -403,8 +347,9 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 }
 
 }  // namespace
+}  // namespace jaxinfer
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, QMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, jaxinfer::QMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -412,7 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, QMatmul,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, FMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, jaxinfer::FMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -421,14 +366,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, FMatmul,
 
 extern "C" void jaxinfer_force_generic(int yes) {
 #if defined(__x86_64__)
-  force_generic.store(yes != 0);
+  jaxinfer::force_generic.store(yes != 0);
 #endif
 }
 
 extern "C" const char* jaxinfer_kernel_isa() {  // the best path this CPU takes
 #if defined(__x86_64__)
-  if (has_vnni()) return "avx512-vnni";
-  if (has_avx512()) return "avx512";
+  if (jaxinfer::has_vnni()) return "avx512-vnni";
+  if (jaxinfer::has_avx512()) return "avx512";
 #endif
   return "generic";
 }

@@ -1,0 +1,80 @@
+// What the CPU kernels share: the CPU's paths, bfloat16 bits, and sharing work out with XLA's pool.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxinfer {
+
+inline std::atomic<bool> force_generic{false};  // tests: the portable paths on a machine with AVX-512
+
+inline bool has_avx512() {
+#if defined(__x86_64__)
+  if (force_generic.load(std::memory_order_relaxed)) return false;
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+inline bool has_vnni() {
+#if defined(__x86_64__)
+  if (force_generic.load(std::memory_order_relaxed)) return false;
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+// Work is shared out in chunks between this thread and XLA's intra-op pool. Whoever is free
+// takes the next chunk, and the caller waits only for chunks already taken, so a pool that is busy
+// (or absent) costs speed, never a deadlock. The state is shared, not on this stack: a pool task may
+// start after the call has returned and must find nothing left to do.
+struct Shared {
+  std::function<void(int64_t, int64_t)> run;  // items [i0, i1)
+  int64_t items, chunk_items, chunks;
+  std::atomic<int64_t> next{0}, finished{0};
+
+  void work() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
+      run(c * chunk_items, std::min(items, (c + 1) * chunk_items));
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs `run` over [0, items) on this thread and the pool, in chunks of at least ~32 KiB of work
+// (`item_bytes` per item) and a few per thread to even out the finish. `run` may read the
+// caller's stack: it is only called before the caller returns.
+inline void parallel_items(xla::ffi::ThreadPool& pool, int64_t items, int64_t item_bytes, std::function<void(int64_t, int64_t)> run) {
+  auto shared = std::make_shared<Shared>();
+  shared->run = std::move(run);
+  shared->items = items;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, item_bytes));
+  shared->chunk_items = std::min(by_size, std::max<int64_t>(1, items / (4 * threads)));
+  shared->chunks = (items + shared->chunk_items - 1) / shared->chunk_items;
+  const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->finished.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
+}
+
+}  // namespace jaxinfer

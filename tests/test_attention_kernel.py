@@ -1,0 +1,63 @@
+"""The CPU attention kernel (`kernels/attention.cc`) against XLA's attention (`model._attend`) on
+the same cache: decode rows (one finished), prompt chunks read from other cache rows, sliding
+windows, soft-capping, bfloat16 caches, on each code path this CPU has. End to end, every test
+that compares with transformers runs on it where it is built."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import kernel
+from jaxinfer import model as M
+from jaxinfer.config import ModelConfig
+from jaxinfer.kvcache import KVCache
+from kernel_helpers import needs_kernel, xla_dot
+
+L, R, S, KV, G, HD = 2, 3, 1024, 2, 3, 64
+
+
+def xla_attention(q, positions, k, v, rows, layer, kv_len, window, scale, softcap):
+    """What `model.attention` computes without the kernel: over the first kv_len keys at once."""
+    keys, values = (a[layer][rows, :kv_len] for a in (k, v))
+    _, total, out = M._attend(q, positions, window, scale, softcap, keys, values, None, None, 0)
+    return jnp.moveaxis(out / total[..., None], 3, 1)
+
+
+CASES = {  # positions [B, T], cache rows, kv_len, window, softcap
+    "decode, a finished row": ([[700], [S]], [0, 2], 1024, None, None),
+    "chunk over other rows": ([list(range(600, 616)), list(range(40, 56))], [2, 1], 1024, None, None),
+    "sliding window": ([list(range(900, 964))], [1], 1024, 300, None),
+    "soft-capped, short bucket": ([list(range(100, 103)), list(range(3))], [0, 1], 128, None, 0.5),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_attention_kernel_matches_xla(isa, dtype, case):
+    positions, rows, kv_len, window, softcap = CASES[case]
+    positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)
+    k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))
+    q = jax.random.normal(jax.random.key(2), (*positions.shape, KV, G, HD))
+    args = (q, positions, k, v, rows, 1, kv_len, window, HD**-0.5, softcap)
+    ours = np.asarray(kernel.attention(*args))
+    want = np.asarray(xla_attention(*args))
+    live = np.asarray(positions) < kv_len
+    np.testing.assert_allclose(ours[live], want[live], rtol=2e-5, atol=2e-6)
+    assert not ours[~live].any()  # a finished row's queries see nothing
+
+
+@pytest.mark.skipif(not kernel.vectorised(), reason="the kernel's AVX-512 paths do not run on this CPU")
+def test_the_cache_says_who_attends():
+    """A float cache on one device is the kernel's; an int8 cache, a head size the kernel has no
+    path for, a mesh's cache, or any cache where the kernels are off is XLA's."""
+    cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 64, 1e-5, 256, 1e4, sliding_windows=(None, None))
+    assert KVCache.zeros(cfg, 1, 16, jnp.float32).kernel
+    assert not KVCache.zeros(replace(cfg, kv_dtype="int8"), 1, 16, jnp.float32).kernel
+    assert not KVCache.zeros(replace(cfg, head_dim=48), 1, 16, jnp.float32).kernel
+    assert not KVCache.zeros(cfg, 1, 16, jnp.float32, whole=False).kernel
+    with xla_dot():
+        assert not KVCache.zeros(cfg, 1, 16, jnp.float32).kernel
