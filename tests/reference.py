@@ -27,8 +27,8 @@ def our_prompt_logits(model, ids, S=64):
     return np.asarray(M.logits(model.params, hidden, model.config))[0], cache
 
 
-def assert_close(ours, ref):
-    bound = 1e-4 * np.abs(ref).max()
+def assert_close(ours, ref, rel=1e-4):
+    bound = rel * np.abs(ref).max()
     assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), bound)
 
 

@@ -164,4 +164,7 @@ def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, atte
         if attention == "xla":
             int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
             whole, _ = M.forward(model.params, int8.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
-            assert_close(our_prompt_logits(int8, ids, S)[0], np.asarray(M.logits(model.params, whole, int8.config))[0])
+            # The two paths' projections round differently, so a key can land one int8 step apart: 1e-3
+            # (measured 1.6e-4 on gemma2) still fails a block skipped or attended twice by orders of magnitude.
+            ours, theirs = our_prompt_logits(int8, ids, S)[0], M.logits(model.params, whole, int8.config)[0]
+            assert_close(ours, np.asarray(theirs), rel=1e-3)
