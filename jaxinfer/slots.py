@@ -12,7 +12,11 @@ traced step count), so the next call picks the next bucket.
 Prompts longer than `prefill_chunk` tokens are prefilled a chunk per call (Sarathi's chunked
 prefill): attention scores stay [chunk, kv bucket] instead of [T, T] per head, and while other rows
 are decoding each `step` runs one chunk and then one decode step, so a long admission delays the
-running rows by a chunk at a time instead of stalling them for its whole prefill.
+running rows by a chunk at a time instead of stalling them for its whole prefill. Beside decoding
+rows the chunk is sized by the clock, as a token budget (Sarathi's) sized for this machine and model:
+it doubles while a round of chunks takes under STALL of their decode steps and halves above, so a
+running row's longest wait stays near (1 + STALL) × its inter-token latency whatever the model,
+batch or CPU; alone, a prompt goes in `prefill_chunk`s (the fastest TTFT).
 
 longrope (Phi-3.5, Phi-4-mini): transformers rotates a sequence with the short factors until it
 grows past the original context, and there recomputes its whole cache with the long ones. Here the
@@ -23,6 +27,7 @@ running rows): the same keys, the same tokens.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -33,6 +38,7 @@ from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
+from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs, check_backend
 from jaxinfer.sampling import Sampling
@@ -41,6 +47,7 @@ from jaxinfer.sharding import mesh_of, state_shardings
 MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
 PREFILL_CHUNK = 128  # prompt tokens per prefill call (measured: see README, "Chunked prefill")
+STALL = 3.0  # beside decoding rows, a round of chunks may take this many of their decode steps' time
 
 
 def _pow2_bucket(n: int, smallest: int, largest: int) -> int:
@@ -127,6 +134,7 @@ class Slots:
             raise ValueError("a draft model needs both its config (Speculation.model) and its parameters (draft_params)")
         self.speculation, self.draft_params = speculation, draft_params
         self.prefill_chunk = chunk_size(prefill_chunk)
+        self.beside_chunk = min(MIN_BUCKET, self.prefill_chunk)  # the chunk beside decoding rows: from the clock (`_pace`)
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
@@ -179,16 +187,16 @@ class Slots:
             for counter in vars(self._carried).values():
                 counter[a.row] = 0
         self._queue.update({a.row: (a, a.start) for a in admissions})
-        if self._live.any():  # rows are decoding: only what takes one call
-            self._prefill_round(report, whole_only=True)
+        if self._live.any():  # rows are decoding: only what takes one chunk beside them
+            self._prefill_round(report, self.beside_chunk, whole_only=True)
         while self._queue and not self._live.any():
-            self._prefill_round(report)
+            self._prefill_round(report, self.prefill_chunk)
 
-    def _prefill_round(self, report: CompileReport, whole_only: bool = False) -> None:
+    def _prefill_round(self, report: CompileReport, chunk: int, whole_only: bool = False) -> None:
         """One chunk of every queued prompt (`whole_only`: of those whose rest fits one chunk). Rows
         go in groups of a power-of-two size, longest rest first, so the programs stay few (rows ×
         prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
-        chunk = self.prefill_chunk or self.max_context
+        chunk = chunk or self.max_context
         rest = lambda row: len(self._queue[row][0].prompt) - self._queue[row][1]  # noqa: E731
         rows = sorted((row for row in self._queue if not whole_only or rest(row) <= chunk), key=rest, reverse=True)
         while rows:
@@ -226,16 +234,20 @@ class Slots:
         gets a token per chunk (Sarathi's stall-free schedule)."""
         if switch := longrope_switch(self.cfg):
             self._prefill_long_again(switch)
-        chunked = bool(self._queue)
+        queued = bool(self._queue)
+        chunked = queued and self._live.any()  # beside decoding rows: timed
+        started, compiled = time.perf_counter(), report.seconds
         if chunked:
-            self._prefill_round(report)
+            self._prefill_round(report, self.beside_chunk)
+            jax.block_until_ready(self.state)
+            chunks_s = time.perf_counter() - started
         while self._queue and not self._live.any():
-            self._prefill_round(report)
+            self._prefill_round(report, self.prefill_chunk)
         if not self._live.any():
             return Step(0, 0)
         longest = int(self._length[self._live].max())  # the next step's query sits at longest - 1
         kv_len = kv_bucket(longest, self.max_context)
-        steps = 1 if chunked else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
+        steps = 1 if queued else max(1, min(max_steps, kv_len - longest + 1))  # a new first token comes back at once
         args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish))) + (self.draft_params,)
         spec = self.speculation
         run = self._program(("decode", kv_len), report, decode, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
@@ -245,7 +257,22 @@ class Slots:
         if switch:  # and where a row reaches longrope's switch
             grown = np.where(self._length[self._live] <= switch, np.minimum(grown, switch + 1), grown)
         self._length[self._live] = np.minimum(grown, self._limit[self._live])
+        if chunked:
+            jax.block_until_ready(self.state)
+            self._pace(chunks_s, time.perf_counter() - started - chunks_s, report.seconds > compiled)
         return Step(steps, kv_len)
+
+    def _pace(self, chunks_s: float, step_s: float, compiled: bool) -> None:
+        """The next chunk beside decoding rows, from how long this round's chunks and decode step took:
+        double while twice the chunks would fit STALL steps, halve while they do not (a compile in
+        the round says nothing). Between MIN_BUCKET and `prefill_chunk`: few programs."""
+        chunk = self.beside_chunk
+        if not compiled and self.prefill_chunk:
+            if 2 * chunks_s <= STALL * step_s:
+                chunk = min(2 * chunk, self.prefill_chunk)
+            elif chunks_s > STALL * step_s:
+                chunk = max(chunk // 2, MIN_BUCKET)
+        self.beside_chunk = agree(chunk)  # joined processes run the same programs
 
     def _program(self, key: tuple, report: CompileReport, phase, *args, **static):
         """`phase` (prefill, decode) compiled for the state and these arguments. Over a mesh its state

@@ -90,16 +90,31 @@ def test_a_long_admission_runs_a_chunk_per_decode_step(models):
 
     slots.admit([Admission(1, long_ids, 8, 1, Sampling())], report)
     assert slots.prefilling.tolist() == [False, True]  # only queued: the running row is not held up
-    chunks = -(-len(long_ids) // 32)
-    for n in range(1, chunks + 1):
+    prefilled, rounds = 0, 0
+    while prefilled < len(long_ids):  # chunks of 16 or 32, as the clock sizes them
+        assert slots.beside_chunk in (16, 32)
+        prefilled, rounds = prefilled + slots.beside_chunk, rounds + 1
         slots.step(64, report)
         tokens, length, done = slots.fetch()
-        assert int(length[0]) == running + n  # one token of the running row per chunk
-        assert slots.prefilling[1] == (n < chunks) and bool(done[1]) == (n < chunks)
+        assert int(length[0]) == running + rounds  # one token of the running row per chunk
+        assert slots.prefilling[1] == (prefilled < len(long_ids)) and bool(done[1]) == (prefilled < len(long_ids))
     assert int(length[1]) == len(long_ids) + 2  # its first token, then one decode step: back on the host at once
     slots.step(64, report)
     _, after, _ = slots.fetch()
     assert int(after[0]) > int(length[0]) + 1  # queue empty: decode runs whole chunks again
+
+
+def test_the_chunk_beside_decoding_rows_follows_the_clock(models):
+    """A round of chunks may take STALL of the running rows' decode steps: the chunk doubles while
+    twice it fits, halves when it does not, between 16 and --prefill-chunk; a compile says nothing."""
+    model, _ = models
+    slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=64)
+    seen = []
+    for chunks_s, compiled in [(0.01, False)] * 3 + [(0.05, True), (0.2, False), (0.14, False)] + [(1.0, False)] * 3:
+        slots._pace(chunks_s, 0.05, compiled)
+        seen.append(slots.beside_chunk)
+    assert seen == [32, 64, 64, 64, 32, 32, 16, 16, 16]
+    assert Slots(model.config, model.params, 2, S, (), prefill_chunk=0).beside_chunk == 0  # off: whole prompts
 
 
 def test_batch_rows_with_a_chunked_admission_equal_run(models):
