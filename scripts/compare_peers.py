@@ -4,6 +4,14 @@
     pip install -e ".[compare]"        # llama-cpp-python compiles llama.cpp: ~10 minutes on 2 cores
     python scripts/compare_peers.py    # prints the table and writes BENCHMARKS.md
 
+On a CPU with AMX (Intel Sapphire Rapids and later) a native build of llama.cpp 0.3.36 dies with a
+segmentation fault in its first q8_0 product (ggml_backend_amx_mul_mat, llama.cpp issue 20824);
+build it for AVX-512 without AMX instead:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+      -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+      pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==0.3.36"
+
 Each shape (SmolLM-135M, TinyLlama-1.1B) becomes a random-weight float32 checkpoint made by
 transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
