@@ -1,10 +1,13 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 # Tests must not write to the user's cache, nor read programs compiled by another version. The
 # machine's ceilings (for MFU/MBU) are measured once per test session, in a cache of its own.
 os.environ.setdefault("JAXINFER_CACHE_DIR", "")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
 import pytest
 
