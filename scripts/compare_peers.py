@@ -5,7 +5,7 @@
     python scripts/compare_peers.py    # prints the table and writes BENCHMARKS.md
 
 On a CPU with AMX (Intel Sapphire Rapids and later) a native build of llama.cpp 0.3.36 dies with a
-segmentation fault in its first q8_0 product (ggml_backend_amx_mul_mat, llama.cpp issue 20824);
+segmentation fault in its first q8_0 prefill (as in llama.cpp issue 20824, ggml_backend_amx_mul_mat);
 build it for AVX-512 without AMX instead:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
