@@ -55,7 +55,7 @@ def vectorised() -> bool:
 
 
 def isa() -> str | None:
-    """'avx512-vnni', 'avx512' or 'generic' where the kernels are built, else None."""
+    """'avx512-vnni-amx', 'avx512-vnni', 'avx512' or 'generic' where the kernels are built, else None."""
     lib = library()
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 

@@ -1,6 +1,8 @@
 """Float weight matrices packed for the CPU kernel (`kernels/matmul.cc`, `jaxinfer_fmatmul`): an
-[out, in] matrix is stored as `{"packed": [out/16, in, 16]}`, 16 outputs side by side, in float32 or
-bfloat16.
+[out, in] matrix is stored with 16 outputs side by side, float32 as `{"packed": [out/16, in, 16]}`
+and bfloat16 as `{"packed": [out/16, in/2, 16, 2]}`, each output's pair of consecutive inputs
+together: the layout of AMX's bfloat16 tiles, which prefill chunks run on where the CPU has them
+(repacking per call cost about half of a 128-row chunk's matmul time).
 
 XLA CPU's dot runs 2–16 rows at a third to a half of its matrix-vector rate (speculation's verify
 pass, batched decode, chunked prefill) and converts bfloat16 weights to float32 on every call. The
@@ -9,8 +11,8 @@ kernel reads each weight once for all rows, in its stored width. Measured by
 float32 1 row 3.95 → 3.88, 5 rows 6.6 → 4.0, 16 rows 11.0 → 5.9, 128 rows 41 → 38; bfloat16 weights
 1 row 45 → 2.5.
 
-The load packs every float32 or bfloat16 matrix whose out dimension divides by 16 (`pack_params`);
-the rest stay [out, in]. Where the kernel is not built, the packed form still works, on XLA's dot.
+The load packs every float32 or bfloat16 matrix whose out dimension divides by 16, and a bfloat16
+one's in dimension by 2 (`pack_params`); the rest stay [out, in]. Where the kernel is not built, the packed form still works, on XLA's dot.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ GROUP = 16
 
 
 def packable(leaf) -> bool:
-    """A float32 or bfloat16 matrix of whole groups (float16 stays on XLA's dot)."""
-    return isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.shape[0] % GROUP == 0 and leaf.dtype in (jnp.float32, jnp.bfloat16)
+    """A float32 matrix of whole groups, or a bfloat16 one of whole groups and pairs (float16 stays
+    on XLA's dot)."""
+    if not (isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.shape[0] % GROUP == 0):
+        return False
+    return leaf.dtype == jnp.float32 or (leaf.dtype == jnp.bfloat16 and leaf.shape[1] % 2 == 0)
 
 
 def pack(w: jax.Array) -> dict:
-    """[out, in] → {"packed": [out/16, in, 16]}."""
+    """[out, in] → {"packed": [out/16, in, 16]} (float32) or [out/16, in/2, 16, 2] (bfloat16)."""
     n, k = w.shape
+    if w.dtype == jnp.bfloat16:
+        return {"packed": w.reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)}
     return {"packed": w.reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)}
 
 
@@ -38,10 +45,16 @@ def is_packed(leaf) -> bool:
     return isinstance(leaf, dict) and "packed" in leaf
 
 
+def _paired(w: jax.Array) -> jax.Array:
+    """Either layout as [out/16, in/pairs, 16, pair] (a pair of 1 for float32)."""
+    return w if w.ndim == 4 else w[..., None]
+
+
 def unpack(leaf: dict) -> jax.Array:
     """The [out, in] matrix again."""
-    groups, k, _ = leaf["packed"].shape
-    return leaf["packed"].transpose(0, 2, 1).reshape(groups * GROUP, k)
+    w = _paired(leaf["packed"])
+    groups, steps, _, pair = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(groups * GROUP, steps * pair)
 
 
 def matmul(x: jax.Array, leaf: dict) -> jax.Array:
@@ -49,13 +62,16 @@ def matmul(x: jax.Array, leaf: dict) -> jax.Array:
     w = leaf["packed"]
     if kernel.available():
         return kernel.call("jaxinfer_fmatmul", x, w.shape[0] * GROUP, w)
-    y = jnp.einsum("...k,gkn->...gn", x, w, preferred_element_type=jnp.float32)
+    w = _paired(w)
+    pairs = x.reshape(*x.shape[:-1], w.shape[1], w.shape[3])
+    y = jnp.einsum("...kj,gknj->...gn", pairs, w, preferred_element_type=jnp.float32)
     return y.reshape(*x.shape[:-1], w.shape[0] * GROUP)
 
 
 def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of the [out, in] matrix (the embedding lookup): [..., in]."""
-    return leaf["packed"][ids // GROUP, :, ids % GROUP].astype(dtype)
+    rows = _paired(leaf["packed"])[ids // GROUP, :, ids % GROUP]  # [..., in/pairs, pair]
+    return rows.reshape(*rows.shape[:-2], -1).astype(dtype)
 
 
 def pack_params(params: dict, consume: bool = False) -> dict:

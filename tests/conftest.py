@@ -28,11 +28,14 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=["native", "generic"])
+@pytest.fixture(params=["native", "no-amx", "generic"])
 def isa(request):
-    """Each code path of the CPU kernels: this CPU's best, and the portable one."""
+    """Each code path of the CPU kernels: this CPU's best, without AMX where it has it, and the
+    portable one."""
     from jaxinfer import kernel
 
-    kernel.library().jaxinfer_force_generic(request.param == "generic")
+    if request.param == "no-amx" and not kernel.isa().endswith("amx"):
+        pytest.skip("this CPU has no AMX: the same paths as native")
+    kernel.library().jaxinfer_cap_isa(["native", "no-amx", "generic"].index(request.param))
     yield request.param
-    kernel.library().jaxinfer_force_generic(0)
+    kernel.library().jaxinfer_cap_isa(0)

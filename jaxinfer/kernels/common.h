@@ -9,15 +9,25 @@
 #include <memory>
 #include <thread>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxinfer {
 
-inline std::atomic<bool> force_generic{false};  // tests: the portable paths on a machine with AVX-512
+// Tests cap the paths a CPU takes, to compare each with the one below it: 0 its best, 1 no AMX,
+// 2 the portable paths only.
+inline std::atomic<int> isa_cap{0};
 
 inline bool has_avx512() {
 #if defined(__x86_64__)
-  if (force_generic.load(std::memory_order_relaxed)) return false;
+  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
 #else
@@ -27,9 +37,29 @@ inline bool has_avx512() {
 
 inline bool has_vnni() {
 #if defined(__x86_64__)
-  if (force_generic.load(std::memory_order_relaxed)) return false;
+  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// AMX's bfloat16 tiles (Sapphire Rapids on): the CPU has them (CPUID 7.0 EDX: AMX-BF16 bit 22,
+// AMX-TILE bit 24, and AVX-512 for the packing around them), and Linux lets this process use the
+// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once; other kernels ask
+// too, and asking twice is harmless).
+inline bool has_amx() {
+#if defined(__x86_64__) && defined(__linux__)
+  if (isa_cap.load(std::memory_order_relaxed) >= 1) return false;
+  static const bool yes = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
   return yes;
 #else
   return false;

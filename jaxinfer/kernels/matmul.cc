@@ -187,8 +187,9 @@ void run_groups(const Problem& p, int64_t g0, int64_t g1) {
 }
 
 // ------------------------------------------------------------------------------- float weights
-// y[M, N] = x[M, K] @ W[N, K]^T for float32 or bfloat16 W packed [N/16, K, 16] (`jaxinfer.packed`):
-// the same 16 outputs side by side, so one vector of W and one broadcast of x advance 16 dots.
+// y[M, N] = x[M, K] @ W[N, K]^T for W packed by `jaxinfer.packed`: float32 [N/16, K, 16], bfloat16
+// [N/16, K/2, 16, 2] (each output's inputs k and k + 1 side by side, as AMX's tiles take them).
+// The same 16 outputs side by side, so one vector of W and one broadcast of x advance 16 dots.
 // XLA CPU runs a dot of 2–9 rows at about half its matrix-vector rate and converts bfloat16 weights
 // to float32 on every call (../shared/JAX-ON-CPU.md); here every weight is read once for all the
 // rows, in the width it is stored in, and the sums are float32.
@@ -201,11 +202,11 @@ struct FProblem {
 };
 
 template <bool kBf16>
-inline float weight_at(const void* w, int64_t at) {
+inline float weight_at(const FProblem& p, int64_t g, int64_t k, int n) {
   if constexpr (kBf16) {
-    return bf16_to_float(static_cast<const uint16_t*>(w)[at]);
+    return bf16_to_float(static_cast<const uint16_t*>(p.w)[((g * p.k / 2 + k / 2) * kGroup + n) * 2 + (k & 1)]);
   } else {
-    return static_cast<const float*>(w)[at];
+    return static_cast<const float*>(p.w)[(g * p.k + k) * kGroup + n];
   }
 }
 
@@ -216,7 +217,7 @@ void fgroups_generic(const FProblem& p, int64_t g0, int64_t g1) {
       float acc[kGroup] = {};
       const float* x = p.x + row * p.k;
       for (int64_t k = 0; k < p.k; ++k) {
-        for (int n = 0; n < kGroup; ++n) acc[n] += x[k] * weight_at<kBf16>(p.w, (g * p.k + k) * kGroup + n);
+        for (int n = 0; n < kGroup; ++n) acc[n] += x[k] * weight_at<kBf16>(p, g, k, n);
       }
       std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, acc, sizeof acc);
     }
@@ -224,13 +225,15 @@ void fgroups_generic(const FProblem& p, int64_t g0, int64_t g1) {
 }
 
 #if defined(__x86_64__)
+// Input k of a group's 16 outputs as floats. bfloat16: the 64 bytes of k's pair hold k in each
+// lane's low half and k + 1 in its high half.
 template <bool kBf16>
-__attribute__((target("avx512f"), always_inline)) inline __m512 load_group(const void* w, int64_t at) {
+__attribute__((target("avx512f"), always_inline)) inline __m512 load_group(const void* w, int64_t g, int64_t k, int64_t depth) {
   if constexpr (kBf16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + at));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    const __m512i pair = _mm512_loadu_si512(static_cast<const uint16_t*>(w) + (g * depth / 2 + k / 2) * 2 * kGroup);
+    return _mm512_castsi512_ps(k & 1 ? _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))) : _mm512_slli_epi32(pair, 16));
   } else {
-    return _mm512_loadu_ps(static_cast<const float*>(w) + at);
+    return _mm512_loadu_ps(static_cast<const float*>(w) + (g * depth + k) * kGroup);
   }
 }
 
@@ -244,7 +247,7 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
   const float* x = p.x + row0 * p.k;
   for (int64_t k = 0; k < p.k; ++k) {
     __m512 w[kCols];
-    for (int c = 0; c < kCols; ++c) w[c] = load_group<kBf16>(p.w, ((g + c) * p.k + k) * kGroup);
+    for (int c = 0; c < kCols; ++c) w[c] = load_group<kBf16>(p.w, g + c, k, p.k);
     for (int r = 0; r < kRows; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * p.k + k]);
       for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);
@@ -273,6 +276,130 @@ void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
   int64_t g = g0;
   for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16>(p, g);
   for (; g < g1; ++g) frows_avx512<1, kBf16>(p, g);
+}
+
+// bfloat16 weights, many rows (prefill chunks): AMX tiles. TDPBF16PS multiplies bfloat16 pairs
+// exactly and sums in float32, so x is carried as two bfloat16 parts, x ≈ hi + lo with hi = bf16(x)
+// and lo = bf16(x - hi): 16 significant bits (|x - hi - lo| ≤ 2^-16 |x|), where one part alone
+// errs by 2^-8 (measured on TinyLlama's 2048×5632: largest error 2.7e-5 for float32 FMAs, 2.7e-5 for
+// two parts, 2.1e-2 for one). Two parts cost 1.3× one, and the tiles still run ~3× float32 FMAs.
+//
+// A tile is 16 rows of 64 bytes. A (activations): 16 rows × 32 k, packed per call contiguous per
+// tile as [part][rows/16][k/32][16][32] (loading them from x's rows with a long stride measured 1.7×
+// slower at K = 2048). B (weights): 16 k-pairs × 16 outputs × 2, read in place from the packed
+// weights; a K that is not a multiple of 32 leaves a last block of fewer pairs, copied with zeros
+// after it. C: 2 × 2 tiles of 16 rows × 16 outputs, float32. Rows are padded to 32 with zeros.
+constexpr int64_t kAmxMinRows = 16;  // from 12–16 rows on, the tiles are ahead of FMAs (SmolLM and TinyLlama matrices)
+constexpr int64_t kAmxChunkGroups = 16;
+constexpr int kParts = 2;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct AmxProblem {
+  const uint16_t* a;  // [kParts][mp/16][kp/32][16][32]
+  const uint16_t* w;  // [groups, k/2, 16, 2]
+  float* y;
+  int64_t m, k, kp, mp, groups;
+};
+
+// 16 floats → bfloat16 bits in the low half of each lane, rounded to nearest even (finite values)
+__attribute__((target("avx512f"), always_inline)) inline __m512i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+}
+
+// Rows [r0, r1) of 16 into their tiles: each float → hi, lo bfloat16.
+__attribute__((target("avx512f,avx512bw"))) void pack_a_amx(const float* x, const AmxProblem& p, uint16_t* a, int64_t r0, int64_t r1) {
+  const int64_t kb = p.kp / 32, part = p.mp * p.kp;
+  for (int64_t row = r0 * 16; row < r1 * 16; ++row) {
+    uint16_t* hi_row = a + ((row / 16) * kb * 16 + row % 16) * 32;
+    for (int64_t k0 = 0; k0 < p.kp; k0 += 16) {
+      __m512 v = _mm512_setzero_ps();
+      if (row < p.m && k0 < p.k) {
+        const __mmask16 valid = p.k - k0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (p.k - k0)) - 1);
+        v = _mm512_maskz_loadu_ps(valid, x + row * p.k + k0);
+      }
+      const __m512i hi = round_bf16(v);
+      const __m512i lo = round_bf16(_mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+      uint16_t* at = hi_row + (k0 / 32) * 512 + k0 % 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_cvtepi32_epi16(hi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + part), _mm512_cvtepi32_epi16(lo));
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(const AmxProblem& p, int64_t g0, int64_t g1) {
+  const int64_t kb = p.kp / 32, full = p.k / 32, part = p.mp * p.kp, n = p.groups * kGroup, depth = p.k / 2 * 32;
+  thread_local std::vector<uint16_t> tail;  // the last, short block of pairs of each group, zero-padded
+  if (full < kb) {
+    tail.assign(static_cast<size_t>((g1 - g0) * 512), 0);
+    for (int64_t g = g0; g < g1; ++g)
+      std::memcpy(tail.data() + (g - g0) * 512, p.w + g * depth + full * 512, (p.k - full * 32) * 16 * sizeof(uint16_t));
+  }
+  auto block = [&](int64_t g, int64_t i) { return i < full ? p.w + g * depth + i * 512 : tail.data() + (g - g0) * 512; };
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  alignas(64) float spill[32][32];
+  for (int64_t row = 0; row < p.mp; row += 32) {
+    const uint16_t* a0 = p.a + (row / 16) * kb * 512;
+    const uint16_t* a1 = a0 + kb * 512;
+    for (int64_t g = g0; g < g1; g += 2) {
+      const int64_t second = std::min(g + 1, g1 - 1);  // an odd last group is multiplied twice, stored once
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t i = 0; i < kb; ++i) {
+        _tile_loadd(6, block(g, i), 64);
+        _tile_loadd(7, block(second, i), 64);
+        for (int s = 0; s < kParts; ++s) {
+          _tile_loadd(4, a0 + s * part + i * 512, 64);
+          _tile_loadd(5, a1 + s * part + i * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* out = p.y + row * n + g * kGroup;
+      if (row + 32 <= p.m && second > g) {
+        _tile_stored(0, out, n * 4);
+        _tile_stored(1, out + 16, n * 4);
+        _tile_stored(2, out + 16 * n, n * 4);
+        _tile_stored(3, out + 16 * n + 16, n * 4);
+      } else {  // the last rows, or an odd group: through a spill
+        _tile_stored(0, &spill[0][0], 128);
+        _tile_stored(1, &spill[0][16], 128);
+        _tile_stored(2, &spill[16][0], 128);
+        _tile_stored(3, &spill[16][16], 128);
+        const int64_t cols = (second > g ? 2 : 1) * kGroup;
+        for (int64_t r = 0; r < 32 && row + r < p.m; ++r) std::memcpy(out + r * n, spill[r], cols * sizeof(float));
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The AMX path of FMatmul: x packed into tiles, then chunks of whole pairs of groups (at most 16
+// groups, at least two chunks a thread) shared out.
+void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m, int64_t k, int64_t groups) {
+  const int64_t kp = (k + 31) / 32 * 32, mp = (m + 31) / 32 * 32;
+  std::vector<uint16_t> a(static_cast<size_t>(kParts * mp * kp));
+  const AmxProblem problem{a.data(), w, y, m, k, kp, mp, groups};
+  parallel_items(pool, mp / 16, 16 * kp * 4, [&](int64_t r0, int64_t r1) { pack_a_amx(x, problem, a.data(), r0, r1); });
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::clamp<int64_t>((groups + 2 * threads - 1) / (2 * threads), 2, kAmxChunkGroups) / 2 * 2;
+  const int64_t chunks = (groups + per - 1) / per;
+  parallel_items(pool, chunks, int64_t{1} << 20, [&problem, per](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) amx_groups(problem, c * per, std::min(problem.groups, (c + 1) * per));
+  });
 }
 #endif
 
@@ -328,14 +455,22 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if ((!bf16 && w.element_type() != ffi::DataType::F32) || w_dims.size() != 3 || w_dims[2] != kGroup || x_dims.size() == 0) {
-    return ffi::Error::InvalidArgument("jaxinfer_fmatmul: w must be float32 or bfloat16 [N/16, K, 16]");
+  const bool f32 = w.element_type() == ffi::DataType::F32;
+  const bool packed = (f32 && w_dims.size() == 3 && w_dims[2] == kGroup) || (bf16 && w_dims.size() == 4 && w_dims[2] == kGroup && w_dims[3] == 2);
+  if (!packed || x_dims.size() == 0) {
+    return ffi::Error::InvalidArgument("jaxinfer_fmatmul: w must be float32 [N/16, K, 16] or bfloat16 [N/16, K/2, 16, 2]");
   }
   const int64_t k = x_dims.back();
   const int64_t m = x.element_count() / std::max<int64_t>(k, 1);
   const int64_t groups = w_dims[0];
-  if (k != w_dims[1]) return ffi::Error::InvalidArgument("jaxinfer_fmatmul: x and w disagree about K");
+  if (k != w_dims[1] * (bf16 ? 2 : 1)) return ffi::Error::InvalidArgument("jaxinfer_fmatmul: x and w disagree about K");
   if (m == 0 || groups == 0) return ffi::Error::Success();
+#if defined(__x86_64__)
+  if (bf16 && m >= kAmxMinRows && has_amx()) {
+    amx_matmul(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), m, k, groups);
+    return ffi::Error::Success();
+  }
+#endif
   const FProblem problem{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, groups};
   const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
   const int64_t tile_bytes = kTileGroups * k * kGroup * (bf16 ? 2 : 4) * std::max<int64_t>(1, m / 6);
@@ -364,14 +499,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, jaxinfer::FMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" void jaxinfer_force_generic(int yes) {
-#if defined(__x86_64__)
-  jaxinfer::force_generic.store(yes != 0);
-#endif
+extern "C" void jaxinfer_cap_isa(int cap) {  // tests: 0 the CPU's best paths, 1 no AMX, 2 the portable ones
+  jaxinfer::isa_cap.store(cap);
 }
 
 extern "C" const char* jaxinfer_kernel_isa() {  // the best path this CPU takes
 #if defined(__x86_64__)
+  if (jaxinfer::has_vnni() && jaxinfer::has_amx()) return "avx512-vnni-amx";
   if (jaxinfer::has_vnni()) return "avx512-vnni";
   if (jaxinfer::has_avx512()) return "avx512";
 #endif
