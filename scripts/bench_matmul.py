@@ -1,6 +1,7 @@
 """The CPU float kernel (`jaxinfer.packed`) against XLA's dot, one matrix at a time: ms per call and
 the weights' GB/s, for the row counts each phase runs (1: decode; 2–16: batched decode and
-speculation's verify pass; 128: a prefill chunk), float32 and bfloat16 weights.
+speculation's verify pass; 128: a prefill chunk), float32 and bfloat16 weights; on a CPU with AMX,
+bfloat16 also with AMX switched off (the kernel takes it from 16 rows).
 
     python scripts/bench_matmul.py                      # SmolLM-135M's and TinyLlama's matrices
     python scripts/bench_matmul.py --rows 1,5 --repeat 50
@@ -23,6 +24,7 @@ MATRICES = {  # name: (out, in)
     "smollm down 576×1536": (576, 1536),
     "smollm head 49152×576": (49152, 576),
     "tinyllama up 5632×2048": (5632, 2048),
+    "tinyllama down 2048×5632": (2048, 5632),
 }
 
 
@@ -36,9 +38,22 @@ def ms(fn, *args, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def without_amx(fn):
+    """fn, on the kernel's AVX-512 paths only."""
+
+    def run(*args):
+        kernel.library().jaxinfer_cap_isa(1)
+        try:
+            return jax.block_until_ready(fn(*args))
+        finally:
+            kernel.library().jaxinfer_cap_isa(0)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,2,5,9,16,128")
+    parser.add_argument("--rows", default="1,2,5,9,16,128,512")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     if not kernel.available():
@@ -54,6 +69,8 @@ def main() -> None:
         for dtype in (jnp.float32, jnp.bfloat16):
             w = w32.astype(dtype)
             forms = {"XLA [out,in]": (xla, w), "XLA [in,out]": (xla_io, jnp.asarray(w.T)), "kernel": (ours, packed.pack(w))}
+            if dtype == jnp.bfloat16 and kernel.isa().endswith("amx"):  # from 16 rows the kernel takes AMX
+                forms["kernel, no AMX"] = (without_amx(ours), packed.pack(w))
             gb = n * k * jnp.dtype(dtype).itemsize / 1e9
             for rows in (int(r) for r in args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((rows, k), np.float32))

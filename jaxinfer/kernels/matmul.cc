@@ -291,6 +291,7 @@ void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
 // after it. C: 2 × 2 tiles of 16 rows × 16 outputs, float32. Rows are padded to 32 with zeros.
 constexpr int64_t kAmxMinRows = 16;  // from 12–16 rows on, the tiles are ahead of FMAs (SmolLM and TinyLlama matrices)
 constexpr int64_t kAmxChunkGroups = 16;
+constexpr int64_t kAmxPassBlocks = 64;  // 2048 k: 16 groups' weights, 1 MiB, in a 2 MiB L2
 constexpr int kParts = 2;
 
 struct alignas(64) TileConfig {
@@ -343,44 +344,65 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(co
       std::memcpy(tail.data() + (g - g0) * 512, p.w + g * depth + full * 512, (p.k - full * 32) * 16 * sizeof(uint16_t));
   }
   auto block = [&](int64_t g, int64_t i) { return i < full ? p.w + g * depth + i * 512 : tail.data() + (g - g0) * 512; };
+  // Deep matrices go in passes of kAmxPassBlocks k-blocks, so that a pass's weights of the chunk stay
+  // in L2 while every row block runs over them; between passes the sums wait in `acc`.
+  const int64_t passes = (kb + kAmxPassBlocks - 1) / kAmxPassBlocks, width = (g1 - g0 + 1) / 2 * 2 * kGroup;
+  thread_local std::vector<float> acc;
+  if (passes > 1) acc.resize(static_cast<size_t>(p.mp * width));
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
   alignas(64) float spill[32][32];
-  for (int64_t row = 0; row < p.mp; row += 32) {
-    const uint16_t* a0 = p.a + (row / 16) * kb * 512;
-    const uint16_t* a1 = a0 + kb * 512;
-    for (int64_t g = g0; g < g1; g += 2) {
-      const int64_t second = std::min(g + 1, g1 - 1);  // an odd last group is multiplied twice, stored once
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t i = 0; i < kb; ++i) {
-        _tile_loadd(6, block(g, i), 64);
-        _tile_loadd(7, block(second, i), 64);
-        for (int s = 0; s < kParts; ++s) {
-          _tile_loadd(4, a0 + s * part + i * 512, 64);
-          _tile_loadd(5, a1 + s * part + i * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int64_t i0 = pass * kAmxPassBlocks, i1 = std::min(kb, i0 + kAmxPassBlocks);
+    for (int64_t row = 0; row < p.mp; row += 32) {
+      const uint16_t* a0 = p.a + (row / 16) * kb * 512;
+      const uint16_t* a1 = a0 + kb * 512;
+      for (int64_t g = g0; g < g1; g += 2) {
+        const int64_t second = std::min(g + 1, g1 - 1);  // an odd last group is multiplied twice, stored once
+        float* sums = acc.data() + row * width + (g - g0) * kGroup;
+        if (pass == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, sums, width * 4);
+          _tile_loadd(1, sums + 16, width * 4);
+          _tile_loadd(2, sums + 16 * width, width * 4);
+          _tile_loadd(3, sums + 16 * width + 16, width * 4);
         }
-      }
-      float* out = p.y + row * n + g * kGroup;
-      if (row + 32 <= p.m && second > g) {
-        _tile_stored(0, out, n * 4);
-        _tile_stored(1, out + 16, n * 4);
-        _tile_stored(2, out + 16 * n, n * 4);
-        _tile_stored(3, out + 16 * n + 16, n * 4);
-      } else {  // the last rows, or an odd group: through a spill
-        _tile_stored(0, &spill[0][0], 128);
-        _tile_stored(1, &spill[0][16], 128);
-        _tile_stored(2, &spill[16][0], 128);
-        _tile_stored(3, &spill[16][16], 128);
+        for (int64_t i = i0; i < i1; ++i) {
+          _tile_loadd(6, block(g, i), 64);
+          _tile_loadd(7, block(second, i), 64);
+          for (int s = 0; s < kParts; ++s) {
+            _tile_loadd(4, a0 + s * part + i * 512, 64);
+            _tile_loadd(5, a1 + s * part + i * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        float* out = p.y + row * n + g * kGroup;
         const int64_t cols = (second > g ? 2 : 1) * kGroup;
-        for (int64_t r = 0; r < 32 && row + r < p.m; ++r) std::memcpy(out + r * n, spill[r], cols * sizeof(float));
+        if (pass + 1 < passes) {
+          _tile_stored(0, sums, width * 4);
+          _tile_stored(1, sums + 16, width * 4);
+          _tile_stored(2, sums + 16 * width, width * 4);
+          _tile_stored(3, sums + 16 * width + 16, width * 4);
+        } else if (row + 32 <= p.m && second > g) {
+          _tile_stored(0, out, n * 4);
+          _tile_stored(1, out + 16, n * 4);
+          _tile_stored(2, out + 16 * n, n * 4);
+          _tile_stored(3, out + 16 * n + 16, n * 4);
+        } else {  // the last rows, or an odd group: through a spill
+          _tile_stored(0, &spill[0][0], 128);
+          _tile_stored(1, &spill[0][16], 128);
+          _tile_stored(2, &spill[16][0], 128);
+          _tile_stored(3, &spill[16][16], 128);
+          for (int64_t r = 0; r < 32 && row + r < p.m; ++r) std::memcpy(out + r * n, spill[r], cols * sizeof(float));
+        }
       }
     }
   }
