@@ -260,7 +260,7 @@ def info(
 
     from jaxinfer.ceilings import device_memory_bytes
     from jaxinfer.kvcache import check_kv_dtype
-    from jaxinfer.loading import compute_dtype, load_config, resolve_dtype, stored_quantization
+    from jaxinfer.loading import compute_dtype, load_config, resolve_dtype, roof_dtype, stored_quantization
     from jaxinfer.model import layout_for_batch
     from jaxinfer.roofline import Storage, model_facts
     from jaxinfer.runtime import check_backend
@@ -273,7 +273,7 @@ def info(
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context_length(cfg.max_position_embeddings, max_context)
-    roofs = options.ceilings(compute_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
+    roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
     storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout))
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
     facts = model_facts(cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared)
@@ -333,7 +333,7 @@ def bench(
         mesh = options.mesh(count)
         loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
         decoding = options.load_draft(draft_model, loaded, flags, dtype, quantize)
-        roofs = options.ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
+        roofs = options.ceilings(loaded.roofed_in, peak_flops, peak_bandwidth)
         with render.progress(f"benchmarking{f' on {mesh.size} devices' if mesh else ''}") as progress:
             rows += benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
     if plot_file:

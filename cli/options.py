@@ -201,5 +201,5 @@ def roofline(loaded, timings, peak_flops: Optional[float], peak_bandwidth: Optio
     """Both phases of a generation against this machine's peaks."""
     from jaxinfer.roofline import Storage, generation_report
 
-    roofs = ceilings(loaded.computed_in, peak_flops, peak_bandwidth)
+    roofs = ceilings(loaded.roofed_in, peak_flops, peak_bandwidth)
     return generation_report(loaded.config, Storage.of_params(loaded.params), timings, roofs)

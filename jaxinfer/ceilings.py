@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import kernel, packed
 from jaxinfer.runtime import default_cache_dir
 
 MATMUL_SIZE = 2048  # N: an N×N @ N×N product, 2N³ FLOPs; large enough to reach the peak on a CPU
@@ -40,7 +41,15 @@ def _best_seconds(fn, *args) -> float:
     return best
 
 
+def _kernel_bf16(dtype: str) -> bool:
+    """bfloat16 matrices run on our CPU kernel here (`loading.roof_dtype`), at its rate, not XLA's."""
+    return dtype == "bfloat16" and kernel.vectorised()
+
+
 def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
+    if _kernel_bf16(dtype):
+        w, x = packed.pack(jnp.ones((n, n), jnp.bfloat16)), jnp.ones((n, n), jnp.float32)
+        return 2.0 * n**3 / _best_seconds(jax.jit(packed.matmul), x, w)
     a = jnp.ones((n, n), dtype)
     return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
 
@@ -84,7 +93,7 @@ def machine_ceilings(
         known = json.loads(store.read_text()) if store else {}
     except (OSError, ValueError):
         known = {}
-    key = f"{machine_key()}:{dtype}"
+    key = f"{machine_key()}:{dtype}" + (f":kernel {kernel.isa()}" if _kernel_bf16(dtype) else "")  # JAXINFER_NO_AMX: its own
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
             announce()
@@ -97,7 +106,7 @@ def machine_ceilings(
                 max(copy, read, matvec, earlier.get("peak_bandwidth", 0.0)),
                 dtype,
                 f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({kernel.isa()})' if _kernel_bf16(dtype) else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
                 f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
                 f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )

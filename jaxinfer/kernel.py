@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
+import os
 from pathlib import Path
 
 import jax
@@ -38,6 +39,8 @@ def library() -> ctypes.CDLL | None:
     for target in TARGETS:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     lib.jaxinfer_kernel_isa.restype = ctypes.c_char_p
+    if os.environ.get("JAXINFER_NO_AMX", "0") != "0":  # AMX's paths off: to compare, or where they misbehave
+        lib.jaxinfer_cap_isa(1)
     return lib
 
 

@@ -17,7 +17,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import config_from_hf
 from jaxinfer.kvcache import check_kv_dtype
-from jaxinfer.packed import pack_params
+from jaxinfer.packed import is_packed, pack_params
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
@@ -53,6 +53,12 @@ class LoadedModel:
         from jaxinfer.model import compute_dtype
 
         return jnp.dtype(compute_dtype(self.params)).name
+
+    @property
+    def roofed_in(self) -> str:
+        """The matmul whose peak bounds this model's products (`roof_dtype`)."""
+        layout = "packed" if any(is_packed(leaf) for leaf in self.params["layers"][0].values()) else "unpacked"
+        return roof_dtype(self.dtype, layout)
 
     @property
     def max_positions(self) -> int:
@@ -93,6 +99,12 @@ def compute_dtype(dtype: str, layout: str) -> str:
     """What activations and the KV cache are computed in: the storage dtype, except that the packed
     layout computes in float32 (`packed.pack_params`)."""
     return "float32" if layout == "packed" else dtype
+
+
+def roof_dtype(dtype: str, layout: str) -> str:
+    """The matmul whose peak bounds the model's products (`ceilings`): packed bfloat16 matrices run
+    the CPU kernel's own bfloat16 product (on AMX, past float32's roof), the rest the compute dtype's."""
+    return dtype if layout == "packed" and dtype == "bfloat16" else compute_dtype(dtype, layout)
 
 
 def _eos_ids(config_json: dict, generation: dict, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -85,8 +85,9 @@ def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
 def pack_params(params: dict, consume: bool = False) -> dict:
     """The tree the kernel runs: every packable matrix packed (the layers', the embedding, the LM
     head), and every other float leaf (norms, biases, a matrix the packing does not fit) in float32.
-    The kernel computes in float32 whatever width its weights are stored in, so the rest of the model
-    does too: bfloat16 weights read half the bytes, and the model computes as a float32 one.
+    The kernel sums in float32 whatever width its weights are stored in (on AMX, prefill's activations
+    carried to 16 significant bits), so the rest of the model computes in float32 too: bfloat16
+    weights read half the bytes, and the model computes as a float32 one.
     `consume` frees each original once replaced (peak memory: one matrix more)."""
 
     def one(value):

@@ -51,10 +51,29 @@ def without_amx(fn):
     return run
 
 
+def torch_linear():
+    """x @ w.T by PyTorch in bfloat16, on all cores as XLA's pool (activations rounded to bfloat16,
+    as transformers' bfloat16 models compute); the arrays are converted once and kept."""
+    import torch
+
+    converted = {}
+
+    def run(x, w):
+        key = (id(x), id(w))
+        if key not in converted:
+            converted.clear()
+            converted[key] = (torch.from_numpy(np.asarray(x)).bfloat16(), torch.from_numpy(w).bfloat16())
+        with torch.no_grad():
+            return torch.nn.functional.linear(*converted[key])
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,5,9,16,128,512")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--torch", action="store_true", help="also PyTorch's bfloat16 linear (oneDNN), as transformers runs it")
     args = parser.parse_args()
     if not kernel.available():
         raise SystemExit("the kernels were not built for this machine (or the backend is not the CPU)")
@@ -71,6 +90,8 @@ def main() -> None:
             forms = {"XLA [out,in]": (xla, w), "XLA [in,out]": (xla_io, jnp.asarray(w.T)), "kernel": (ours, packed.pack(w))}
             if dtype == jnp.bfloat16 and kernel.isa().endswith("amx"):  # from 16 rows the kernel takes AMX
                 forms["kernel, no AMX"] = (without_amx(ours), packed.pack(w))
+            if dtype == jnp.bfloat16 and args.torch:
+                forms["torch"] = (torch_linear(), np.asarray(w.astype(jnp.float32)))
             gb = n * k * jnp.dtype(dtype).itemsize / 1e9
             for rows in (int(r) for r in args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((rows, k), np.float32))

@@ -1,6 +1,11 @@
 """Float matrices packed for the CPU kernel (`jaxinfer.packed`): the kernel against numpy on odd
-shapes, on each code path, in float32 and bfloat16; the packing's lookups; a packed model against
-(a packed model against transformers and the other layouts is test_parity's)."""
+shapes, on each code path (AMX too where the CPU has it), in float32 and bfloat16; the layouts and
+their lookups; the switch that turns AMX off (a packed model against transformers and the other
+layouts is test_parity's)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +14,7 @@ import pytest
 from kernel_helpers import needs_kernel, xla_dot
 
 from jaxinfer import kernel, packed
+
 # (out, in, rows): out not a multiple of the kernel's 4-group tile, in odd, rows around its 6-row
 # tile; from 16 rows bfloat16 weights take AMX where the CPU has it: an odd count of groups, in not a
 # multiple of its 32, rows not a multiple of its 32, in over its 2048 a pass
@@ -88,3 +94,13 @@ def test_without_avx512_float_matrices_stay_on_xlas_dot(isa):
         assert (layout_for_batch(1), layout_for_batch(8)) == ("out_in", "in_out")
     else:
         assert (layout_for_batch(1), layout_for_batch(8)) == ("packed", "packed")
+
+
+@needs_kernel
+def test_the_environment_turns_amx_off():
+    """JAXINFER_NO_AMX=1: the AVX-512 paths only (a fresh process: the switch is read at load)."""
+    if not kernel.isa().endswith("amx"):
+        pytest.skip("this CPU has no AMX")
+    show = [sys.executable, "-c", "from jaxinfer import kernel; print(kernel.isa())"]
+    off = subprocess.run(show, env={**os.environ, "JAXINFER_NO_AMX": "1"}, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == kernel.isa().removesuffix("-amx")

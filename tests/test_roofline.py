@@ -202,3 +202,13 @@ def test_weight_bytes_are_what_the_loaded_tree_holds(tiny, method, dtype):
     assert weight_bytes(loaded.config, Storage.of_params(loaded.params)) == held
     computed = compute_dtype(loaded.params).itemsize
     assert Storage.of_params(loaded.params) == Storage(2 if dtype == "bfloat16" else 4, method, computed)
+
+
+def test_packed_bfloat16_is_roofed_by_the_kernels_own_product(tiny):
+    """On the CPU kernel a bfloat16 model's matrices run its bfloat16 product (AMX where the CPU has
+    it, past XLA's float32 matmul), so that is the compute roof its MFU is a share of; elsewhere the
+    compute dtype's."""
+    loaded = load_model(tiny("llama", dtype="bfloat16"), "bfloat16")
+    assert loaded.computed_in == ("float32" if kernel.vectorised() else "bfloat16")
+    assert loaded.roofed_in == "bfloat16"
+    assert load_model(tiny("llama")).roofed_in == "float32"
