@@ -62,7 +62,7 @@ def torch_linear():
         key = (id(x), id(w))
         if key not in converted:
             converted.clear()
-            converted[key] = (torch.from_numpy(np.asarray(x)).bfloat16(), torch.from_numpy(w).bfloat16())
+            converted[key] = (torch.from_numpy(np.array(x)).bfloat16(), torch.from_numpy(np.array(w)).bfloat16())
         with torch.no_grad():
             return torch.nn.functional.linear(*converted[key])
 
