@@ -413,9 +413,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(co
 // groups, at least two chunks a thread) shared out.
 void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m, int64_t k, int64_t groups) {
   const int64_t kp = (k + 31) / 32 * 32, mp = (m + 31) / 32 * 32;
-  std::vector<uint16_t> a(static_cast<size_t>(kParts * mp * kp));
-  const AmxProblem problem{a.data(), w, y, m, k, kp, mp, groups};
-  parallel_items(pool, mp / 16, 16 * kp * 4, [&](int64_t r0, int64_t r1) { pack_a_amx(x, problem, a.data(), r0, r1); });
+  thread_local std::vector<uint16_t> kept;  // a fresh one faulted in up to 11 MiB of pages a call
+  kept.resize(static_cast<size_t>(kParts * mp * kp));
+  uint16_t* a = kept.data();  // by name, a thread_local is each thread's own: the pool gets the pointer
+  const AmxProblem problem{a, w, y, m, k, kp, mp, groups};
+  parallel_items(pool, mp / 16, 16 * kp * 4, [&problem, x, a](int64_t r0, int64_t r1) { pack_a_amx(x, problem, a, r0, r1); });
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per = std::clamp<int64_t>((groups + 2 * threads - 1) / (2 * threads), 2, kAmxChunkGroups) / 2 * 2;
   const int64_t chunks = (groups + per - 1) / per;
