@@ -12,6 +12,11 @@
 #if defined(__x86_64__)
 #include <cpuid.h>
 #endif
+// AMX code needs a compiler that knows its intrinsics (GCC 11, clang 12); an older one builds the
+// rest of the kernels without it rather than failing the whole build.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define JAXINFER_AMX 1
+#endif
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,7 +56,7 @@ inline bool has_vnni() {
 // tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once; other kernels ask
 // too, and asking twice is harmless).
 inline bool has_amx() {
-#if defined(__x86_64__) && defined(__linux__)
+#if defined(JAXINFER_AMX)
   if (isa_cap.load(std::memory_order_relaxed) >= 1) return false;
   static const bool yes = [] {
     unsigned a, b, c, d;

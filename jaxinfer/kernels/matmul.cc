@@ -277,7 +277,9 @@ void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
   for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16>(p, g);
   for (; g < g1; ++g) frows_avx512<1, kBf16>(p, g);
 }
+#endif
 
+#if defined(JAXINFER_AMX)
 // bfloat16 weights, many rows (prefill chunks): AMX tiles. TDPBF16PS multiplies bfloat16 pairs
 // exactly and sums in float32, so x is carried as two bfloat16 parts, x ≈ hi + lo with hi = bf16(x)
 // and lo = bf16(x - hi): 16 significant bits (|x - hi - lo| ≤ 2^-16 |x|), where one part alone
@@ -489,7 +491,7 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t groups = w_dims[0];
   if (k != w_dims[1] * (bf16 ? 2 : 1)) return ffi::Error::InvalidArgument("jaxinfer_fmatmul: x and w disagree about K");
   if (m == 0 || groups == 0) return ffi::Error::Success();
-#if defined(__x86_64__)
+#if defined(JAXINFER_AMX)
   if (bf16 && m >= kAmxMinRows && has_amx()) {
     amx_matmul(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), m, k, groups);
     return ffi::Error::Success();
