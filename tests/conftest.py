@@ -28,7 +28,10 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.fixture(params=["native", "no-amx", "generic"])
+ISA_PATHS = ("native", "no-amx", "generic")  # in the order of the kernels' `jaxinfer_cap_isa`
+
+
+@pytest.fixture(params=ISA_PATHS)
 def isa(request):
     """Each code path of the CPU kernels: this CPU's best, without AMX where it has it, and the
     portable one."""
@@ -36,6 +39,6 @@ def isa(request):
 
     if request.param == "no-amx" and not kernel.isa().endswith("amx"):
         pytest.skip("this CPU has no AMX: the same paths as native")
-    kernel.library().jaxinfer_cap_isa(["native", "no-amx", "generic"].index(request.param))
+    kernel.library().jaxinfer_cap_isa(ISA_PATHS.index(request.param))
     yield request.param
     kernel.library().jaxinfer_cap_isa(0)

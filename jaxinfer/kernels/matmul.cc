@@ -337,6 +337,21 @@ __attribute__((target("avx512f,avx512bw"))) void pack_a_amx(const float* x, cons
   }
 }
 
+// The 2 × 2 C tiles (0–3) from / to 32 rows × 32 floats at `at`, `stride` floats apart.
+__attribute__((target("amx-tile"), always_inline)) inline void load_c(const float* at, int64_t stride) {
+  _tile_loadd(0, at, stride * 4);
+  _tile_loadd(1, at + 16, stride * 4);
+  _tile_loadd(2, at + 16 * stride, stride * 4);
+  _tile_loadd(3, at + 16 * stride + 16, stride * 4);
+}
+
+__attribute__((target("amx-tile"), always_inline)) inline void store_c(float* at, int64_t stride) {
+  _tile_stored(0, at, stride * 4);
+  _tile_stored(1, at + 16, stride * 4);
+  _tile_stored(2, at + 16 * stride, stride * 4);
+  _tile_stored(3, at + 16 * stride + 16, stride * 4);
+}
+
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(const AmxProblem& p, int64_t g0, int64_t g1) {
   const int64_t kb = p.kp / 32, full = p.k / 32, part = p.mp * p.kp, n = p.groups * kGroup, depth = p.k / 2 * 32;
   thread_local std::vector<uint16_t> tail;  // the last, short block of pairs of each group, zero-padded
@@ -369,10 +384,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(co
           _tile_zero(2);
           _tile_zero(3);
         } else {
-          _tile_loadd(0, sums, width * 4);
-          _tile_loadd(1, sums + 16, width * 4);
-          _tile_loadd(2, sums + 16 * width, width * 4);
-          _tile_loadd(3, sums + 16 * width + 16, width * 4);
+          load_c(sums, width);
         }
         for (int64_t i = i0; i < i1; ++i) {
           _tile_loadd(6, block(g, i), 64);
@@ -389,20 +401,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(co
         float* out = p.y + row * n + g * kGroup;
         const int64_t cols = (second > g ? 2 : 1) * kGroup;
         if (pass + 1 < passes) {
-          _tile_stored(0, sums, width * 4);
-          _tile_stored(1, sums + 16, width * 4);
-          _tile_stored(2, sums + 16 * width, width * 4);
-          _tile_stored(3, sums + 16 * width + 16, width * 4);
+          store_c(sums, width);
         } else if (row + 32 <= p.m && second > g) {
-          _tile_stored(0, out, n * 4);
-          _tile_stored(1, out + 16, n * 4);
-          _tile_stored(2, out + 16 * n, n * 4);
-          _tile_stored(3, out + 16 * n + 16, n * 4);
+          store_c(out, n);
         } else {  // the last rows, or an odd group: through a spill
-          _tile_stored(0, &spill[0][0], 128);
-          _tile_stored(1, &spill[0][16], 128);
-          _tile_stored(2, &spill[16][0], 128);
-          _tile_stored(3, &spill[16][16], 128);
+          store_c(&spill[0][0], 32);
           for (int64_t r = 0; r < 32 && row + r < p.m; ++r) std::memcpy(out + r * n, spill[r], cols * sizeof(float));
         }
       }
