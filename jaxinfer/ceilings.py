@@ -93,7 +93,8 @@ def machine_ceilings(
         known = json.loads(store.read_text()) if store else {}
     except (OSError, ValueError):
         known = {}
-    key = f"{machine_key()}:{dtype}" + (f":kernel {kernel.isa()}" if _kernel_bf16(dtype) else "")  # JAXINFER_NO_AMX: its own
+    isa = kernel.isa() if _kernel_bf16(dtype) else None  # measured on the kernel: JAXINFER_NO_AMX has its own roof
+    key = f"{machine_key()}:{dtype}" + (f":kernel {isa}" if isa else "")
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
             announce()
@@ -106,7 +107,7 @@ def machine_ceilings(
                 max(copy, read, matvec, earlier.get("peak_bandwidth", 0.0)),
                 dtype,
                 f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({kernel.isa()})' if _kernel_bf16(dtype) else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa})' if isa else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
                 f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
                 f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )
