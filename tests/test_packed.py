@@ -18,10 +18,11 @@ from jaxinfer import kernel, packed
 # (out, in, rows): out not a multiple of the kernel's 4-group tile, in odd, rows around its 6-row
 # tile; from 16 rows bfloat16 weights take AMX where the CPU has it: an odd count of groups, in not a
 # multiple of its 32, rows not a multiple of its 32, in over its 2048 a pass, and rows enough for
-# XLA's pool to share the packing (32 blocks of 16)
+# XLA's pool to share the packing (32 blocks of 16), and 7–32 rows over blocks of its 128 in (a last
+# one short; the tile that fetches ahead a whole one and a short one)
 SHAPES = [
     (16, 37, 1), (48, 96, 3), (80, 64, 6), (160, 33, 7), (64, 160, 13), (16, 8, 130), (80, 100, 40), (48, 37, 33), (160, 576, 64),
-    (48, 2100, 40), (32, 64, 512),
+    (48, 2100, 40), (32, 64, 512), (80, 300, 11), (32, 200, 32),
 ]
 
 
