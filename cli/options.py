@@ -30,7 +30,8 @@ PEAK_BANDWIDTH = typer.Option(None, "--peak-bandwidth", help="Peak memory bandwi
 PREFILL_CHUNK = typer.Option(
     None, "--prefill-chunk", metavar="N", show_default=False,
     help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
-    "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted [default: 128].",
+    "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted "
+    "[default: 512 where the CPU attention kernel runs, else 128].",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")

@@ -24,7 +24,7 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.processes import stop_point
-from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots
+from jaxinfer.slots import Admission, Slots
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -63,7 +63,7 @@ class BatchStats:
 
 class BatchRunner:
     def __init__(
-        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation(),
+        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int | None = None, speculation: Speculation = Speculation(),
         draft_params: dict | None = None,
     ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context

@@ -26,7 +26,7 @@ from jaxinfer.sharding import mesh_of
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size
+from jaxinfer.slots import Admission, Slots
 
 
 def _spread(values: list[float]) -> dict:
@@ -35,7 +35,7 @@ def _spread(values: list[float]) -> dict:
 
 def bench_point(
     cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings,
-    max_context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculation: Speculation = Speculation(),
+    max_context: int | None = None, prefill_chunk: int | None = None, speculation: Speculation = Speculation(),
     draft_params: dict | None = None,
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
@@ -85,7 +85,7 @@ def bench_point(
         "new_tokens": new_tokens,
         "max_context": S,
         "kv_buckets": sorted(set(kv_read)),
-        "prefill_chunk": chunk_size(prefill_chunk),
+        "prefill_chunk": slots.prefill_chunk,
         "repeat": repeat,
         "compile_s": compiled.seconds,
         "ttft_s": _spread(ttft),
@@ -116,7 +116,7 @@ def sweep(
     ceilings,
     progress: Callable[[int, int], None] | None = None,
     max_context: int | None = None,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
     speculation: Speculation = Speculation(),
     draft_params: dict | None = None,
 ) -> list[dict]:

@@ -24,7 +24,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.processes import agree, shared_seed, stop_point
-from jaxinfer.slots import MIN_BUCKET, PREFILL_CHUNK, Admission, Slots
+from jaxinfer.slots import MIN_BUCKET, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
@@ -120,7 +120,7 @@ class Engine:
     """
 
     def __init__(
-        self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK,
+        self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int | None = None,
         speculation: Speculation = Speculation(), draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids

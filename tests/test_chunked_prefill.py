@@ -20,7 +20,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import PREFILL_CHUNK, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
+from jaxinfer.slots import PREFILL_CHUNK, PREFILL_CHUNK_KERNEL, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
 from jaxinfer.model import KEY_BLOCK
 from kernel_helpers import xla_dot
 from reference import alone, assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
@@ -37,7 +37,18 @@ def models(tiny, request):
 
 def test_chunk_size_is_a_power_of_two_and_the_flag_states_the_default():
     assert [chunk_size(n) for n in (0, -1, 1, 16, 100, 256, 300)] == [0, 0, 16, 16, 64, 256, 256]
-    assert f"[default: {PREFILL_CHUNK}]" in options.PREFILL_CHUNK.help  # the CLI keeps jax out of its imports
+    assert f"[default: {PREFILL_CHUNK_KERNEL} where the CPU attention kernel runs, else {PREFILL_CHUNK}]" in options.PREFILL_CHUNK.help  # the CLI keeps jax out of its imports
+
+
+def test_the_default_chunk_is_the_attention_paths(models):
+    """Unless asked, a prompt goes in chunks of 512 where the CPU kernel attends (flash attention keeps
+    them cheap) and of 128 where XLA does: an int8 cache, a CPU without AVX-512, a GPU."""
+    model, _ = models
+    kernel_attends = kernel.vectorised() and model.config.head_dim in kernel.ATTENTION_HEAD_DIMS
+    assert Slots(model.config, model.params, 1, S, ()).prefill_chunk == (PREFILL_CHUNK_KERNEL if kernel_attends else PREFILL_CHUNK)
+    int8 = dataclasses.replace(model.config, kv_dtype="int8")
+    assert Slots(int8, model.params, 1, S, ()).prefill_chunk == PREFILL_CHUNK
+    assert Slots(model.config, model.params, 1, S, (), prefill_chunk=100).prefill_chunk == 64  # asked: as asked, a power of two
 
 
 @pytest.mark.parametrize("chunk", [16, 48])  # 48 → 32: chunks that do not divide the prompt
