@@ -273,7 +273,7 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
 // the second tile fetches the next block's weights while the others reuse this one's from L1, so
 // the stream from memory overlaps arithmetic instead of feeding the first tile alone. Measured with
 // the weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode
-// at B=16 +5%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16
+// at B=16 6–8%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16
 // prefill TTFT 739 → 912 ms), so whole K there.
 constexpr int64_t kFBlock = 128;  // 4 groups' weights: 32 KiB in float32, of a 48 KiB L1
 constexpr int64_t kFBlockMaxRows = 32;
