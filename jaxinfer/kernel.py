@@ -7,6 +7,7 @@ and every matrix takes XLA's dot.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.machinery
@@ -39,9 +40,27 @@ def library() -> ctypes.CDLL | None:
     for target in TARGETS:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     lib.jaxinfer_kernel_isa.restype = ctypes.c_char_p
-    if os.environ.get("JAXINFER_NO_AMX", "0") != "0":  # AMX's paths off: to compare, or where they misbehave
-        lib.jaxinfer_cap_isa(1)
+    lib.jaxinfer_cap_isa(_own_cap())
     return lib
+
+
+ISA_CAPS = ("native", "no-amx", "generic")  # the kernels' `jaxinfer_cap_isa`: the CPU's best, no AMX, portable
+
+
+def _own_cap() -> int:
+    """The process's path cap: JAXINFER_NO_AMX=1 turns AMX's paths off (to compare, or where they misbehave)."""
+    return ISA_CAPS.index("no-amx") if os.environ.get("JAXINFER_NO_AMX", "0") != "0" else 0
+
+
+@contextlib.contextmanager
+def capped(path: str):
+    """The kernels on `path` (one of ISA_CAPS) inside the block, then back to the process's own cap."""
+    lib = library()
+    lib.jaxinfer_cap_isa(ISA_CAPS.index(path))
+    try:
+        yield
+    finally:
+        lib.jaxinfer_cap_isa(_own_cap())
 
 
 enabled = True  # tests turn it off to compare with XLA's path

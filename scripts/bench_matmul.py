@@ -42,11 +42,8 @@ def without_amx(fn):
     """fn, on the kernel's AVX-512 paths only."""
 
     def run(*args):
-        kernel.library().jaxinfer_cap_isa(1)
-        try:
+        with kernel.capped("no-amx"):
             return jax.block_until_ready(fn(*args))
-        finally:
-            kernel.library().jaxinfer_cap_isa(0)
 
     return run
 

@@ -11,6 +11,7 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import pytest
 
+from jaxinfer import kernel
 from tiny_models import make_model
 
 
@@ -28,17 +29,11 @@ def tiny(tmp_path_factory):
     return get
 
 
-ISA_PATHS = ("native", "no-amx", "generic")  # in the order of the kernels' `jaxinfer_cap_isa`
-
-
-@pytest.fixture(params=ISA_PATHS)
+@pytest.fixture(params=kernel.ISA_CAPS)
 def isa(request):
     """Each code path of the CPU kernels: this CPU's best, without AMX where it has it, and the
     portable one."""
-    from jaxinfer import kernel
-
     if request.param == "no-amx" and not kernel.isa().endswith("amx"):
         pytest.skip("this CPU has no AMX: the same paths as native")
-    kernel.library().jaxinfer_cap_isa(ISA_PATHS.index(request.param))
-    yield request.param
-    kernel.library().jaxinfer_cap_isa(0)
+    with kernel.capped(request.param):
+        yield request.param
