@@ -404,7 +404,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_groups(co
       const uint16_t* a1 = a0 + kb * 512;
       for (int64_t g = g0; g < g1; g += 2) {
         const int64_t second = std::min(g + 1, g1 - 1);  // an odd last group is multiplied twice, stored once
-        float* sums = acc.data() + row * width + (g - g0) * kGroup;
+        float* sums = passes > 1 ? acc.data() + row * width + (g - g0) * kGroup : nullptr;  // acc is empty in one pass
         if (pass == 0) {
           _tile_zero(0);
           _tile_zero(1);
