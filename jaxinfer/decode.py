@@ -162,7 +162,7 @@ def _append(state: DecodeState, tokens: jax.Array, offered: jax.Array) -> tuple[
     return state, made.sum(1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec", "step_kv_len"), donate_argnames=("state",))
 def prefill(
     params: model.Params,
     state: DecodeState,
@@ -182,6 +182,7 @@ def prefill(
     cfg: ModelConfig,
     kv_len: int,
     spec: Speculation = Speculation(),
+    step_kv_len: int = 0,
 ) -> DecodeState:
     """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
     `start` [R] on (chunk [R, T], padded to a bucket; true lengths [R]) on top of the first `start`
@@ -194,14 +195,28 @@ def prefill(
     samples nothing and stays done, so decode passes it by; its next chunk starts at its `length`.
     `kv_len` (static) covers start + T, so attention reads no further. `prompt_len` [R]: the whole
     prompt's length, by which longrope picks its factors for every chunk of it.
+
+    With `step_kv_len` (static, the decode bucket), the same pass also takes one plain decode step
+    of every live row (`decode_step`'s, attending over that many positions): the chunk and the
+    running rows' token share one read of the weights (Sarathi's piggybacking).
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
-    hidden, cache = model.forward(params, cfg, chunk, positions, state.cache, kv_len, rows, prompt_len[:, None])
-    if spec.model:
-        state = replace(state, draft_cache=model.forward(draft_params, spec.model, chunk, positions, state.draft_cache, kv_len, rows)[1])
-    last = jnp.take_along_axis(hidden, (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    blocks = [model.Block(chunk, positions, kv_len, rows, prompt_len[:, None])]
+    active = _steps(state, cfg) if step_kv_len else jnp.zeros(B, bool)  # decided before the new rows join
+    if step_kv_len:
+        blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))
+    hidden, cache = model.forward_blocks(params, cfg, blocks, state.cache)
+    if spec.model:  # the draft's cache: the chunk, and the token before each running row's last (as `decode_step`)
+        drafted = [replace(blocks[0], rope_len=None)]
+        if step_kv_len:
+            drafted.append(model.Block(*_feed(state, 2, 1), step_kv_len))
+        state = replace(state, draft_cache=model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1])
+    last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    # One pass over the LM head for the chunks' last tokens and the running rows'.
+    logits = model.logits(params, jnp.concatenate([last] + [h[:, 0] for h in hidden[1:]]), cfg)  # [R (+ B), V]
+    stepped = _sample_at(state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg) if step_kv_len else None
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
     in_sequence = jnp.arange(S)[None, :] < length[:, None]  # [R, S]
@@ -219,14 +234,26 @@ def prefill(
         speculate=state.speculate.at[rows].set(speculate),
         drafted=state.drafted.at[rows].set(0),
         accepted=state.accepted.at[rows].set(0),
-        passes=state.passes.at[rows].set(0),
-        backoff=state.backoff.at[rows].set(0),
+        passes=state.passes.at[rows].set(0) + active,
+        backoff=jnp.maximum(state.backoff.at[rows].set(0) - bool(step_kv_len), 0),  # a step counts one down, as `decode_step`
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    token = _sample_at(seeds, seen, sampler, model.logits(params, last, cfg), length, cfg)
+    first = _sample_at(seeds, seen, sampler, logits[:R], length, cfg)
     started = jnp.zeros(B, bool).at[rows].set(final)
-    return _append(state, jnp.zeros((B, 1), jnp.int32).at[rows, 0].set(token), started[:, None])[0]
+    token = jnp.zeros(B, jnp.int32).at[rows].set(first)
+    if step_kv_len:  # the running rows' tokens (no row both starts and steps: a prefilling row is done)
+        token = jnp.where(active, stepped, token)
+    return _append(state, token[:, None], (started | active)[:, None])[0]
+
+
+def _steps(state: DecodeState, cfg: ModelConfig) -> jax.Array:
+    """[B] bool: the rows a decode step advances: live, and (longrope) not at the switch, where
+    `jaxinfer.slots` prefills the row again with the long factors."""
+    active = ~state.done
+    if switch := longrope_switch(cfg):
+        active &= state.length != switch + 1
+    return active
 
 
 def _feed(state: DecodeState, back: int, count: int) -> tuple[jax.Array, jax.Array]:

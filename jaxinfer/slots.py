@@ -11,12 +11,15 @@ traced step count), so the next call picks the next bucket.
 
 Prompts longer than `prefill_chunk` tokens are prefilled a chunk per call (Sarathi's chunked
 prefill): attention scores stay [chunk, kv bucket] instead of [T, T] per head, and while other rows
-are decoding each `step` runs one chunk and then one decode step, so a long admission delays the
-running rows by a chunk at a time instead of stalling them for its whole prefill. Beside decoding
-rows the chunk is sized by the clock, as a token budget (Sarathi's) sized for this machine and model:
-it doubles while a round of chunks takes under STALL of their decode steps and halves above, so a
-running row's longest wait stays near (1 + STALL) × its inter-token latency whatever the model,
-batch or CPU; alone, a prompt goes in `prefill_chunk`s (the fastest TTFT).
+are decoding each `step` runs one chunk with one decode step of theirs, so a long admission delays
+the running rows by a chunk at a time instead of stalling them for its whole prefill. The step rides
+in the chunk's own pass over the weights (Sarathi's piggybacking: `prefill`'s `step_kv_len`), so it
+costs them the chunk's time and little more (SmolLM-135M shape, B = 2: a 16-token chunk at position
+2900 with the step 64 ms, apart 61 + 23 ms). Beside decoding rows the chunk is sized by the clock,
+as a token budget (Sarathi's) sized for this machine and model: it doubles while a round's chunks
+add under STALL of their plain decode steps and halves above, so a running row's longest wait stays
+near (1 + STALL) × its inter-token latency whatever the model, batch or CPU; alone, a prompt goes in
+`prefill_chunk`s (the fastest TTFT).
 
 longrope (Phi-3.5, Phi-4-mini): transformers rotates a sequence with the short factors until it
 grows past the original context, and there recomputes its whole cache with the long ones. Here the
@@ -48,7 +51,10 @@ MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
 PREFILL_CHUNK = 128  # prompt tokens per prefill call where XLA attends (measured: see README, "Chunked prefill")
 PREFILL_CHUNK_KERNEL = 512  # where the CPU attention kernel does: 15–19% faster alone than 128, 1024 no faster
-STALL = 3.0  # beside decoding rows, a round of chunks may take this many of their decode steps' time
+# Beside decoding rows, a round's chunks may add this many of their decode steps' time: a gap of
+# about 3 steps (bench_admission.py, one sitting: ×3.1 of the median at 2, ×4.3 at 3, whose
+# overshoot as the chunks' attention grows crossed 4; the long prompt's TTFT 8.9 s and 11.0 s).
+STALL = 2.0
 
 
 def _pow2_bucket(n: int, smallest: int, largest: int) -> int:
@@ -156,6 +162,7 @@ class Slots:
         self._admitted: dict[int, Admission] = {}  # row → what it runs
         self._long = np.zeros(self.batch, bool)  # longrope: the row's keys take the long factors
         self._carried = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))  # from before a second prefill
+        self._step_s: float | None = None  # a decode step beside this admission's chunks, as timed
         self.counters = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))
 
     @property
@@ -195,19 +202,21 @@ class Slots:
         while self._queue and not self._live.any():
             self._prefill_round(report, self.prefill_chunk)
 
-    def _prefill_round(self, report: CompileReport, chunk: int, whole_only: bool = False) -> None:
+    def _prefill_round(self, report: CompileReport, chunk: int, whole_only: bool = False, step_kv_len: int = 0) -> None:
         """One chunk of every queued prompt (`whole_only`: of those whose rest fits one chunk). Rows
         go in groups of a power-of-two size, longest rest first, so the programs stay few (rows ×
-        prompt bucket × kv bucket) and a short prompt rarely pads to a long one."""
+        prompt bucket × kv bucket) and a short prompt rarely pads to a long one. With `step_kv_len`
+        the first group's call also steps the live rows (`prefill`)."""
         chunk = chunk or self.max_context
         rest = lambda row: len(self._queue[row][0].prompt) - self._queue[row][1]  # noqa: E731
         rows = sorted((row for row in self._queue if not whole_only or rest(row) <= chunk), key=rest, reverse=True)
         while rows:
             size = 1 << (len(rows).bit_length() - 1)
             group, rows = rows[:size], rows[size:]
-            self._prefill([self._queue[row] for row in group], min(rest(group[0]), chunk), report)
+            self._prefill([self._queue[row] for row in group], min(rest(group[0]), chunk), report, step_kv_len)
+            step_kv_len = 0
 
-    def _prefill(self, group: list[tuple[Admission, int]], most: int, report: CompileReport) -> None:
+    def _prefill(self, group: list[tuple[Admission, int]], most: int, report: CompileReport, step_kv_len: int = 0) -> None:
         """Prefill up to `most` prompt tokens of each row of the group, from where it stands."""
         bucket = prompt_bucket(most, self.max_context)
         starts = [start for _, start in group]
@@ -221,8 +230,9 @@ class Slots:
             [a.sampling for a in admissions], [a.ignore_eos for a in admissions], [a.speculate for a in admissions], bucket,
         )
         args += (self.draft_params,)
-        static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation)
-        self.state = self._program(("prefill", len(group), bucket, kv_len), report, prefill, *args, **static)(self.params, self.state, *args)
+        static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation, step_kv_len=step_kv_len)
+        key = ("prefill", len(group), bucket, kv_len, step_kv_len)
+        self.state = self._program(key, report, prefill, *args, **static)(self.params, self.state, *args)
         for a, end, limit in zip(admissions, ends, limits):
             if end < len(a.prompt):
                 self._queue[a.row] = (a, end)
@@ -233,13 +243,25 @@ class Slots:
     def step(self, max_steps: int, report: CompileReport, stop_on_finish: bool = False) -> Step:
         """Run up to `max_steps` decode steps of every live row (fewer if one would leave its kv
         bucket; stopping at the first finished row with `stop_on_finish`). Returns what it ran.
-        While prompts are queued, a chunk of each first and then one decode step: every running row
-        gets a token per chunk (Sarathi's stall-free schedule)."""
+        While prompts are queued, a chunk of each and one decode step: every running row gets a
+        token per chunk (Sarathi's stall-free schedule). The first such round of an admission runs
+        them apart, timing the plain step; after it the step rides in the chunk's pass (`prefill`'s
+        `step_kv_len`), which then costs the running rows little more than the chunk."""
         if switch := longrope_switch(self.cfg):
             self._prefill_long_again(switch)
         queued = bool(self._queue)
         chunked = queued and self._live.any()  # beside decoding rows: timed
+        if not chunked:
+            self._step_s = None  # the next admission times the step again: the rows will have grown
         started, compiled = time.perf_counter(), report.seconds
+        if chunked and self._step_s is not None:
+            live = self._live.copy()
+            kv_len = kv_bucket(int(self._length[live].max()), self.max_context)
+            self._prefill_round(report, self.beside_chunk, step_kv_len=kv_len)
+            self._advance(live, 1, kv_len)
+            jax.block_until_ready(self.state)
+            self._pace(time.perf_counter() - started - self._step_s, self._step_s, report.seconds > compiled)
+            return Step(1, kv_len)
         if chunked:
             self._prefill_round(report, self.beside_chunk)
             jax.block_until_ready(self.state)
@@ -255,20 +277,27 @@ class Slots:
         spec = self.speculation
         run = self._program(("decode", kv_len), report, decode, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
         self.state = run(self.params, self.state, *args)
-        # A speculative step makes up to draft + 1 tokens; the loop ends where a row leaves the bucket.
-        grown = np.minimum(self._length[self._live] + steps * (spec.draft + 1), kv_len + 1)
-        if switch:  # and where a row reaches longrope's switch
-            grown = np.where(self._length[self._live] <= switch, np.minimum(grown, switch + 1), grown)
-        self._length[self._live] = np.minimum(grown, self._limit[self._live])
+        self._advance(self._live, steps * (spec.draft + 1), kv_len)  # a speculative step makes up to draft + 1 tokens
         if chunked:
             jax.block_until_ready(self.state)
-            self._pace(chunks_s, time.perf_counter() - started - chunks_s, report.seconds > compiled)
+            step_s = time.perf_counter() - started - chunks_s
+            self._step_s = None if report.seconds > compiled else step_s
+            self._pace(chunks_s, step_s, report.seconds > compiled)
         return Step(steps, kv_len)
 
+    def _advance(self, rows: np.ndarray, tokens: int, kv_len: int) -> None:
+        """The host's bound on the lengths of rows [B] bool after a call that made up to `tokens`
+        each: the loop ends where a row leaves the bucket, or reaches longrope's switch."""
+        grown = np.minimum(self._length[rows] + tokens, kv_len + 1)
+        if switch := longrope_switch(self.cfg):
+            grown = np.where(self._length[rows] <= switch, np.minimum(grown, switch + 1), grown)
+        self._length[rows] = np.minimum(grown, self._limit[rows])
+
     def _pace(self, chunks_s: float, step_s: float, compiled: bool) -> None:
-        """The next chunk beside decoding rows, from how long this round's chunks and decode step took:
-        double while twice the chunks would fit STALL steps, halve while they do not (a compile in
-        the round says nothing). Between MIN_BUCKET and `prefill_chunk`: few programs."""
+        """The next chunk beside decoding rows, from the time this round's chunks added to a decode
+        step of the running rows and that step's own: double while twice the chunks would fit STALL
+        steps, halve while they do not (a compile in the round says nothing). Between MIN_BUCKET
+        and `prefill_chunk`: few programs."""
         chunk = self.beside_chunk
         if not compiled and self.prefill_chunk:
             if 2 * chunks_s <= STALL * step_s:

@@ -20,7 +20,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import PREFILL_CHUNK, PREFILL_CHUNK_KERNEL, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
+from jaxinfer.slots import PREFILL_CHUNK, PREFILL_CHUNK_KERNEL, STALL, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
 from jaxinfer.model import KEY_BLOCK
 from kernel_helpers import xla_dot
 from reference import alone, assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
@@ -109,20 +109,26 @@ def test_a_long_admission_runs_a_chunk_per_decode_step(models):
         tokens, length, done = slots.fetch()
         assert int(length[0]) == running + rounds  # one token of the running row per chunk
         assert slots.prefilling[1] == (prefilled < len(long_ids)) and bool(done[1]) == (prefilled < len(long_ids))
-    assert int(length[1]) == len(long_ids) + 2  # its first token, then one decode step: back on the host at once
+    assert rounds > 2
+    assert int(length[1]) == len(long_ids) + 1  # its first token, back on the host at once (it steps from the next round)
+    # After the first round, which times a plain step, each round's step rode in the chunk's pass
+    fused = [key for key in slots._programs._compiled if key[0] == "prefill" and key[-1]]
+    decodes = [key for key in slots._programs._compiled if key[0] == "decode"]
+    assert fused and decodes == [("decode", kv_bucket(running + 1, S))]
     slots.step(64, report)
     _, after, _ = slots.fetch()
     assert int(after[0]) > int(length[0]) + 1  # queue empty: decode runs whole chunks again
 
 
 def test_the_chunk_beside_decoding_rows_follows_the_clock(models):
-    """A round of chunks may take STALL of the running rows' decode steps: the chunk doubles while
+    """A round's chunks may add STALL of the running rows' decode steps: the chunk doubles while
     twice it fits, halves when it does not, between 16 and --prefill-chunk; a compile says nothing."""
     model, _ = models
     slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=64)
-    seen = []
-    for chunks_s, compiled in [(0.01, False)] * 3 + [(0.05, True), (0.2, False), (0.14, False)] + [(1.0, False)] * 3:
-        slots._pace(chunks_s, 0.05, compiled)
+    step, seen = 0.05, []
+    fits, over, between = (STALL * step * f for f in (0.4, 1.5, 0.7))
+    for chunks_s, compiled in [(fits, False)] * 3 + [(over, True), (over, False), (between, False)] + [(20 * over, False)] * 3:
+        slots._pace(chunks_s, step, compiled)
         seen.append(slots.beside_chunk)
     assert seen == [32, 64, 64, 64, 32, 32, 16, 16, 16]
     assert Slots(model.config, model.params, 2, S, (), prefill_chunk=0).beside_chunk == 0  # off: whole prompts
