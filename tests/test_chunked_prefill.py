@@ -151,6 +151,22 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
     assert all(v["p50"] > 0 and v["max"] >= v["p50"] for v in itl.values())
 
 
+def test_the_step_inside_a_chunk_on_an_int8_cache_equals_run(models):
+    """An int8 cache is attended by XLA's einsums, a block at a time and for decode: the running rows'
+    step riding in a chunk's pass writes and reads its own rows there too, and every row is as alone."""
+    model, _ = models
+    int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
+    reqs = [
+        Request(0, int8.tokenizer.encode("x"), Sampling(), max_tokens=60, seed=0),
+        Request(1, int8.tokenizer.encode("def"), Sampling(), max_tokens=4, seed=1),
+        Request(2, int8.tokenizer.encode(TEXT * 3), Sampling(temperature=0.9), max_tokens=12, seed=2),  # takes 1's slot
+    ]
+    expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(int8, r, S)]}
+    out = []
+    BatchRunner(int8, 2, S, prefill_chunk=16).run(reqs, out.append)
+    assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
+
+
 def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     """phi3-longrope's original context is 48: a prompt past it takes the long factors in every
     chunk (transformers' greedy tokens); in a batch, rows that grow past it while decoding are
