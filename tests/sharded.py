@@ -27,7 +27,9 @@ from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E4
 GREEDY = Sampling(temperature=0.0)
 CHUNK = 16  # the long prompt goes in chunks
 LONG = "The capital of France is Paris. The capital of Italy is Rome. Def fibonacci(n): return n if n < 2 else"
-BATCH = {"a": ("The capital of France", 30), "b": ("Def fibonacci(n):", 12), "c": ("Emoji", 20)}  # three requests, two rows
+# Four requests, two rows; the last, longer than a chunk, is admitted in chunks beside a running row,
+# whose decode step rides in the chunk's pass.
+BATCH = {"a": ("The capital of France", 60), "b": ("Def fibonacci(n):", 12), "c": ("Emoji", 20), "d": (LONG, 10)}
 
 
 def converted(path: str, model) -> bool:
@@ -69,7 +71,7 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
     again = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk] if devices > 1 else run
     requests = [Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()]
     records = []
-    BatchRunner(model, 2, 256).run(requests, records.append)
+    BatchRunner(model, 2, 256, prefill_chunk=CHUNK).run(requests, records.append)
     return {
         "run": run,
         "again": again,

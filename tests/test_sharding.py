@@ -40,7 +40,7 @@ def sharded(tiny):
 def test_devices_give_the_same_tokens(sharded, arch):
     by_devices = sharded[0][arch]
     one = by_devices["1"]
-    assert len(one["run"]) == 60 and len(one["batch"]) == 3
+    assert len(one["run"]) == 60 and len(one["batch"]) == len(BATCH)
     assert "4" in by_devices
     for devices in by_devices.keys() - {"1"}:
         assert by_devices[devices]["run"] == by_devices[devices]["again"] == one["run"], devices
