@@ -113,9 +113,11 @@ def watch_compiles():
 
 @contextmanager
 def interrupts_held():
-    """Hold Ctrl-C until the block ends, then raise it. A KeyboardInterrupt raised inside JAX's
-    lowering or compiling leaves the process to crash (SIGSEGV) at exit; a compile takes seconds at
-    most, so the user still gets their interrupt within a moment. Main thread only (signals are)."""
+    """Hold Ctrl-C until the block ends, then hand it to the handler it was held from (Python's
+    raises KeyboardInterrupt; joined processes' defers it to their next stop point). A
+    KeyboardInterrupt raised inside JAX's lowering or compiling leaves the process to crash
+    (SIGSEGV) at exit; a compile takes seconds at most, so the user still gets their interrupt
+    within a moment. Main thread only (signals are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -127,8 +129,10 @@ def interrupts_held():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if pending:
-        raise KeyboardInterrupt
+    if pending and previous is not signal.SIG_IGN:
+        if not callable(previous):  # SIG_DFL, set outside Python
+            raise KeyboardInterrupt
+        previous(signal.SIGINT, None)
 
 
 def compile_ahead(fn, *args, **static):

@@ -43,7 +43,7 @@ from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
-from jaxinfer.runtime import CompileReport, Programs, check_backend
+from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
 
@@ -232,7 +232,7 @@ class Slots:
         args += (self.draft_params,)
         static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation, step_kv_len=step_kv_len)
         key = ("prefill", len(group), bucket, kv_len, step_kv_len)
-        self.state = self._program(key, report, prefill, *args, **static)(self.params, self.state, *args)
+        self._call(self._program(key, report, prefill, *args, **static), *args)
         for a, end, limit in zip(admissions, ends, limits):
             if end < len(a.prompt):
                 self._queue[a.row] = (a, end)
@@ -276,7 +276,7 @@ class Slots:
         args = jax.device_put((np.int32(steps), np.bool_(stop_on_finish))) + (self.draft_params,)
         spec = self.speculation
         run = self._program(("decode", kv_len), report, decode, *args, cfg=self.cfg, kv_len=kv_len, spec=spec)
-        self.state = run(self.params, self.state, *args)
+        self._call(run, *args)
         self._advance(self._live, steps * (spec.draft + 1), kv_len)  # a speculative step makes up to draft + 1 tokens
         if chunked:
             jax.block_until_ready(self.state)
@@ -305,6 +305,15 @@ class Slots:
             elif chunks_s > STALL * step_s:
                 chunk = max(chunk // 2, MIN_BUCKET)
         self.beside_chunk = agree(chunk)  # joined processes run the same programs
+
+    def _call(self, program, *args) -> None:
+        """The state through `program(params, state, *args)`, donated. Ctrl-C is held from the call
+        to the assignment, so an interrupt never lands between them and leaves the state donated to
+        a result nobody holds (`lost`, and a chat's cache with it: the chat test's second turn then
+        found nothing cached, once in a few runs). It delays nothing: the call only dispatches, and
+        a signal waits for a C call to return anyway."""
+        with interrupts_held():
+            self.state = program(self.params, self.state, *args)
 
     def _program(self, key: tuple, report: CompileReport, phase, *args, **static):
         """`phase` (prefill, decode) compiled for the state and these arguments. Over a mesh its state
@@ -344,5 +353,7 @@ class Slots:
 
     def retire(self, rows: np.ndarray) -> None:
         """Mark rows [B] bool as done (their text hit a stop string): the loop stops spending on them."""
-        self.state = retire(self.state, jax.device_put(rows))
+        placed = jax.device_put(rows)
+        with interrupts_held():  # as `_call`
+            self.state = retire(self.state, placed)
         self._live &= ~rows

@@ -1,5 +1,7 @@
 """Engine behaviour: compile counts, sampling determinism, stop strings, streaming."""
 
+import signal
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -148,3 +150,32 @@ def test_a_prompt_extending_the_cached_sequence_prefills_only_its_new_tokens(mod
     assert second.token_ids == fresh.token_ids
     other, _ = generate(model, engine, "Something else entirely, from its first token on.", sampling=Sampling(), max_tokens=4)
     assert other.timings.cached_tokens == 0  # only the BOS in common: prefilled from scratch
+
+
+def test_ctrl_c_as_a_decode_call_returns_keeps_the_cache(model):
+    """Ctrl-C that lands the moment a decode call has dispatched (the state donated to it, its result
+    not yet held) still leaves the engine its state: the next turn reuses the cache."""
+    engine = Engine(model.config, model.params, 256, ())
+    prompt = model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    compiled = engine.slots._program
+
+    def interrupted(*args, **static):
+        program = compiled(*args, **static)
+
+        def call(*inputs):
+            out = program(*inputs)
+            signal.raise_signal(signal.SIGINT)  # handled before `out` is returned (and assigned)
+            return out
+
+        return call if args[0][0] == "decode" else program  # args: the key, the report, the phase, ...
+
+    engine.slots._program = interrupted
+    stream = engine.generate(prompt, Sampling(), 32, seed=0)
+    made = next(stream.chunks)  # the first token, from the prefill
+    with pytest.raises(KeyboardInterrupt):
+        made += next(stream.chunks)
+    engine.slots._program = compiled
+    assert not engine.slots.lost
+    again = engine.generate(prompt + made, Sampling(), 4, seed=0)
+    list(again.chunks)
+    assert again.timings.cached_tokens == len(prompt)  # all but the last token, whose K/V was never written
