@@ -16,7 +16,7 @@ layer's weights out of the stack before each matmul, which halves decode speed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -166,10 +166,7 @@ def attention(layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | N
     for block in blocks:
         R, T = block.tokens.shape
         bq, bk, bv = [a[at : at + R * T].reshape(R, T, *a.shape[1:]) for a in (q, k, v)]
-        rope_len = block.rope_len
-        if rope_len is None:
-            rope_len = block.positions + 1 if cache is not None else jnp.max(block.positions, axis=1, keepdims=True) + 1
-        inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, rope_len)
+        inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, block.rope_len)
         bq, bk = apply_rope(bq, block.positions, inv_freq, scale), apply_rope(bk, block.positions, inv_freq, scale)
         if cache is not None:
             cache = cache.write(i, bk, bv, block.positions, block.rows)
@@ -320,6 +317,8 @@ def forward_blocks(params: Params, cfg: ModelConfig, blocks: list[Block], cache:
     over the weights: every matrix sees all their tokens at once, and only attention runs per block.
     A prompt chunk and the running rows' decode step ride together so (Sarathi's piggybacking): the
     step costs its attention and little else. Returns each block's hidden states [R, T, D]."""
+    own_length = lambda b: b.positions + 1 if cache is not None else jnp.max(b.positions, axis=1, keepdims=True) + 1  # noqa: E731
+    blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]  # once, not per layer
     x = embedding(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))  # [N, D]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
