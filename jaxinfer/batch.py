@@ -1,4 +1,4 @@
-"""Continuous batching: B sequence slots over one preallocated cache [L, B, S, KV, hd].
+"""Continuous batching: B sequence slots over one preallocated cache (`kvcache`).
 
 Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows
 only; a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the same `decode` loop as `run`, which here stops as soon as any row

@@ -97,7 +97,7 @@ def attention(
     scale: float, softcap: float | None,
 ) -> jax.Array:
     """Queries q [B, T, KV, G, hd] at positions [B, T] over layer `layer` of a whole stacked cache
-    k, v [L, R, S, KV, hd] (rows `rows` [B]), keys below `kv_len`: softmax(q·k · scale) · v per
+    k, v [L, R, KV, S, hd] (rows `rows` [B]), keys below `kv_len`: softmax(q·k · scale) · v per
     query, float32 [B, T, KV, G, hd]. Queries at positions ≥ kv_len (finished rows) get zeros."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jaxinfer_attention", out)(

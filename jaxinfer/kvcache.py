@@ -42,8 +42,8 @@ def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, hd]
-    v: jax.Array  # [L, B, S, KV, hd]
+    k: jax.Array  # [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`)
+    v: jax.Array  # as k
     k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
     v_scale: jax.Array | None = None
     kernel: bool = field(default=False, metadata=dict(static=True))  # attended by the CPU kernel (`attend`)
@@ -57,13 +57,16 @@ class KVCache:
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
             return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
-        fused = whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=fused)
+        if whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS:
+            shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
+            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=True)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
         cache rows `rows` (default: all): [B, size, KV, hd] each, the scales [B, size, KV] or None.
-        Some rows (a batch slot's prefill): a gather of just those."""
+        Some rows (a batch slot's prefill): a gather of just those. XLA's attention only: the
+        kernel reads its own cache (`attend`)."""
 
         def pick(a):
             block = jax.lax.dynamic_slice_in_dim(a[layer], start, size, 1)
@@ -75,7 +78,11 @@ class KVCache:
     def attend(self, layer: int, q: jax.Array, positions: jax.Array, rows: jax.Array | None, kv_len: int, window: int | None, scale: float, softcap: float | None) -> jax.Array:
         """The kernel's attention of queries q [B, T, KV, G, hd] at positions [B, T] over `layer`'s
         first `kv_len` positions of cache rows `rows` (default: all), float32 [B, T, KV, G, hd]:
-        it reads the cache where it lies, each key once per block of queries."""
+        it reads the cache where it lies, each key once per block of queries. Its cache is held
+        by kv head, [L, B, KV, S, hd], so the keys one item of the kernel reads are one contiguous
+        run; held by position as XLA's (a row's kv heads interleaved), decode's attention took 10%
+        longer (SmolLM-135M shape, B=16 over 128 positions: 6.7 → 7.5 ms a step) and a B=4 decode
+        step over 2048 positions 11% longer."""
         rows = jnp.arange(q.shape[0]) if rows is None else rows
         return kernel.attention(q, positions, self.k, self.v, rows, layer, kv_len, window, scale, softcap)
 
@@ -89,7 +96,7 @@ class KVCache:
         keeps the update in place.
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
-        at = (layer, rows, positions)
+        at = (layer, rows, slice(None), positions) if self.kernel else (layer, rows, positions)  # either way [R, T, KV, hd]
         if self.k_scale is None:
             return KVCache(
                 k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),

@@ -40,11 +40,11 @@ CASES = {  # positions [B, T], cache rows, kv_len, window, softcap
 def test_attention_kernel_matches_xla(isa, dtype, case):
     positions, rows, kv_len, window, softcap = CASES[case]
     positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)
-    k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))
+    k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))  # XLA's cache layout
     q = jax.random.normal(jax.random.key(2), (*positions.shape, KV, G, HD))
-    args = (q, positions, k, v, rows, 1, kv_len, window, HD**-0.5, softcap)
-    ours = np.asarray(kernel.attention(*args))
-    want = np.asarray(xla_attention(*args))
+    rest = (rows, 1, kv_len, window, HD**-0.5, softcap)
+    ours = np.asarray(kernel.attention(q, positions, k.swapaxes(2, 3), v.swapaxes(2, 3), *rest))  # the kernel's: [L, R, KV, S, hd]
+    want = np.asarray(xla_attention(q, positions, k, v, *rest))
     live = np.asarray(positions) < kv_len
     np.testing.assert_allclose(ours[live], want[live], rtol=2e-5, atol=2e-6)
     assert not ours[~live].any()  # a finished row's queries see nothing

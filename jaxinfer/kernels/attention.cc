@@ -6,7 +6,7 @@
 //
 // Layouts (as jaxinfer.model and jaxinfer.kvcache hold them):
 //   q, out [B, T, KV, G, hd] float32 (G query heads per kv head, grouped-query attention);
-//   k, v   [L, R, S, KV, hd] float32 or bfloat16: the whole stacked cache, row `rows[b]`, layer `layer`;
+//   k, v   [L, R, KV, S, hd] float32 or bfloat16: the whole stacked cache, row `rows[b]`, layer `layer`;
 //   pos    [B, T] int32: each query's position; it sees keys at positions <= its own (and within
 //          `window` when that is not 0), below `kv_len`.
 #include <algorithm>
@@ -42,7 +42,7 @@ struct Attention {
   int64_t tiles = 1;   // tiles per (row, kv head)
   int64_t splits = 1;  // items per tile, each over its share of the key blocks (flash decoding)
 
-  int64_t key_at(int64_t b, int64_t s, int64_t h) const { return (((layer * R + rows[b]) * S + s) * KV + h) * hd; }
+  int64_t key_at(int64_t b, int64_t s, int64_t h) const { return (((layer * R + rows[b]) * KV + h) * S + s) * hd; }
   int64_t query_at(int64_t b, int64_t t, int64_t h, int64_t g) const { return (((b * T + t) * KV + h) * G + g) * hd; }
   float element(const void* a, int64_t at) const {  // of k or v, as float32
     return bf16 ? bf16_to_float(static_cast<const uint16_t*>(a)[at]) : static_cast<const float*>(a)[at];
@@ -298,7 +298,12 @@ __attribute__((target("avx512f"))) void item_avx512(const Attention& p, const It
     }
     int64_t m = 0;
     for (; m + kValueRows <= rows; m += kValueRows) values_avx512<kValueRows, kVecs>(&accumulator[m], &weight[m], &rescale[m], value, n);
-    for (; m < rows; ++m) values_avx512<1, kVecs>(&accumulator[m], &weight[m], &rescale[m], value, n);
+    switch (rows - m) {  // the rest at once: each value vector loaded once for them
+      case 3: if constexpr (kValueRows > 3) values_avx512<3, kVecs>(&accumulator[m], &weight[m], &rescale[m], value, n); break;
+      case 2: if constexpr (kValueRows > 2) values_avx512<2, kVecs>(&accumulator[m], &weight[m], &rescale[m], value, n); break;
+      case 1: values_avx512<1, kVecs>(&accumulator[m], &weight[m], &rescale[m], value, n); break;
+      default: break;
+    }
   }
 }
 
@@ -324,11 +329,11 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const auto qd = q.dimensions(), kd = k.dimensions();
   const bool bf16 = k.element_type() == ffi::DataType::BF16;
   if (qd.size() != 5 || kd.size() != 5 || (!bf16 && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type() ||
-      kd[3] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[2]) {
-    return ffi::Error::InvalidArgument("jaxinfer_attention: q [B, T, KV, G, hd] and a cache [L, R, S, KV, hd] of float32 or bfloat16 that agree");
+      kd[2] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[3]) {
+    return ffi::Error::InvalidArgument("jaxinfer_attention: q [B, T, KV, G, hd] and a cache [L, R, KV, S, hd] of float32 or bfloat16 that agree");
   }
   Attention p{q.typed_data(), k.untyped_data(), v.untyped_data(), pos.typed_data(), rows.typed_data(),
-              qd[0], qd[1], qd[2], qd[3], qd[4], kd[1], kd[2], layer, kv_len, window, scale, softcap, bf16};
+              qd[0], qd[1], qd[2], qd[3], qd[4], kd[1], kd[3], layer, kv_len, window, scale, softcap, bf16};
   // Items of up to 64 query rows (each block of keys is transposed once per item); where that
   // leaves a thread idle (decode: one item per kv head) each tile's key blocks are split between
   // items and their softmaxes merged.
