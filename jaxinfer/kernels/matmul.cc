@@ -276,7 +276,7 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
 // at B=16 6–8%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16
 // prefill TTFT 739 → 912 ms), so whole K there. A block and the next one fetched beside it fit L1
 // together (2 × 16 KiB of 48): blocks of 128 inputs (2 × 32 KiB) evicted the block in use, and a
-// decode step's matrices at 16 rows took 5–9% longer (30 layers' SmolLM-135M matrices chained).
+// decode step's matrices at 16 rows took 7–11% longer (30 layers' SmolLM-135M matrices chained).
 constexpr int64_t kFBlock = 64;  // 4 groups' weights: 16 KiB in float32
 constexpr int64_t kFBlockMaxRows = 32;
 
