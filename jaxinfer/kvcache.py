@@ -57,10 +57,10 @@ class KVCache:
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
             return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
-        if whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS:
+        fused = whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS
+        if fused:
             shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
-            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=True)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=fused)
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
