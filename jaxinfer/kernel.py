@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (`kernels/`: matmuls, attention, RoPE's table; built by `pip install`):
-found, registered with XLA, and switched off by tests to compare them with XLA's own path.
+"""The compiled CPU matmul kernels (`kernels/matmul.cc`, built by `pip install`): found, registered
+with XLA, and switched off by tests to compare them with XLA's own path.
 
 Where they were not built (no C++ compiler) or the backend is not the CPU, `available()` is False
 and every matrix takes XLA's dot.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul", "jaxinfer_attention", "jaxinfer_rope_table")
+TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
 
 
 def _library_path() -> Path | None:
@@ -104,11 +104,3 @@ def attention(
         q.astype(jnp.float32), positions.astype(jnp.int32), k, v, rows.astype(jnp.int32), layer=np.int64(layer),
         kv_len=np.int64(kv_len), window=np.int64(window or 0), scale=np.float32(scale), softcap=np.float32(softcap or 0),
     )
-
-
-def rope_table(positions: jax.Array, freqs: jax.Array, scale: float) -> jax.Array:
-    """RoPE's cos and sin [B, T, 2, 2F] (cos, then sin, each of freqs [B, T, F] twice, times `scale`)
-    at positions [B, T], as `jaxinfer.model.rope_table` computes them on XLA's path."""
-    B, T, F = freqs.shape
-    out = jax.ShapeDtypeStruct((B, T, 2, 2 * F), jnp.float32)
-    return jax.ffi.ffi_call("jaxinfer_rope_table", out)(positions.astype(jnp.int32), freqs.astype(jnp.float32), scale=np.float32(scale))

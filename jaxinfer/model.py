@@ -90,29 +90,16 @@ def in_out_layout(params: Params, consume: bool = False) -> Params:
     return {**params, "layers": layers}
 
 
-def rope_table(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, T, 1, rotary] of positions [B, T] at inv_freq [rotary/2] (or per token
-    [B, T, rotary/2]), times `scale` (longrope's attention factor). Computed once per forward, for
-    every layer to read: XLA fuses cos and sin into each layer's rotation of q and of k and
-    recomputes them per head (SmolLM-135M shape, bfloat16, a 512-token prompt: 25 of 240 ms), so
-    on the CPU the kernels compute the table, which XLA cannot fuse. (A product with the identity
-    kept it apart too, but crashed XLA's compiler in a long test run: f297165.)"""
-    B, T = positions.shape
-    if kernel.available():
-        table = kernel.rope_table(positions, jnp.broadcast_to(inv_freq, (B, T, inv_freq.shape[-1])), scale)
-        return table[:, :, None, 0], table[:, :, None, 1]
-    freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, rotary/2]
-    angles = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def apply_rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate x [B, T, N, hd] by `rope_table`'s cos and sin (the rotate-half convention of
-    transformers); a table narrower than hd (a partial rotary factor) rotates the first dims only."""
-    cos, sin = table
-    rotary = cos.shape[-1]
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate x [B, T, N, hd] by its positions [B, T] (the rotate-half convention of transformers),
+    inv_freq [hd/2] or per token [B, T, hd/2]; with fewer frequencies than hd/2 (a partial rotary
+    factor), the first 2·len(inv_freq) dims only. `scale`: longrope's attention factor on cos and sin."""
+    rotary = 2 * inv_freq.shape[-1]
     if rotary < x.shape[-1]:
-        return jnp.concatenate([apply_rope(x[..., :rotary], table), x[..., rotary:]], -1)
+        return jnp.concatenate([apply_rope(x[..., :rotary], positions, inv_freq, scale), x[..., rotary:]], -1)
+    freqs = positions[:, :, None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
+    cos = (jnp.cos(jnp.concatenate([freqs, freqs], -1)) * scale)[:, :, None, :]  # [B, T, 1, hd]
+    sin = (jnp.sin(jnp.concatenate([freqs, freqs], -1)) * scale)[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
     return (x * cos + rotated * sin).astype(x.dtype)
@@ -161,12 +148,9 @@ class Block:
     rope_len: jax.Array | None = None
 
 
-def attention(
-    layer: dict, x: jax.Array, blocks: list[Block], ropes: list[tuple[jax.Array, jax.Array]], cache: KVCache | None, i: int, cfg: ModelConfig
-) -> tuple[jax.Array, KVCache | None]:
+def attention(layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | None, i: int, cfg: ModelConfig) -> tuple[jax.Array, KVCache | None]:
     """Layer i's attention for the blocks' tokens x [N, D] (in the blocks' order, each flattened):
-    the projections over all N at once, each block's attention over its own rows; `ropes`: each
-    block's `rope_table` for this layer."""
+    the projections over all N at once, each block's attention over its own rows."""
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.fused_projections:
         q, k, v = jnp.split(linear(x, layer, "qkv"), [H * hd, (H + KV) * hd], axis=-1)
@@ -179,10 +163,11 @@ def attention(
     # Every block's K/V written before any block attends: a scatter into the cache after a read of
     # it made XLA copy the whole cache (two blocks, a 4096-position cache: 34 → 940 ms a call).
     rotated, at = [], 0
-    for block, rope in zip(blocks, ropes):
+    for block in blocks:
         R, T = block.tokens.shape
         bq, bk, bv = [a[at : at + R * T].reshape(R, T, *a.shape[1:]) for a in (q, k, v)]
-        bq, bk = apply_rope(bq, rope), apply_rope(bk, rope)
+        inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, block.rope_len)
+        bq, bk = apply_rope(bq, block.positions, inv_freq, scale), apply_rope(bk, block.positions, inv_freq, scale)
         if cache is not None:
             cache = cache.write(i, bk, bv, block.positions, block.rows)
         rotated.append((bq, bk, bv))
@@ -334,16 +319,12 @@ def forward_blocks(params: Params, cfg: ModelConfig, blocks: list[Block], cache:
     step costs its attention and little else. Returns each block's hidden states [R, T, D]."""
     own_length = lambda b: b.positions + 1 if cache is not None else jnp.max(b.positions, axis=1, keepdims=True) + 1  # noqa: E731
     blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]  # once, not per layer
-    ropes = {  # each block's rope table, per kind of layer (Gemma 3 rotates its sliding layers by a base of their own)
-        sliding: [rope_table(b.positions, *rope_factors(cfg, sliding, b.rope_len)) for b in blocks]
-        for sliding in {w is not None for w in cfg.sliding_windows}
-    }
     x = embedding(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))  # [N, D]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), blocks, ropes[cfg.sliding_windows[i] is not None], cache, i, cfg)
+            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
             h = mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
             x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)

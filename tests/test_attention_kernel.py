@@ -1,7 +1,7 @@
 """The CPU attention kernel (`kernels/attention.cc`) against XLA's attention (`model._attend`) on
 the same cache: decode rows (one finished), prompt chunks read from other cache rows, sliding
-windows, soft-capping, bfloat16 caches, on each code path this CPU has; and RoPE's table beside it.
-End to end, every test that compares with transformers runs on them where they are built."""
+windows, soft-capping, bfloat16 caches, on each code path this CPU has. End to end, every test
+that compares with transformers runs on it where it is built."""
 
 from dataclasses import replace
 
@@ -61,21 +61,3 @@ def test_the_cache_says_who_attends():
     assert not KVCache.zeros(cfg, 1, 16, jnp.float32, whole=False).kernel
     with xla_dot():
         assert not KVCache.zeros(cfg, 1, 16, jnp.float32).kernel
-
-
-@needs_kernel
-@pytest.mark.parametrize("per_token", [False, True])
-def test_rope_table_kernel_matches_xla(per_token):
-    """The kernel's cos and sin against XLA's, far into a long context and with a scale (longrope's
-    attention factor), for one set of frequencies or one per token (longrope's choice per token):
-    within one float32 rounding of the same angles."""
-    positions = jnp.asarray([[0, 1, 2, 4095], [7, 131071, 3, 9]], jnp.int32)
-    inv_freq = jnp.asarray(1e4 ** -(np.arange(0, 48, 2) / 48), jnp.float32)  # a rotary width of 48
-    if per_token:
-        inv_freq = inv_freq * jnp.asarray([[1.0, 1.0, 0.5, 0.25], [1.0, 0.25, 1.0, 1.0]])[..., None]
-    ours = M.rope_table(positions, inv_freq, 1.19)
-    with xla_dot():
-        want = M.rope_table(positions, inv_freq, 1.19)
-    for a, b in zip(ours, want):
-        assert a.shape == b.shape == (2, 4, 1, 48)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2.5e-7)

@@ -3,7 +3,6 @@
 // leaving the cache (L1). XLA CPU runs a prompt chunk's attention as small batched dots with the
 // softmax between them in separate passes, at 26-70 GFLOP/s (SmolLM-135M shape, 16-128 queries
 // over 2500 keys), and a chunk's attention, not its weights, is what a running row waits for.
-// Beside it, RoPE's cos and sin table (`jaxinfer_rope_table`), see RopeTable.
 //
 // Layouts (as jaxinfer.model and jaxinfer.kvcache hold them):
 //   q, out [B, T, KV, G, hd] float32 (G query heads per kv head, grouped-query attention);
@@ -385,35 +384,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// RoPE's cos and sin for positions pos [N] at frequencies freq [N, F] (one row per token): table
-// [N, 2, 2F], cos then sin, each frequency's value twice (the rotate-half convention), times
-// `scale`. The angle is rounded to float32 as XLA's product is, cos and sin taken in double.
-ffi::Error RopeTable(ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> freq, float scale, ffi::ResultBuffer<ffi::F32> table) {
-  const int64_t n = pos.element_count(), f = freq.element_count() / std::max<int64_t>(1, n);
-  const int32_t* p = pos.typed_data();
-  const float* fr = freq.typed_data();
-  float* out = table->typed_data();
-  for (int64_t i = 0; i < n; ++i) {
-    float* cos_row = out + i * 4 * f;
-    float* sin_row = cos_row + 2 * f;
-    for (int64_t j = 0; j < f; ++j) {
-      const double angle = static_cast<float>(p[i]) * fr[i * f + j];
-      cos_row[j] = cos_row[j + f] = static_cast<float>(std::cos(angle)) * scale;
-      sin_row[j] = sin_row[j + f] = static_cast<float>(std::sin(angle)) * scale;
-    }
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace jaxinfer
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_rope_table, jaxinfer::RopeTable,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_attention, jaxinfer::Attend,
                               ffi::Ffi::Bind()
