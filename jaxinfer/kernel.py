@@ -82,10 +82,10 @@ def isa() -> str | None:
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 
 
-def call(target: str, x: jax.Array, out: int, *weights: jax.Array) -> jax.Array:
+def call(target: str, x: jax.Array, out: int, *weights: jax.Array, **attributes) -> jax.Array:
     """x [..., K] through `target` → float32 [..., out]."""
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(flat, *weights)
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(flat, *weights, **attributes)
     return y.reshape(*x.shape[:-1], out)
 
 

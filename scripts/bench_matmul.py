@@ -1,7 +1,8 @@
 """The CPU float kernel (`jaxinfer.packed`) against XLA's dot, one matrix at a time: ms per call and
 the weights' GB/s, for the row counts each phase runs (1: decode; 2–16: batched decode and
-speculation's verify pass; 128: a prefill chunk), float32 and bfloat16 weights; on a CPU with AMX,
-bfloat16 also with AMX switched off (the kernel takes it from 16 rows).
+speculation's verify pass; 128: a prefill chunk), float32 and bfloat16 weights; bfloat16 also with
+the inputs rounded to bfloat16 (`--dtype bfloat16`: AMX's one pass) and, on a CPU with AMX, with AMX
+switched off (the kernel takes it from 16 rows).
 
     python scripts/bench_matmul.py                      # SmolLM-135M's and TinyLlama's matrices
     python scripts/bench_matmul.py --rows 1,5 --repeat 50
@@ -78,6 +79,7 @@ def main() -> None:
     xla = jax.jit(lambda x, w: jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32))
     xla_io = jax.jit(lambda x, w: jnp.einsum("mi,io->mo", x, w, preferred_element_type=jnp.float32))
     ours = jax.jit(packed.matmul)
+    rounded = jax.jit(lambda x, w: packed.matmul(x, w, bf16_inputs=True))
     rng = np.random.default_rng(0)
     for name, (n, k) in MATRICES.items():
         w32 = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.05)
@@ -85,6 +87,8 @@ def main() -> None:
         for dtype in (jnp.float32, jnp.bfloat16):
             w = w32.astype(dtype)
             forms = {"XLA [out,in]": (xla, w), "XLA [in,out]": (xla_io, jnp.asarray(w.T)), "kernel": (ours, packed.pack(w))}
+            if dtype == jnp.bfloat16:
+                forms["kernel, bf16 inputs"] = (rounded, packed.pack(w))
             if dtype == jnp.bfloat16 and kernel.isa().endswith("amx"):  # from 16 rows the kernel takes AMX
                 forms["kernel, no AMX"] = (without_amx(ours), packed.pack(w))
             if dtype == jnp.bfloat16 and args.torch:

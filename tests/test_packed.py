@@ -37,15 +37,20 @@ def problem(n, k, m, dtype, seed=0):
 @pytest.mark.parametrize(  # bfloat16 matrices of odd in are not packed (test_what_is_packed)
     "dtype,n,k,m", [(dtype, *shape) for dtype in (jnp.float32, jnp.bfloat16) for shape in SHAPES if dtype == jnp.float32 or shape[1] % 2 == 0]
 )
-def test_kernel_is_the_float32_product(isa, dtype, n, k, m):
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_kernel_is_the_float32_product(isa, dtype, n, k, m, bf16_inputs):
     """Every weight widened exactly to float32, sums in float32: within float32 rounding of the
     float64 product (|error| ≤ k·eps·Σ|x·w| per output). AMX multiplies bfloat16 by bfloat16, so
-    there x is carried as two bfloat16 parts, 16 significant bits: 2^-16·Σ|x·w| more."""
+    there x is carried as two bfloat16 parts, 16 significant bits: 2^-16·Σ|x·w| more. With
+    `bf16_inputs` every path multiplies x rounded to bfloat16, and AMX takes it in one part exactly."""
     x, w = problem(n, k, m, dtype)
-    ours = np.asarray(jax.jit(packed.matmul)(x, packed.pack(w)))
+    ours = np.asarray(jax.jit(packed.matmul, static_argnums=2)(x, packed.pack(w), bf16_inputs))
+    if bf16_inputs:
+        x = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
     exact = x.astype(np.float64) @ w64.T
-    carried = 2.0**-16 if dtype == jnp.bfloat16 and isa == "native" and kernel.isa().endswith("amx") else 0.0
+    amx = dtype == jnp.bfloat16 and isa == "native" and kernel.isa().endswith("amx")
+    carried = 2.0**-16 if amx and not bf16_inputs else 0.0
     bound = (k * np.finfo(np.float32).eps + carried) * (np.abs(x) @ np.abs(w64).T) + 1e-30
     assert ours.dtype == np.float32 and ours.shape == (m, n)
     np.testing.assert_array_less(np.abs(ours - exact), bound)
@@ -62,6 +67,11 @@ def test_kernel_and_xla_agree_on_a_batch_of_rows():
         plain = packed.matmul(x, leaf)
     assert ours.shape == plain.shape == (2, 5, 96)
     np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
+    rounded = packed.matmul(x, leaf, bf16_inputs=True)
+    with xla_dot():
+        plain = packed.matmul(x, leaf, bf16_inputs=True)
+    np.testing.assert_allclose(rounded, plain, rtol=1e-5, atol=1e-5)
+    assert np.abs(rounded - ours).max() > 1e-4  # the rounding is there, on both paths
 
 
 @pytest.mark.parametrize("dtype, shape", [(jnp.float32, (3, 8, 16)), (jnp.bfloat16, (3, 4, 16, 2))])
