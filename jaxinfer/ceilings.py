@@ -47,9 +47,9 @@ def _kernel_bf16(dtype: str) -> bool:
 
 
 def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
-    if _kernel_bf16(dtype):
+    if _kernel_bf16(dtype):  # its bfloat16 product at its fastest: the inputs rounded, AMX's one pass
         w, x = packed.pack(jnp.ones((n, n), jnp.bfloat16)), jnp.ones((n, n), jnp.float32)
-        return 2.0 * n**3 / _best_seconds(jax.jit(packed.matmul), x, w)
+        return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, w: packed.matmul(x, w, bf16_inputs=True)), x, w)
     a = jnp.ones((n, n), dtype)
     return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
 
@@ -94,7 +94,7 @@ def machine_ceilings(
     except (OSError, ValueError):
         known = {}
     isa = kernel.isa() if _kernel_bf16(dtype) else None  # measured on the kernel: JAXINFER_NO_AMX has its own roof
-    key = f"{machine_key()}:{dtype}" + (f":kernel {isa}" if isa else "")
+    key = f"{machine_key()}:{dtype}" + (f":kernel {isa}, bfloat16 inputs" if isa else "")
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
             announce()
@@ -107,7 +107,7 @@ def machine_ceilings(
                 max(copy, read, matvec, earlier.get("peak_bandwidth", 0.0)),
                 dtype,
                 f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa})' if isa else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa}, bfloat16 inputs)' if isa else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
                 f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
                 f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )

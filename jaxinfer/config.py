@@ -53,6 +53,9 @@ class ModelConfig:
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
     kv_dtype: str | None = None
+    # Set by load_model: "bfloat16" rounds the inputs of every matrix product to bfloat16, the sums
+    # staying float32 (as transformers and llama.cpp run 16-bit weights); "float32": exact products.
+    matmul_inputs: str = "float32"
 
 
 class Weight(NamedTuple):

@@ -43,8 +43,11 @@ class LoadedModel:
     @property
     def storage(self) -> str:
         """How the weights and cache are held, in words: "float32", "float32, int8 weights, int8 KV",
-        "bfloat16, float32 compute"."""
-        parts = [self.dtype] + ([f"{self.computed_in} compute"] if self.computed_in != self.dtype else []) + [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
+        "bfloat16, float32 compute", "bfloat16, float32 compute, bfloat16 matmul inputs"."""
+        parts = [self.dtype] + ([f"{self.computed_in} compute"] if self.computed_in != self.dtype else [])
+        if self.config.matmul_inputs != self.computed_in:
+            parts.append(f"{self.config.matmul_inputs} matmul inputs")
+        parts += [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
         return ", ".join(parts)
 
     @property
@@ -212,7 +215,9 @@ def load_model(
     "out_in" as the checkpoint stores them; by default the fastest here (`model.layout_for_batch(1)`);
     `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
     the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`); `mesh`
-    spreads the weights over its devices as they are read (`jaxinfer.sharding`)."""
+    spreads the weights over its devices as they are read (`jaxinfer.sharding`). `dtype` "bfloat16"
+    (asked for, not auto's choice) also rounds every product's inputs to bfloat16
+    (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's prefill in one pass instead of two."""
     layout = check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path)
     quantize = stored_quantization(config_json, quantize)
@@ -227,6 +232,8 @@ def load_model(
     if tokenizer.vocab_size < cfg.vocab_size:
         cfg = replace(cfg, sampled_vocab=tokenizer.vocab_size)
     chosen = resolve_dtype(dtype, config_json, layout)
+    if dtype == "bfloat16":  # asked for, not auto's choice: products as transformers' bfloat16 runs them
+        cfg = replace(cfg, matmul_inputs="bfloat16")
     if is_converted(model_dir):
         from jaxinfer.checkpoint import restore_params
 

@@ -45,18 +45,24 @@ def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def linear(x: jax.Array, layer: dict, name: str) -> jax.Array:
+def product_input(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x as XLA's dot takes it: rounded to bfloat16 values where `cfg.matmul_inputs` says so (the
+    packed matrices round in `packed.matmul`; quantized ones take int8 activations either way)."""
+    return packed.bf16_values(x) if cfg.matmul_inputs == "bfloat16" and x.dtype == jnp.float32 else x
+
+
+def linear(x: jax.Array, layer: dict, name: str, cfg: ModelConfig) -> jax.Array:
     """x [..., in] @ w (+ bias, when the checkpoint has one); w is `w{name}` [out, in] (or its
     `packed` or `quant` form), or `w{name}_io` [in, out] in a tree made by `in_out_layout`."""
     w = layer.get(f"w{name}")
     if quant.is_quantized(w):
         y = quant.matmul(x, w).astype(x.dtype)
     elif packed.is_packed(w):
-        y = packed.matmul(x, w).astype(x.dtype)
+        y = packed.matmul(x, w, cfg.matmul_inputs == "bfloat16").astype(x.dtype)
     elif w is not None:
-        y = jnp.einsum("...i,oi->...o", x, w)
+        y = jnp.einsum("...i,oi->...o", product_input(x, cfg), w)
     else:
-        y = jnp.einsum("...i,io->...o", x, layer[f"w{name}_io"])
+        y = jnp.einsum("...i,io->...o", product_input(x, cfg), layer[f"w{name}_io"])
     bias = layer.get(f"b{name}")
     return y if bias is None else y + bias
 
@@ -153,9 +159,9 @@ def attention(layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | N
     the projections over all N at once, each block's attention over its own rows."""
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.fused_projections:
-        q, k, v = jnp.split(linear(x, layer, "qkv"), [H * hd, (H + KV) * hd], axis=-1)
+        q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [H * hd, (H + KV) * hd], axis=-1)
     else:
-        q, k, v = linear(x, layer, "q"), linear(x, layer, "k"), linear(x, layer, "v")
+        q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
     q, k, v = q.reshape(-1, H, hd), k.reshape(-1, KV, hd), v.reshape(-1, KV, hd)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg)
@@ -173,7 +179,7 @@ def attention(layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | N
         rotated.append((bq, bk, bv))
         at += R * T
     outs = [_block_attention(*qkv, block, cache, i, cfg) for qkv, block in zip(rotated, blocks)]
-    return linear(jnp.concatenate([out.astype(x.dtype).reshape(-1, H * hd) for out in outs]), layer, "o"), cache
+    return linear(jnp.concatenate([out.astype(x.dtype).reshape(-1, H * hd) for out in outs]), layer, "o", cfg), cache
 
 
 def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: ModelConfig) -> jax.Array:
@@ -276,10 +282,10 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.fused_projections:
-        gate, up = jnp.split(linear(x, layer, "gate_up"), 2, axis=-1)
+        gate, up = jnp.split(linear(x, layer, "gate_up", cfg), 2, axis=-1)
     else:
-        gate, up = linear(x, layer, "gate"), linear(x, layer, "up")
-    return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down")
+        gate, up = linear(x, layer, "gate", cfg), linear(x, layer, "up", cfg)
+    return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down", cfg)
 
 
 def embedding(embed, tokens: jax.Array, dtype) -> jax.Array:
@@ -341,7 +347,7 @@ def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     if quant.is_quantized(head):
         out = quant.matmul(hidden, head)
     elif packed.is_packed(head):
-        out = packed.matmul(hidden, head)
+        out = packed.matmul(hidden, head, cfg.matmul_inputs == "bfloat16")
     else:
-        out = jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+        out = jnp.einsum("...d,vd->...v", product_input(hidden, cfg), head, preferred_element_type=jnp.float32)
     return soft_cap(out, cfg.final_softcap) if cfg.final_softcap else out

@@ -12,6 +12,7 @@ from jaxinfer import kernel, packed
 from jaxinfer.checkpoint import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
+from jaxinfer.kvcache import KVCache
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
@@ -129,6 +130,31 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, arch, dt
     stored = load_model(path, dtype)  # kept in 16 bits: runs, and stays near
     ref = hf_logits(hf, ids)
     assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_asked_bfloat16_rounds_every_products_inputs(tiny):
+    """`--dtype bfloat16` asked for takes each product's inputs rounded to bfloat16, sums in float32
+    (as transformers' bfloat16 and llama.cpp's f16 run; AMX then needs one pass, not two); `auto` on
+    the same checkpoint keeps float32's products. Rounded alike on every path: a prompt's logits in
+    one pass (its 19 rows on AMX where the CPU has it) and in pieces of 5 rows (FMAs) agree to float32
+    rounding, where the rounding itself moves them 100 times further."""
+    path = tiny("llama", dtype="bfloat16")
+    auto, asked = load_model(path), load_model(path, "bfloat16")
+    assert (auto.config.matmul_inputs, asked.config.matmul_inputs) == ("float32", "bfloat16")
+    if kernel.vectorised():
+        assert asked.storage == "bfloat16, float32 compute, bfloat16 matmul inputs"
+    ids = asked.tokenizer.encode(PROMPT)
+    assert len(ids) >= 16
+    whole, _ = our_prompt_logits(asked, ids)
+    cache, pieces = KVCache.zeros(asked.config, 1, 64, M.compute_dtype(asked.params)), []
+    for at in range(0, len(ids), 5):
+        piece = jnp.asarray([ids[at : at + 5]])
+        hidden, cache = M.forward(asked.params, asked.config, piece, at + jnp.arange(piece.shape[1])[None], cache, 64)
+        pieces.append(np.asarray(M.logits(asked.params, hidden, asked.config))[0])
+    pieces = np.concatenate(pieces)
+    assert_close(pieces, whole)
+    unrounded, _ = our_prompt_logits(auto, ids)
+    assert np.abs(unrounded - whole).max() > 100 * max(np.abs(pieces - whole).max(), 1e-7)
 
 
 @pytest.mark.parametrize("layout", ["in_out", "packed"])
