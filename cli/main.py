@@ -216,7 +216,7 @@ def perplexity(
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
-    kl: bool = typer.Option(False, "--kl", help="Also run the unquantized model (weights and KV cache): KL divergence from it and top-1 agreement, per token."),
+    kl: bool = typer.Option(False, "--kl", help="Also run the model at full precision (float32, unquantized weights and KV cache): KL divergence from it and top-1 agreement, per token."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
 ) -> None:
     """Perplexity of a text under the model, over sliding windows: how to judge a quantization."""
@@ -225,10 +225,10 @@ def perplexity(
 
     options.check_positive(max_context=max_context, stride=stride)
     text = _read_prompt(None, None, file, escape=False)
-    if kl and not (quantize or kv_dtype):
-        raise JaxinferError("--kl compares against the unquantized model: give --quantize or --kv-dtype too")
+    if kl and not (quantize or kv_dtype or dtype in ("bfloat16", "float16")):
+        raise JaxinferError("--kl compares against the model at full precision: give --quantize, --kv-dtype or a 16-bit --dtype too")
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
-    plain = options.load(model, dtype) if kl else None
+    plain = options.load(model, "float32") if kl else None
     reference = (plain.config, plain.params) if kl else None
     ids = loaded.tokenizer.encode(text)
     with render.progress("scoring") as progress:

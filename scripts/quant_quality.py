@@ -1,4 +1,4 @@
-"""Quality of each quantization (weights, KV cache) on the bundled model: perplexity over held-out Python text (the
+"""Quality of bfloat16 and of each quantization (weights, KV cache) on the bundled model: perplexity over held-out Python text (the
 stdlib files its training held out), with the KL divergence from float32 and top-1 agreement.
 
     python scripts/quant_quality.py [--files 8] [-c 512] [--json]
@@ -21,6 +21,7 @@ from train_default_model import stdlib_files, is_validation  # noqa: E402
 
 SETTINGS = {
     "float32": [],
+    "bfloat16": ["--dtype", "bfloat16", "--kl"],
     "int8": ["--quantize", "int8", "--kl"],
     "int4": ["--quantize", "int4", "--kl"],
     "kv int8": ["--kv-dtype", "int8", "--kl"],

@@ -181,7 +181,7 @@ def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "q4_0"), "--quantize must be one of")
     assert not (tmp_path / "x").exists()
     assert_one_line_error(jaxinfer("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
-    assert_one_line_error(jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize or --kv-dtype too")
+    assert_one_line_error(jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize, --kv-dtype or a 16-bit --dtype too")
     assert_one_line_error(jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, int8")
 
 
@@ -194,6 +194,8 @@ def test_perplexity_command(tiny, tmp_path):
     result = json.loads(proc.stdout)
     assert result["quantize"] == "int8" and result["context"] == 64 and result["perplexity"] > 1
     assert 0 <= result["kl_divergence"] < 0.1 and 0.9 <= result["top1_agreement"] <= 1
+    half = json.loads(jaxinfer("perplexity", "-m", path, text, "-c", "64", "--dtype", "bfloat16", "--kl", "--json").stdout)
+    assert half["dtype"] == "bfloat16" and 0 < half["kl_divergence"] < 0.01 and half["top1_agreement"] >= 0.9  # against float32
     line = jaxinfer("perplexity", "-m", path, text, "-c", "64")
     assert line.returncode == 0 and line.stdout.startswith("perplexity ") and len(line.stdout.splitlines()) == 1
 
