@@ -77,7 +77,8 @@ def vectorised() -> bool:
 
 
 def isa() -> str | None:
-    """'avx512-vnni-amx', 'avx512-vnni', 'avx512' or 'generic' where the kernels are built, else None."""
+    """The best path this CPU takes where the kernels are built ('avx512-vnni-bf16-amx',
+    'avx512-vnni-bf16', 'avx512-vnni', 'avx512' or 'generic'), else None."""
     lib = library()
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 

@@ -17,6 +17,10 @@
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define JAXINFER_AMX 1
 #endif
+// VDPBF16PS's intrinsics likewise (GCC 10, clang 9).
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
+#define JAXINFER_AVX512_BF16 1
+#endif
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -45,6 +49,20 @@ inline bool has_vnni() {
   if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// AVX512-BF16's VDPBF16PS (Cooper Lake, Sapphire Rapids, Zen 4 on): CPUID 7.1 EAX bit 5.
+inline bool has_avx512_bf16() {
+#if defined(JAXINFER_AVX512_BF16)
+  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
+  static const bool yes = [] {
+    unsigned a, b, c, d;
+    return __builtin_cpu_supports("avx512f") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+  }();
   return yes;
 #else
   return false;

@@ -192,13 +192,16 @@ void run_groups(const Problem& p, int64_t g0, int64_t g1) {
 // The same 16 outputs side by side, so one vector of W and one broadcast of x advance 16 dots.
 // XLA CPU runs a dot of 2–9 rows at about half its matrix-vector rate and converts bfloat16 weights
 // to float32 on every call (../shared/JAX-ON-CPU.md); here every weight is read once for all the
-// rows, in the width it is stored in, and the sums are float32.
+// rows, in the width it is stored in, and the sums are float32. With `bf16_inputs` (x rounded to
+// bfloat16), bfloat16 weights go to AMX (16 rows on) or VDPBF16PS (`dtile`) where the CPU has them:
+// the pair layout is what both take.
 
 struct FProblem {
   const float* x;
   const void* w;
   float* y;
   int64_t m, k, groups;
+  const uint16_t* x_bf16 = nullptr;  // x rounded to bfloat16, for `dtile`
 };
 
 // x rounded to bfloat16 values for a model whose products take bfloat16 inputs
@@ -227,6 +230,19 @@ __attribute__((target("avx512f"))) void round_all_avx512(const float* x, float* 
     _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
   }
   for (; i < n; ++i) out[i] = round_to_bf16(x[i]);
+}
+#endif
+
+#if defined(JAXINFER_AVX512_BF16)
+__attribute__((target("avx512f"))) void round_to_bf16_bits(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(round_bf16(_mm512_loadu_ps(x + i))));
+  for (; i < n; ++i) {
+    const float v = round_to_bf16(x[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    out[i] = static_cast<uint16_t>(bits >> 16);
+  }
 }
 #endif
 
@@ -305,6 +321,46 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
     for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(y + r * p.groups * kGroup + c * kGroup, acc[r][c]);
 }
 
+#if defined(JAXINFER_AVX512_BF16)
+// ftile for bfloat16 weights and x rounded to bfloat16 (`bf16_inputs`) on AVX512-BF16: VDPBF16PS
+// multiplies each lane's pair of weights (k, k + 1) by x's pair exactly and adds both to the lane's
+// float32 sum, so one instruction advances 16 dots by two inputs, with neither the pair's widening
+// nor a second FMA.
+template <int kRows, int kCols>
+__attribute__((target("avx512f,avx512bf16"))) void dtile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+  __m512 acc[kRows][kCols];
+  float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + r * p.groups * kGroup + c * kGroup) : _mm512_setzero_ps();
+  const uint16_t* x = p.x_bf16 + row0 * p.k;
+  for (int64_t k = k0; k < k1; k += 2) {
+    if (ahead)
+      for (int c = 0; c < kCols; ++c) _mm_prefetch(static_cast<const char*>(group_at<true>(p.w, g + c, k + ahead, p.k)), _MM_HINT_T0);
+    __m512bh w[kCols];
+    for (int c = 0; c < kCols; ++c) w[c] = (__m512bh)_mm512_loadu_si512(group_at<true>(p.w, g + c, k, p.k));
+    for (int r = 0; r < kRows; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * p.k + k, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(y + r * p.groups * kGroup + c * kGroup, acc[r][c]);
+}
+#endif
+
+template <int kRows, int kCols, bool kBf16, bool kDot>
+inline void tile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+#if defined(JAXINFER_AVX512_BF16)
+  if constexpr (kDot) {
+    dtile<kRows, kCols>(p, g, row0, k0, k1, ahead);
+    return;
+  }
+#endif
+  ftile<kRows, kCols, kBf16>(p, g, row0, k0, k1, ahead);
+}
+
 // 7–32 rows (batched decode, a checking pass): the tiles go over the inputs a block at a time, and
 // the second tile fetches the next block's weights while the others reuse this one's from L1, so
 // the stream from memory overlaps arithmetic instead of feeding the first tile alone. Measured with
@@ -316,31 +372,31 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
 constexpr int64_t kFBlock = 64;  // 4 groups' weights: 16 KiB in float32
 constexpr int64_t kFBlockMaxRows = 32;
 
-template <int kCols, bool kBf16>
+template <int kCols, bool kBf16, bool kDot>
 void frows_avx512(const FProblem& p, int64_t g) {
   const int64_t block = p.m > 6 && p.m <= kFBlockMaxRows ? kFBlock : p.k;
   for (int64_t k0 = 0; k0 < p.k; k0 += block) {
     const int64_t k1 = std::min(p.k, k0 + block);
     const int64_t next = k1 < p.k ? std::min(block, p.k - k1) : 0;
     int64_t row = 0;
-    for (; row + 6 <= p.m; row += 6) ftile<6, kCols, kBf16>(p, g, row, k0, k1, row == 6 ? next : 0);
+    for (; row + 6 <= p.m; row += 6) tile<6, kCols, kBf16, kDot>(p, g, row, k0, k1, row == 6 ? next : 0);
     const int64_t ahead = row == 6 ? next : 0;
     switch (p.m - row) {
-      case 5: ftile<5, kCols, kBf16>(p, g, row, k0, k1, ahead); break;
-      case 4: ftile<4, kCols, kBf16>(p, g, row, k0, k1, ahead); break;
-      case 3: ftile<3, kCols, kBf16>(p, g, row, k0, k1, ahead); break;
-      case 2: ftile<2, kCols, kBf16>(p, g, row, k0, k1, ahead); break;
-      case 1: ftile<1, kCols, kBf16>(p, g, row, k0, k1, ahead); break;
+      case 5: tile<5, kCols, kBf16, kDot>(p, g, row, k0, k1, ahead); break;
+      case 4: tile<4, kCols, kBf16, kDot>(p, g, row, k0, k1, ahead); break;
+      case 3: tile<3, kCols, kBf16, kDot>(p, g, row, k0, k1, ahead); break;
+      case 2: tile<2, kCols, kBf16, kDot>(p, g, row, k0, k1, ahead); break;
+      case 1: tile<1, kCols, kBf16, kDot>(p, g, row, k0, k1, ahead); break;
       default: break;
     }
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, bool kDot>
 void fgroups_avx512(const FProblem& p, int64_t g0, int64_t g1) {
   int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16>(p, g);
-  for (; g < g1; ++g) frows_avx512<1, kBf16>(p, g);
+  for (; g + 4 <= g1; g += 4) frows_avx512<4, kBf16, kDot>(p, g);
+  for (; g < g1; ++g) frows_avx512<1, kBf16, kDot>(p, g);
 }
 #endif
 
@@ -497,8 +553,12 @@ void amx_matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float*
 
 template <bool kBf16>
 void run_fgroups(const FProblem& p, int64_t g0, int64_t g1) {
+#if defined(JAXINFER_AVX512_BF16)
+  if constexpr (kBf16)
+    if (p.x_bf16) return fgroups_avx512<true, true>(p, g0, g1);
+#endif
 #if defined(__x86_64__)
-  if (has_avx512()) return fgroups_avx512<kBf16>(p, g0, g1);
+  if (has_avx512()) return fgroups_avx512<kBf16, false>(p, g0, g1);
 #endif
   fgroups_generic<kBf16>(p, g0, g1);
 }
@@ -563,14 +623,21 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     return ffi::Error::Success();
   }
 #endif
-  const float* xs = x.typed_data();
+  FProblem problem{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, groups};
   thread_local std::vector<float> rounded;
-  if (bf16_inputs) {
-    rounded.resize(static_cast<size_t>(m * k));
-    round_all(xs, rounded.data(), m * k);
-    xs = rounded.data();
+  thread_local std::vector<uint16_t> rounded_bits;
+#if defined(JAXINFER_AVX512_BF16)
+  if (bf16_inputs && bf16 && has_avx512_bf16()) {
+    rounded_bits.resize(static_cast<size_t>(m * k));
+    round_to_bf16_bits(problem.x, rounded_bits.data(), m * k);
+    problem.x_bf16 = rounded_bits.data();
   }
-  const FProblem problem{xs, w.untyped_data(), y->typed_data(), m, k, groups};
+#endif
+  if (bf16_inputs && !problem.x_bf16) {
+    rounded.resize(static_cast<size_t>(m * k));
+    round_all(problem.x, rounded.data(), m * k);
+    problem.x = rounded.data();
+  }
   const int64_t tiles = (groups + kTileGroups - 1) / kTileGroups;
   const int64_t tile_bytes = kTileGroups * k * kGroup * (bf16 ? 2 : 4) * std::max<int64_t>(1, m / 6);
   parallel_items(pool, tiles, tile_bytes, [&problem, bf16](int64_t t0, int64_t t1) {
@@ -605,7 +672,9 @@ extern "C" void jaxinfer_cap_isa(int cap) {  // tests: 0 the CPU's best paths, 1
 
 extern "C" const char* jaxinfer_kernel_isa() {  // the best path this CPU takes
 #if defined(__x86_64__)
+  if (jaxinfer::has_vnni() && jaxinfer::has_avx512_bf16() && jaxinfer::has_amx()) return "avx512-vnni-bf16-amx";
   if (jaxinfer::has_vnni() && jaxinfer::has_amx()) return "avx512-vnni-amx";
+  if (jaxinfer::has_vnni() && jaxinfer::has_avx512_bf16()) return "avx512-vnni-bf16";
   if (jaxinfer::has_vnni()) return "avx512-vnni";
   if (jaxinfer::has_avx512()) return "avx512";
 #endif
