@@ -296,16 +296,30 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_group(const
   }
 }
 
+// A tile's sums over rows [row0, row0 + kRows) and groups [g, g + kCols): from what the block
+// before stored in y (k0 > 0), else zero; and stored back.
+template <int kRows, int kCols>
+__attribute__((target("avx512f"), always_inline)) inline void load_sums(const FProblem& p, int64_t g, int64_t row0, int64_t k0, __m512 (&acc)[kRows][kCols]) {
+  const float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + r * p.groups * kGroup + c * kGroup) : _mm512_setzero_ps();
+}
+
+template <int kRows, int kCols>
+__attribute__((target("avx512f"), always_inline)) inline void store_sums(const FProblem& p, int64_t g, int64_t row0, const __m512 (&acc)[kRows][kCols]) {
+  float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(y + r * p.groups * kGroup + c * kGroup, acc[r][c]);
+}
+
 // kRows rows by kCols groups over inputs [k0, k1): per k, kCols weight vectors and kRows broadcasts
 // feed kRows * kCols independent sums (at most 24 of the 32 registers). From k0 > 0 on, the sums go
 // on from what the block before stored in y (a float32 store and load: the same sums in the same
-// order). `ahead` > 0: also fetch into L1 the weights that many inputs on.
+// order: `load_sums`). `ahead` > 0: also fetch into L1 the weights that many inputs on.
 template <int kRows, int kCols, bool kBf16>
 __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
   __m512 acc[kRows][kCols];
-  float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + r * p.groups * kGroup + c * kGroup) : _mm512_setzero_ps();
+  load_sums(p, g, row0, k0, acc);
   const float* x = p.x + row0 * p.k;
   for (int64_t k = k0; k < k1; ++k) {
     if (ahead)
@@ -317,8 +331,7 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
       for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(y + r * p.groups * kGroup + c * kGroup, acc[r][c]);
+  store_sums(p, g, row0, acc);
 }
 
 #if defined(JAXINFER_AVX512_BF16)
@@ -329,9 +342,7 @@ __attribute__((target("avx512f"))) void ftile(const FProblem& p, int64_t g, int6
 template <int kRows, int kCols>
 __attribute__((target("avx512f,avx512bf16"))) void dtile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
   __m512 acc[kRows][kCols];
-  float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + r * p.groups * kGroup + c * kGroup) : _mm512_setzero_ps();
+  load_sums(p, g, row0, k0, acc);
   const uint16_t* x = p.x_bf16 + row0 * p.k;
   for (int64_t k = k0; k < k1; k += 2) {
     if (ahead)
@@ -345,8 +356,7 @@ __attribute__((target("avx512f,avx512bf16"))) void dtile(const FProblem& p, int6
       for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) _mm512_storeu_ps(y + r * p.groups * kGroup + c * kGroup, acc[r][c]);
+  store_sums(p, g, row0, acc);
 }
 #endif
 
