@@ -234,6 +234,7 @@ __attribute__((target("avx512f"))) void round_all_avx512(const float* x, float* 
 #endif
 
 #if defined(JAXINFER_AVX512_BF16)
+// x rounded as round_to_bf16, kept as the bfloat16 bits `dtile` reads two at a time
 __attribute__((target("avx512f"))) void round_to_bf16_bits(const float* x, uint16_t* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(round_bf16(_mm512_loadu_ps(x + i))));
