@@ -1,5 +1,9 @@
-"""Only the compiled part of the build: the CPU matmul kernels for float and quantized weights
-(jaxinfer/kernels/matmul.cc, XLA FFI custom calls). Everything else is in pyproject.toml.
+"""Only the compiled part of the build: the CPU kernels for float and quantized matrices and for
+attention (jaxinfer/kernels/, XLA FFI custom calls). Everything else is in pyproject.toml.
+
+One file per instruction-set family (generic.cc, x86_avx2.cc, x86_avx512.cc), each compiled for its
+own instructions by a target region inside it, so one build runs on any CPU of its architecture and
+picks its paths at run time (paths.h); on another architecture the x86 files compile to nothing.
 
 It compiles against the FFI headers jaxlib ships (`jax.ffi.include_dir()`). Where it cannot be
 built (no C++ compiler) the install still succeeds and models run on XLA's own matmuls.
@@ -7,6 +11,9 @@ built (no C++ compiler) the install still succeeds and models run on XLA's own m
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+
+KERNEL_SOURCES = ("matmul", "attention", "paths", "generic", "x86_avx2", "x86_avx512")
 
 
 class BuildWithFfiHeaders(build_ext):
@@ -22,8 +29,8 @@ setup(
     ext_modules=[
         Extension(
             "jaxinfer._kernels",
-            sources=["jaxinfer/kernels/matmul.cc", "jaxinfer/kernels/attention.cc"],
-            depends=["jaxinfer/kernels/common.h"],
+            sources=[f"jaxinfer/kernels/{name}.cc" for name in KERNEL_SOURCES],
+            depends=[f"jaxinfer/kernels/{name}.h" for name in ("common", "paths", "simd")],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
             optional=True,

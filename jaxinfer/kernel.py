@@ -1,5 +1,6 @@
-"""The compiled CPU matmul kernels (`kernels/matmul.cc`, built by `pip install`): found, registered
-with XLA, and switched off by tests to compare them with XLA's own path.
+"""The compiled CPU kernels (`kernels/`, built by `pip install`): found, registered with XLA, capped to
+a path (JAXINFER_ISA, the tests' `isa` fixture), and switched off by tests to compare them with XLA's
+own path.
 
 Where they were not built (no C++ compiler) or the backend is not the CPU, `available()` is False
 and every matrix takes XLA's dot.
@@ -17,6 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.errors import JaxinferError
 
 TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
 
@@ -44,19 +47,26 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-ISA_CAPS = ("native", "no-amx", "generic")  # the kernels' `jaxinfer_cap_isa`: the CPU's best, no AMX, portable
+# The kernels' caps (`jaxinfer_cap_isa`), best first: the CPU's best paths, AVX-512 without AMX,
+# AVX2 + FMA, the portable C++. A cap only lowers: a CPU without AVX-512 takes AVX2 under "avx512".
+ISA_CAPS = ("native", "avx512", "avx2", "generic")
 
 
 def _own_cap() -> int:
-    """The process's path cap: JAXINFER_NO_AMX=1 turns AMX's paths off (to compare, or where they misbehave)."""
-    return ISA_CAPS.index("no-amx") if os.environ.get("JAXINFER_NO_AMX", "0") != "0" else 0
+    """The process's cap: JAXINFER_ISA (one of ISA_CAPS, read at load), so any path can be run and
+    measured on a CPU that has a better one, or a misbehaving one turned off."""
+    asked = os.environ.get("JAXINFER_ISA", "native") or "native"
+    if asked not in ISA_CAPS:
+        raise JaxinferError(f"JAXINFER_ISA must be one of {', '.join(ISA_CAPS)}, not {asked!r}")
+    return ISA_CAPS.index(asked)
 
 
 @contextlib.contextmanager
 def capped(path: str):
-    """The kernels on `path` (one of ISA_CAPS) inside the block, then back to the process's own cap."""
+    """The kernels on `path` (one of ISA_CAPS) inside the block, or the process's own cap where that
+    is lower; then back to the process's cap."""
     lib = library()
-    lib.jaxinfer_cap_isa(ISA_CAPS.index(path))
+    lib.jaxinfer_cap_isa(max(ISA_CAPS.index(path), _own_cap()))
     try:
         yield
     finally:
@@ -71,14 +81,16 @@ def available() -> bool:
 
 
 def vectorised() -> bool:
-    """Available, and this CPU takes the AVX-512 paths: the portable C++ path rereads the weights for
-    every row, fine as a fallback for quantized matrices but slower than XLA's dot for float ones."""
+    """Available, and on a vectorised path (AVX2 or AVX-512): the portable C++ path rereads the
+    weights for every row, fine as a fallback for quantized matrices but slower than XLA's dot for
+    float ones."""
     return available() and isa() != "generic"
 
 
 def isa() -> str | None:
-    """The best path this CPU takes where the kernels are built ('avx512-vnni-bf16-amx',
-    'avx512-vnni-bf16', 'avx512-vnni', 'avx512' or 'generic'), else None."""
+    """The paths the kernels take on this CPU under the cap, where they are built: the family
+    ('avx512', 'avx2' or 'generic') and what it adds ('-vnni', '-bf16', '-amx'), as
+    'avx512-vnni-bf16-amx'; else None."""
     lib = library()
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 

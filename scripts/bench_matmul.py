@@ -43,7 +43,7 @@ def without_amx(fn):
     """fn, on the kernel's AVX-512 paths only."""
 
     def run(*args):
-        with kernel.capped("no-amx"):
+        with kernel.capped("avx512"):
             return jax.block_until_ready(fn(*args))
 
     return run

@@ -15,14 +15,15 @@ from kernel_helpers import needs_kernel, xla_dot
 
 from jaxinfer import kernel, packed
 
-# (out, in, rows): out not a multiple of the kernel's 4-group tile, in odd, rows around its 6-row
-# tile; from 16 rows bfloat16 weights take AMX where the CPU has it: an odd count of groups, in not a
-# multiple of its 32, rows not a multiple of its 32, in over its 2048 a pass, and rows enough for
-# XLA's pool to share the packing (32 blocks of 16), and 7–32 rows over blocks of its 128 in (a last
-# one short; the tile that fetches ahead a whole one and a short one)
+# (out, in, rows): out not a multiple of the tiles' groups (AVX-512: 4, AVX2: 4 for one row, 2 for
+# two or three), in odd, rows around the tiles' rows (AVX-512: 6; AVX2: 1, 2, 6); from 16 rows
+# bfloat16 weights take AMX where the CPU has it: an odd count of groups, in not a multiple of its 32,
+# rows not a multiple of its 32, in over its 2048 a pass, and rows enough for XLA's pool to share the
+# packing (32 blocks of 16); and 3–32 rows over blocks of 16 KiB of weights (64, 128 or 256 in by the
+# tile's groups), a last one short, with the tile that fetches ahead a whole one and a short one
 SHAPES = [
     (16, 37, 1), (48, 96, 3), (80, 64, 6), (160, 33, 7), (64, 160, 13), (16, 8, 130), (80, 100, 40), (48, 37, 33), (160, 576, 64),
-    (48, 2100, 40), (32, 64, 512), (80, 300, 11), (32, 200, 32),
+    (48, 2100, 40), (32, 64, 512), (80, 300, 11), (32, 200, 32), (64, 600, 16), (64, 300, 3), (80, 70, 2),
 ]
 
 
@@ -96,9 +97,9 @@ def test_what_is_packed():
 
 
 @needs_kernel
-def test_without_avx512_float_matrices_stay_on_xlas_dot(isa):
-    """The portable C++ path (a CPU without AVX-512, forced here) rereads the weights for every row:
-    loading then picks XLA's layouts, [out, in] for one row and [in, out] for batches."""
+def test_on_the_portable_path_float_matrices_stay_on_xlas_dot(isa):
+    """The portable C++ path (a CPU with neither AVX2 nor AVX-512, forced here) rereads the weights
+    for every row: loading then picks XLA's layouts, [out, in] for one row and [in, out] for batches."""
     from jaxinfer import kernel
     from jaxinfer.model import layout_for_batch
 
@@ -109,10 +110,13 @@ def test_without_avx512_float_matrices_stay_on_xlas_dot(isa):
 
 
 @needs_kernel
-def test_the_environment_turns_amx_off():
-    """JAXINFER_NO_AMX=1: the AVX-512 paths only (a fresh process: the switch is read at load)."""
-    if not kernel.isa().endswith("amx"):
-        pytest.skip("this CPU has no AMX")
+def test_the_environment_picks_the_path():
+    """JAXINFER_ISA=avx2 gives the AVX2 paths where the CPU has them (a fresh process: it is read at
+    load), as the tests' cap does; a name that is no cap is refused in one line."""
     show = [sys.executable, "-c", "from jaxinfer import kernel; print(kernel.isa())"]
-    off = subprocess.run(show, env={**os.environ, "JAXINFER_NO_AMX": "1"}, capture_output=True, text=True, check=True)
-    assert off.stdout.strip() == kernel.isa().removesuffix("-amx")
+    env = {key: value for key, value in os.environ.items() if key != "JAXINFER_ISA"}
+    run = subprocess.run(show, env={**env, "JAXINFER_ISA": "avx2"}, capture_output=True, text=True, check=True)
+    with kernel.capped("avx2"):
+        assert run.stdout.strip() == kernel.isa()
+    bad = subprocess.run(show, env={**env, "JAXINFER_ISA": "avx3"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "JAXINFER_ISA must be one of native, avx512, avx2, generic, not 'avx3'" in bad.stderr

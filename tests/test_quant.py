@@ -18,7 +18,7 @@ from jaxinfer import kernel, quant
 from jaxinfer.loading import load_model
 from jaxinfer.perplexity import perplexity, windows
 
-SHAPES = [(16, 32, 1), (48, 96, 3), (160, 64, 9), (64, 160, 17), (32, 32, 8)]  # (out, in, rows)
+SHAPES = [(16, 32, 1), (48, 96, 3), (160, 64, 9), (64, 160, 17), (32, 32, 8), (32, 64, 2)]  # (out, in, rows): tiles of 8 and 2 rows and their remainders
 
 
 def blocks_of(w: np.ndarray) -> np.ndarray:
@@ -55,6 +55,7 @@ def problem(n, k, m, method, seed=0):
     w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero activation block
+    w[:16, -32:] = 0  # an all-zero weight block of a whole group
     return jnp.asarray(x), quant.quantize(jnp.asarray(w), method)
 
 

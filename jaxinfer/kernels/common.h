@@ -1,4 +1,4 @@
-// What the CPU kernels share: the CPU's paths, bfloat16 bits, and sharing work out with XLA's pool.
+// What the CPU kernels share: what the CPU has, bfloat16 bits, and sharing work out with XLA's pool.
 #pragma once
 
 #include <algorithm>
@@ -21,7 +21,7 @@
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
 #define JAXINFER_AVX512_BF16 1
 #endif
-#if defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -30,63 +30,42 @@
 
 namespace jaxinfer {
 
-// Tests cap the paths a CPU takes, to compare each with the one below it: 0 its best, 1 no AMX,
-// 2 the portable paths only.
-inline std::atomic<int> isa_cap{0};
+// JAXINFER_ISA and the tests cap the paths a CPU takes, to compare each with the one below it.
+enum Cap : int { kNative = 0, kNoAmx = 1, kNoAvx512 = 2, kPortable = 3 };
+inline std::atomic<int> isa_cap{kNative};
 
-inline bool has_avx512() {
+// What this CPU has, asked once. The kernels never ask: `paths()` (paths.h) picks their table by
+// these and the cap.
+struct Cpu {
+  bool avx2 = false;         // AVX2 + FMA (Haswell, Zen 1 on)
+  bool avx512 = false;       // AVX-512 F, BW and VL (Skylake-X, Zen 4 on)
+  bool avx512_vnni = false;  // VPDPBUSD on 512 bits
+  bool avx512_bf16 = false;  // VDPBF16PS (Cooper Lake, Sapphire Rapids, Zen 4 on): CPUID 7.1 EAX bit 5
+  bool amx = false;          // AMX's bfloat16 tiles, and Linux lets this process use them
+};
+
+inline const Cpu& cpu() {
+  static const Cpu facts = [] {
+    Cpu c;
 #if defined(__x86_64__)
-  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-inline bool has_vnni() {
-#if defined(__x86_64__)
-  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-// AVX512-BF16's VDPBF16PS (Cooper Lake, Sapphire Rapids, Zen 4 on): CPUID 7.1 EAX bit 5.
-inline bool has_avx512_bf16() {
-#if defined(JAXINFER_AVX512_BF16)
-  if (isa_cap.load(std::memory_order_relaxed) >= 2) return false;
-  static const bool yes = [] {
-    unsigned a, b, c, d;
-    return __builtin_cpu_supports("avx512f") && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
-
-// AMX's bfloat16 tiles (Sapphire Rapids on): the CPU has them (CPUID 7.0 EDX: AMX-BF16 bit 22,
-// AMX-TILE bit 24, and AVX-512 for the packing around them), and Linux lets this process use the
-// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once; other kernels ask
-// too, and asking twice is harmless).
-inline bool has_amx() {
+    unsigned a, b, cx, d;
+    c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    c.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    c.avx512_vnni = c.avx512 && __builtin_cpu_supports("avx512vnni");
+    c.avx512_bf16 = c.avx512 && __get_cpuid_count(7, 1, &a, &b, &cx, &d) && (a & (1u << 5));
 #if defined(JAXINFER_AMX)
-  if (isa_cap.load(std::memory_order_relaxed) >= 1) return false;
-  static const bool yes = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return yes;
-#else
-  return false;
+    // AMX-BF16 is CPUID 7.0 EDX bit 22, AMX-TILE bit 24; the tile data must be asked of Linux
+    // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: other kernels ask too, and asking twice
+    // is harmless)
+    if (c.avx512 && __get_cpuid_count(7, 0, &a, &b, &cx, &d) && (d & (1u << 22)) && (d & (1u << 24))) {
+      constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+      c.amx = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    }
 #endif
+#endif
+    return c;
+  }();
+  return facts;
 }
 
 inline float bf16_to_float(uint16_t bits) {

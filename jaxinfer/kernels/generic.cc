@@ -1,0 +1,135 @@
+// The portable paths: any CPU, plain C++. The reference the vectorised families are tested against,
+// and what runs where none of them is built (a new architecture) or the cap says so.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "paths.h"
+
+namespace jaxinfer {
+namespace {
+
+void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum) {
+  for (int64_t at = 0; at < m * k_blocks; ++at) {
+    const float* v = x + at * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      xq[at * kBlock + i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));  // ties to even, as jnp.round
+      sum += xq[at * kBlock + i];
+    }
+    xs[at] = amax / 127.f;
+    xsum[at] = sum;
+  }
+}
+
+// Weights are read as unsigned (int8: q ^ 0x80 = q + 128; int4 nibbles: q + 8), the offset taken
+// back as `offset * sum(xq)` per block, as the VNNI path does.
+template <int kBits>
+void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
+  constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;  // per group and block
+  constexpr int offset = kBits == 8 ? 128 : 8;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < p.m; ++row) {
+      float acc[kGroup] = {};
+      for (int64_t b = 0; b < p.k_blocks; ++b) {
+        const uint8_t* w = p.q + (g * p.k_blocks + b) * weight_bytes;
+        const int8_t* xb = p.xq + (row * p.k_blocks + b) * kBlock;
+        int32_t dot[kGroup];
+        for (int n = 0; n < kGroup; ++n) dot[n] = -offset * p.xsum[row * p.k_blocks + b];
+        for (int c = 0; c < 8; ++c) {
+          for (int n = 0; n < kGroup; ++n) {
+            for (int i = 0; i < 4; ++i) {
+              int u;
+              if constexpr (kBits == 8) {
+                u = w[(c * kGroup + n) * 4 + i] ^ 0x80;
+              } else {
+                const uint8_t byte = w[((c & 3) * kGroup + n) * 4 + i];
+                u = c < 4 ? (byte & 0x0F) : (byte >> 4);
+              }
+              dot[n] += u * xb[c * 4 + i];
+            }
+          }
+        }
+        const uint16_t* s = p.scale + (g * p.k_blocks + b) * kGroup;
+        const float xs = p.xs[row * p.k_blocks + b];
+        for (int n = 0; n < kGroup; ++n) acc[n] += static_cast<float>(dot[n]) * (bf16_to_float(s[n]) * xs);
+      }
+      std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, acc, sizeof acc);
+    }
+  }
+}
+
+void round_values(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = round_to_bf16(x[i]);
+}
+
+template <bool kBf16>
+inline float weight_at(const FProblem& p, int64_t g, int64_t k, int n) {
+  if constexpr (kBf16) {
+    return bf16_to_float(static_cast<const uint16_t*>(p.w)[((g * p.k / 2 + k / 2) * kGroup + n) * 2 + (k & 1)]);
+  } else {
+    return static_cast<const float*>(p.w)[(g * p.k + k) * kGroup + n];
+  }
+}
+
+template <bool kBf16>
+void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t row = 0; row < p.m; ++row) {
+      float acc[kGroup] = {};
+      const float* x = p.x + row * p.k;
+      for (int64_t k = 0; k < p.k; ++k) {
+        for (int n = 0; n < kGroup; ++n) acc[n] += x[k] * weight_at<kBf16>(p, g, k, n);
+      }
+      std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, acc, sizeof acc);
+    }
+  }
+}
+
+bool visible(const Attention& p, int64_t s, int32_t at) { return s <= at && (p.window == 0 || s > at - p.window); }
+
+float capped(const Attention& p, float score) { return p.softcap > 0.f ? std::tanh(score / p.softcap) * p.softcap : score; }
+
+// One query row at a time, exact exp.
+void attend(const Attention& p, const Item& it, const Part& part) {
+  for (int64_t m = 0; m < it.rows; ++m) {
+    const int64_t t = it.t0 + m / p.G;
+    const int32_t at = p.pos[it.b * p.T + t];
+    const float* q = p.q + p.query_at(it.b, t, it.h, m % p.G);
+    float* acc = part.acc + m * p.hd;
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    std::fill(acc, acc + p.hd, 0.f);
+    for (int64_t s = it.lo; s < it.hi; ++s) {
+      if (!visible(p, s, at)) continue;
+      const int64_t kat = p.key_at(it.b, s, it.h);
+      float score = 0.f;
+      for (int64_t d = 0; d < p.hd; ++d) score += q[d] * p.element(p.k, kat + d);
+      score = capped(p, score * p.scale);
+      const float now = std::max(top, score);
+      const float before = std::exp(top - now), weight = std::exp(score - now);
+      total = total * before + weight;
+      for (int64_t d = 0; d < p.hd; ++d) acc[d] = acc[d] * before + weight * p.element(p.v, kat + d);
+      top = now;
+    }
+    part.top[m] = top;
+    part.total[m] = total;
+  }
+}
+
+}  // namespace
+
+void add_generic(Paths& t) {
+  t.name = "generic";
+  t.quantize_rows = quantize_rows;
+  t.qgroups[0] = qgroups<8>;
+  t.qgroups[1] = qgroups<4>;
+  t.fgroups[0] = fgroups<false>;
+  t.fgroups[1] = fgroups<true>;
+  t.round = round_values;
+  t.attend_any = attend;
+}
+
+}  // namespace jaxinfer

@@ -1,0 +1,143 @@
+// The kernels' problems, and the table of paths that solve them: one source file per instruction-set
+// family fills its entries (generic.cc the portable reference, x86_avx2.cc, x86_avx512.cc), and
+// `paths()` picks the table once for this CPU and each cap, as llama.cpp's ggml-cpu/arch/ does.
+// The FFI handlers (matmul.cc, attention.cc) check shapes, share the work out and call the table.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "common.h"
+
+namespace jaxinfer {
+
+constexpr int kBlock = 32;  // quantized weights: k per scale
+constexpr int kGroup = 16;  // outputs side by side, in every packed layout
+
+// y[M, N] = x[M, K] @ W[N, K]^T for block-quantized W (the layout: matmul.cc), W8A8: x quantized per
+// block of 32 to int8 with one float scale (`xs`) and its values' sum (`xsum`) beside them.
+struct QProblem {
+  const uint8_t* q;
+  const uint16_t* scale;  // bfloat16 bits
+  float* y;
+  int64_t m, k_blocks, groups;
+  int bits;
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+};
+
+// y[M, N] = x[M, K] @ W[N, K]^T for float W packed by `jaxinfer.packed`: float32 [N/16, K, 16],
+// bfloat16 [N/16, K/2, 16, 2] (each output's inputs k and k + 1 side by side, as AMX's tiles take them).
+struct FProblem {
+  const float* x;
+  const void* w;
+  float* y;
+  int64_t m, k, groups;
+  const uint16_t* x_bf16 = nullptr;  // x rounded to bfloat16, for `Paths::bf16_dot`
+};
+
+// Attention of T queries per row over one layer of the whole stacked KV cache (attention.cc).
+struct Attention {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* pos;
+  const int32_t* rows;
+  int64_t B, T, KV, G, hd, R, S, layer, kv_len, window;
+  float scale, softcap;
+  bool bf16;
+  int64_t tile = 1;    // query positions per item
+  int64_t tiles = 1;   // tiles per (row, kv head)
+  int64_t splits = 1;  // items per tile, each over its share of the key blocks (flash decoding)
+
+  int64_t key_at(int64_t b, int64_t s, int64_t h) const { return (((layer * R + rows[b]) * KV + h) * S + s) * hd; }
+  int64_t query_at(int64_t b, int64_t t, int64_t h, int64_t g) const { return (((b * T + t) * KV + h) * G + g) * hd; }
+  float element(const void* a, int64_t at) const {  // of k or v, as float32
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(a)[at]) : static_cast<const float*>(a)[at];
+  }
+};
+
+constexpr int64_t kKeys = 64;  // attention: keys per block
+
+// One work item: `tile` query positions x G heads (its rows, m = t * G + g) of one (row b, kv head h),
+// over keys [lo, hi): its split's share of the blocks its queries can see.
+struct Item {
+  int64_t b, h, t0, rows, lo, hi;
+};
+
+// An item's result, unnormalised: per row the weighted values [hd], the scores' max and the
+// weights' sum (softmax's running state, merged across splits).
+struct Part {
+  float* acc;
+  float* top;
+  float* total;
+};
+
+using QuantizeRows = void (*)(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum);
+using QGroups = void (*)(const QProblem&, int64_t g0, int64_t g1);
+using FGroups = void (*)(const FProblem&, int64_t g0, int64_t g1);
+using RoundValues = void (*)(const float* x, float* out, int64_t n);
+using RoundBits = void (*)(const float* x, uint16_t* out, int64_t n);
+using AttendItem = void (*)(const Attention&, const Item&, const Part&);
+using AmxMatmul = void (*)(xla::ffi::ThreadPool&, const float* x, const uint16_t* w, float* y, int64_t m, int64_t k, int64_t groups,
+                           bool bf16_inputs);
+
+struct Paths {
+  std::string name;  // `jaxinfer.kernel.isa()`
+  QuantizeRows quantize_rows = nullptr;
+  QGroups qgroups[2] = {};  // int8, int4
+  FGroups fgroups[2] = {};  // float32, bfloat16 weights
+  RoundValues round = nullptr;  // x rounded to bfloat16 values (`bf16_inputs` on the FMA paths)
+  // bfloat16 weights times x rounded to bfloat16 (VDPBF16PS), x given as bits by `round_bits`
+  FGroups bf16_dot = nullptr;
+  RoundBits round_bits = nullptr;
+  AmxMatmul amx = nullptr;  // bfloat16 weights from kAmxMinRows rows on
+  AttendItem attend[2][6] = {};  // [bfloat16 cache][attend_slot(head size)]
+  AttendItem attend_any = nullptr;  // any head size: the portable path
+};
+
+constexpr int64_t kAmxMinRows = 16;  // from 12–16 rows on, the tiles are ahead of FMAs (SmolLM and TinyLlama matrices)
+
+// The head sizes the vectorised attention has paths for (`jaxinfer.kernel.ATTENTION_HEAD_DIMS`).
+constexpr int64_t kAttendHeadDims[6] = {32, 64, 80, 96, 128, 256};
+
+inline int attend_slot(int64_t hd) {  // where hd's path is in Paths::attend, or -1
+  for (int i = 0; i < 6; ++i)
+    if (kAttendHeadDims[i] == hd) return i;
+  return -1;
+}
+
+// Each family adds what this CPU has of it over what is already there.
+void add_generic(Paths&);
+void add_avx2(Paths&);
+void add_avx512(Paths&, bool amx);
+
+// The table for this CPU under the current cap.
+const Paths& paths();
+
+// x rounded to bfloat16 (to nearest even, finite values), kept a float: for a model whose products
+// take bfloat16 inputs (`ModelConfig.matmul_inputs`, the `bf16_inputs` attribute), so that every
+// path multiplies what AMX's single pass does and a row's result does not depend on its batch's path.
+inline float round_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= kMax: a tile's row count made a template
+// argument, for the remainders of a loop over whole tiles.
+template <int kMax, int kRows = 1, class F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (kRows < kMax) {
+    if (rows != kRows) return with_rows<kMax, kRows + 1>(rows, f);
+  }
+  f(std::integral_constant<int, kRows>{});
+}
+
+}  // namespace jaxinfer

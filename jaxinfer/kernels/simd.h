@@ -1,0 +1,289 @@
+// The float matmul tiles and the attention kernel, written once over a vector type V and included
+// inside each family's target region (x86_avx512.cc, x86_avx2.cc), so every instantiation is
+// compiled for that family's instructions. V, a struct of static functions, gives:
+//   F (L floats), Mask (L lanes' flags), L, kRegisters (how many F the CPU holds);
+//   load, load_aligned, store, store_aligned, zero, set1, fma(a, b, c) = a * b + c, add, sub, mul,
+//   div, max, abs, copysign(magnitude, sign), exp (of x <= 0, within 2 ulp), reduce_max, reduce_add;
+//   widen (L bfloat16 values), widen_pairs(at, second) (the first or second of L bfloat16 pairs);
+//   in_range(first, lo, up) (the lanes i with lo < first + i < up), max_where(a, mask, v),
+//   where(mask, v) (zero elsewhere), transpose(F r[L]) (L vectors of L as a matrix, in place).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "paths.h"
+
+namespace jaxinfer {
+namespace simd {
+
+// ---------------------------------------------------------------------------------- float matmul
+// Where input k of group g's 16 outputs is. bfloat16: the 64 bytes of k's pair hold k in each
+// lane's low half and k + 1 in its high half.
+template <bool kBf16>
+inline const void* group_at(const void* w, int64_t g, int64_t k, int64_t depth) {
+  if constexpr (kBf16) return static_cast<const uint16_t*>(w) + (g * depth / 2 + k / 2) * 2 * kGroup;
+  return static_cast<const float*>(w) + (g * depth + k) * kGroup;
+}
+
+// Vector v (outputs v * L ...) of input k of a group's 16 outputs, as floats.
+template <class V, bool kBf16>
+inline typename V::F load_group(const void* w, int64_t g, int64_t k, int64_t depth, int v) {
+  if constexpr (kBf16) return V::widen_pairs(static_cast<const uint16_t*>(group_at<kBf16>(w, g, k, depth)) + v * V::L * 2, k & 1);
+  return V::load(static_cast<const float*>(group_at<kBf16>(w, g, k, depth)) + v * V::L);
+}
+
+// A tile's sums over rows [row0, row0 + kRows) and the vectors of groups from g on: from what the
+// block before stored in y (k0 > 0), else zero; and stored back.
+template <class V, int kRows, int kVecs>
+inline void load_sums(const FProblem& p, int64_t g, int64_t row0, int64_t k0, typename V::F (&acc)[kRows][kVecs]) {
+  const float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = k0 ? V::load(y + r * p.groups * kGroup + c * V::L) : V::zero();
+}
+
+template <class V, int kRows, int kVecs>
+inline void store_sums(const FProblem& p, int64_t g, int64_t row0, const typename V::F (&acc)[kRows][kVecs]) {
+  float* y = p.y + row0 * p.groups * kGroup + g * kGroup;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) V::store(y + r * p.groups * kGroup + c * V::L, acc[r][c]);
+}
+
+// kRows rows by kCols groups over inputs [k0, k1): per k, the groups' weight vectors and kRows
+// broadcasts feed kRows * kCols * 16 / L independent sums. From k0 > 0 on, the sums go on from what
+// the block before stored in y (a float32 store and load: the same sums in the same order).
+// `ahead` > 0: also fetch into L1 the weights that many inputs on.
+template <class V, int kRows, int kCols, bool kBf16>
+void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+  constexpr int kPer = kGroup / V::L, kVecs = kCols * kPer;
+  typename V::F acc[kRows][kVecs];
+  load_sums<V>(p, g, row0, k0, acc);
+  const float* x = p.x + row0 * p.k;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (ahead)
+      for (int c = 0; c < kCols; ++c) __builtin_prefetch(group_at<kBf16>(p.w, g + c, k + ahead, p.k), 0, 3);
+    typename V::F w[kVecs];
+    for (int c = 0; c < kVecs; ++c) w[c] = load_group<V, kBf16>(p.w, g + c / kPer, k, p.k, c % kPer);
+    for (int r = 0; r < kRows; ++r) {
+      const typename V::F xv = V::set1(x[r * p.k + k]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = V::fma(w[c], xv, acc[r][c]);
+    }
+  }
+  store_sums<V>(p, g, row0, acc);
+}
+
+// `tile(rows, row0, k0, k1, ahead)` over all rows in tiles of kRows, for kCols groups. 7–32 rows
+// (batched decode, a checking pass) go over the inputs a block at a time, and the second tile
+// fetches the next block's weights while the others reuse this one's from L1, so the stream from
+// memory overlaps arithmetic instead of feeding the first tile alone. Measured on AVX-512 with the
+// weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
+// B=16 6–8%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16 prefill
+// TTFT 739 → 912 ms), so whole K there. A block is 16 KiB of float32 weights, so that it and the next
+// one fetched beside it fit L1 together: blocks of 32 KiB evicted the block in use on the Xeon
+// (a decode step's matrices at 16 rows 7–11% slower, 30 layers' SmolLM-135M matrices chained), and
+// AVX2's one-group tiles over 4 KiB blocks ran B=16 decode 3–5% slower than over 16 KiB.
+constexpr int64_t kFBlockWeights = 4096;
+constexpr int64_t kFBlockMaxRows = 32;
+
+template <int kRows, int kCols, class Tile>
+void frows(const FProblem& p, Tile&& tile) {
+  const int64_t block = p.m > kRows && p.m <= kFBlockMaxRows ? kFBlockWeights / (kCols * kGroup) : p.k;
+  for (int64_t k0 = 0; k0 < p.k; k0 += block) {
+    const int64_t k1 = std::min(p.k, k0 + block);
+    const int64_t next = k1 < p.k ? std::min(block, p.k - k1) : 0;
+    int64_t row = 0;
+    for (; row + kRows <= p.m; row += kRows) tile(std::integral_constant<int, kRows>{}, row, k0, k1, row == kRows ? next : 0);
+    if constexpr (kRows > 1) {
+      if (row < p.m) with_rows<kRows - 1>(p.m - row, [&](auto rows) { tile(rows, row, k0, k1, row == kRows ? next : 0); });
+    }
+  }
+}
+
+// Cephes' expf polynomial: e^r for r = x - n ln 2 (ln 2 in two parts) where n = round(x / ln 2),
+// within 2 ulp; the caller scales by 2^n.
+template <class V>
+inline typename V::F exp_polynomial(typename V::F x, typename V::F n) {
+  typename V::F r = V::fma(n, V::set1(-0.693359375f), x);
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  typename V::F y = V::set1(1.9875691500e-4f);
+  y = V::fma(y, r, V::set1(1.3981999507e-3f));
+  y = V::fma(y, r, V::set1(8.3334519073e-3f));
+  y = V::fma(y, r, V::set1(4.1665795894e-2f));
+  y = V::fma(y, r, V::set1(1.6666665459e-1f));
+  y = V::fma(y, r, V::set1(5.0000001201e-1f));
+  return V::fma(y, V::mul(r, r), V::add(r, V::set1(1.f)));
+}
+
+// --------------------------------------------------------------------------------------- attention
+// Flash attention's running softmax over blocks of kKeys keys, the scores never leaving L1; the
+// item and split logic is attention.cc's.
+
+template <class V, bool kBf16>
+inline typename V::F load_kv(const void* a, int64_t at) {
+  if constexpr (kBf16) return V::widen(static_cast<const uint16_t*>(a) + at);
+  return V::load(static_cast<const float*>(a) + at);
+}
+
+// Scores of kRows query rows against a block of kKeys keys (transposed: [hd][kKeys]) into
+// out[r][kKeys]: each key vector load feeds kRows FMAs.
+template <class V, int kRows>
+inline void scores(const float* const* q, const float* keys, int64_t hd, float* out) {
+  constexpr int kVecs = kKeys / V::L;
+  typename V::F acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = V::zero();
+  for (int64_t d = 0; d < hd; ++d) {
+    typename V::F k[kVecs];
+    for (int c = 0; c < kVecs; ++c) k[c] = V::load_aligned(keys + d * kKeys + c * V::L);
+    for (int r = 0; r < kRows; ++r) {
+      const typename V::F qd = V::set1(q[r][d]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = V::fma(k[c], qd, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) V::store(out + r * kKeys + c * V::L, acc[r][c]);
+}
+
+// acc[r] = acc[r] * rescale[r] + sum_j weights[r][j] * value_j over dims [d0, d0 + kVecs L) for kRows
+// rows: each value vector load feeds kRows FMAs.
+template <class V, int kRows, int kVecs>
+inline void values(float* const* acc, const float* const* weights, const float* rescale, const float* const* value, int64_t n,
+                   int64_t d0) {
+  typename V::F out[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) out[r][c] = V::mul(V::load(acc[r] + d0 + c * V::L), V::set1(rescale[r]));
+  for (int64_t j = 0; j < n; ++j) {
+    typename V::F v[kVecs];
+    for (int c = 0; c < kVecs; ++c) v[c] = V::load(value[j] + d0 + c * V::L);
+    for (int r = 0; r < kRows; ++r) {
+      const typename V::F w = V::set1(weights[r][j]);
+      for (int c = 0; c < kVecs; ++c) out[r][c] = V::fma(v[c], w, out[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) V::store(acc[r] + d0 + c * V::L, out[r][c]);
+}
+
+// The most vectors of a head's dims, at most `budget`, that divide them into whole chunks.
+constexpr int chunk_of(int vecs, int budget) {
+  for (int c = std::min(vecs, budget); c > 1; --c)
+    if (vecs % c == 0) return c;
+  return 1;
+}
+
+// One item over its keys, kKeys at a time: each block's keys are transposed once for all its rows.
+// kVecs = hd / L. Accumulators take at most half the registers: kScoreRows rows' scores at once,
+// kValueRows rows' value sums over kChunk vectors of dims at once.
+template <class V, int kVecs, bool kBf16>
+void attend(const Attention& p, const Item& it, const Part& part) {
+  using F = typename V::F;
+  constexpr int L = V::L, kBudget = V::kRegisters / 2;
+  constexpr int64_t hd = kVecs * L;
+  constexpr int kScoreRows = std::max<int>(1, kBudget / (kKeys / L));
+  constexpr int kChunk = chunk_of(kVecs, kBudget);
+  constexpr int kValueRows = kChunk * 4 <= kBudget ? 4 : kChunk * 2 <= kBudget ? 2 : 1;
+  const int64_t b = it.b, h = it.h, rows = it.rows, lo = it.lo, hi = it.hi;
+  alignas(64) float keys[hd * kKeys];                  // the block's keys, transposed: [hd][kKeys]
+  alignas(64) float widened[kBf16 ? kKeys * hd : 1];  // bfloat16 values as float32
+  const float* value[kKeys];
+  std::vector<float> weights(rows * kKeys), rescale(rows, 1.f);
+  float* top = part.top;
+  float* total = part.total;
+  std::fill(part.acc, part.acc + rows * hd, 0.f);
+  std::fill(top, top + rows, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + rows, 0.f);
+  std::vector<const float*> query(rows), weight(rows);
+  std::vector<float*> accumulator(rows);
+  std::vector<int32_t> at(rows);
+  for (int64_t m = 0; m < rows; ++m) {
+    at[m] = p.pos[b * p.T + it.t0 + m / p.G];
+    query[m] = p.q + p.query_at(b, it.t0 + m / p.G, h, m % p.G);
+    weight[m] = weights.data() + m * kKeys;
+    accumulator[m] = part.acc + m * hd;
+  }
+  const F scale = V::set1(p.scale), minus_inf = V::set1(-std::numeric_limits<float>::infinity());
+
+  for (int64_t s0 = lo - lo % kKeys; s0 < hi; s0 += kKeys) {
+    const int64_t n = std::min(kKeys, hi - s0);
+    for (int64_t j0 = 0; j0 < kKeys; j0 += L) {
+      for (int c = 0; c < kVecs; ++c) {
+        F r[L];
+        for (int i = 0; i < L; ++i) r[i] = j0 + i < n ? load_kv<V, kBf16>(p.k, p.key_at(b, s0 + j0 + i, h) + c * L) : V::zero();
+        V::transpose(r);
+        for (int i = 0; i < L; ++i) V::store_aligned(keys + (c * L + i) * kKeys + j0, r[i]);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if constexpr (kBf16) {
+        for (int c = 0; c < kVecs; ++c) V::store_aligned(widened + j * hd + c * L, load_kv<V, kBf16>(p.v, p.key_at(b, s0 + j, h) + c * L));
+        value[j] = widened + j * hd;
+      } else {
+        value[j] = static_cast<const float*>(p.v) + p.key_at(b, s0 + j, h);
+      }
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
+      float* w0 = weights.data() + m0 * kKeys;  // the scores, then in their place the weights
+      with_rows<kScoreRows>(std::min<int64_t>(kScoreRows, rows - m0), [&](auto count) { scores<V, decltype(count)::value>(&query[m0], keys, hd, w0); });
+      for (int64_t m = m0; m < std::min<int64_t>(rows, m0 + kScoreRows); ++m) {
+        float* w = weights.data() + m * kKeys;
+        constexpr int kBlockVecs = kKeys / L;
+        F sc[kBlockVecs];
+        typename V::Mask seen[kBlockVecs];
+        F block_top = minus_inf;
+        // visible: s <= at (causal), s < hi, and within the window where there is one
+        const int32_t after = p.window > 0 ? at[m] - static_cast<int32_t>(p.window) : -1;
+        const int32_t before = std::min<int32_t>(at[m] + 1, static_cast<int32_t>(hi));
+        for (int c = 0; c < kBlockVecs; ++c) {
+          seen[c] = V::in_range(static_cast<int32_t>(s0 + c * L), after, before);
+          sc[c] = V::mul(V::load(w + c * L), scale);
+          if (p.softcap > 0.f) {  // cap * tanh(x / cap), tanh|y| = (1 - e) / (1 + e) with e = e^{-2|y|}, then y's sign
+            const F y = V::div(sc[c], V::set1(p.softcap));
+            const F e = V::exp(V::mul(V::set1(-2.f), V::abs(y)));
+            const F t = V::div(V::sub(V::set1(1.f), e), V::add(V::set1(1.f), e));
+            sc[c] = V::mul(V::copysign(t, y), V::set1(p.softcap));
+          }
+          block_top = V::max_where(block_top, seen[c], sc[c]);
+        }
+        const float here = V::reduce_max(block_top);
+        if (here == -std::numeric_limits<float>::infinity()) {  // no key of this block is visible
+          for (int c = 0; c < kBlockVecs; ++c) V::store(w + c * L, V::zero());
+          rescale[m] = 1.f;
+          continue;
+        }
+        const float now = std::max(top[m], here);
+        rescale[m] = std::exp(top[m] - now);
+        F sum = V::zero();
+        for (int c = 0; c < kBlockVecs; ++c) {
+          const F e = V::where(seen[c], V::exp(V::sub(sc[c], V::set1(now))));
+          V::store(w + c * L, e);
+          sum = V::add(sum, e);
+        }
+        total[m] = total[m] * rescale[m] + V::reduce_add(sum);
+        top[m] = now;
+      }
+    }
+    for (int64_t d0 = 0; d0 < hd; d0 += kChunk * L) {
+      int64_t m = 0;
+      for (; m + kValueRows <= rows; m += kValueRows)
+        values<V, kValueRows, kChunk>(&accumulator[m], &weight[m], &rescale[m], value, n, d0);
+      if (m < rows)  // the rest at once: each value vector loaded once for them
+        with_rows<kValueRows>(rows - m, [&](auto count) { values<V, decltype(count)::value, kChunk>(&accumulator[m], &weight[m], &rescale[m], value, n, d0); });
+    }
+  }
+}
+
+// The attention paths of a family, by attend_slot.
+template <class V>
+void add_attention(Paths& t) {
+  t.attend[0][0] = attend<V, 32 / V::L, false>, t.attend[1][0] = attend<V, 32 / V::L, true>;
+  t.attend[0][1] = attend<V, 64 / V::L, false>, t.attend[1][1] = attend<V, 64 / V::L, true>;
+  t.attend[0][2] = attend<V, 80 / V::L, false>, t.attend[1][2] = attend<V, 80 / V::L, true>;
+  t.attend[0][3] = attend<V, 96 / V::L, false>, t.attend[1][3] = attend<V, 96 / V::L, true>;
+  t.attend[0][4] = attend<V, 128 / V::L, false>, t.attend[1][4] = attend<V, 128 / V::L, true>;
+  t.attend[0][5] = attend<V, 256 / V::L, false>, t.attend[1][5] = attend<V, 256 / V::L, true>;
+}
+
+}  // namespace simd
+}  // namespace jaxinfer

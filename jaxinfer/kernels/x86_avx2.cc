@@ -1,0 +1,243 @@
+// The AVX2 + FMA family (Haswell, Zen 1 on: most desktops and laptops): float tiles and attention on
+// 8-float vectors (simd.h), int8/int4 on VPMADDUBSW. An AVX-512 CPU takes these for whatever its own
+// family lacks, and `JAXINFER_ISA=avx2` makes it take them all.
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "paths.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include "simd.h"
+
+namespace jaxinfer {
+namespace {
+
+struct Avx2 {
+  using F = __m256;
+  using Mask = __m256;  // all ones in a lane that is in
+  static constexpr int L = 8, kRegisters = 16;
+
+  static F load(const float* a) { return _mm256_loadu_ps(a); }
+  static F load_aligned(const float* a) { return _mm256_load_ps(a); }
+  static void store(float* a, F v) { _mm256_storeu_ps(a, v); }
+  static void store_aligned(float* a, F v) { _mm256_store_ps(a, v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static F copysign(F magnitude, F sign) { return _mm256_or_ps(magnitude, _mm256_and_ps(sign, _mm256_set1_ps(-0.f))); }
+  // as Avx512::exp; 2^n built in the exponent bits (n >= -126 for x >= -87.3: a normal float)
+  static F exp(F x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const F n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(simd::exp_polynomial<Avx2>(x, n), _mm256_castsi256_ps(two_n));
+  }
+  static float reduce_max(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float reduce_add(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static F widen(const uint16_t* a) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), 16));
+  }
+  static F widen_pairs(const uint16_t* a, bool second) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+    return _mm256_castsi256_ps(second ? _mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))) : _mm256_slli_epi32(pair, 16));
+  }
+  static Mask in_range(int32_t first, int32_t lo, int32_t up) {
+    const __m256i s = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(s, _mm256_set1_epi32(lo)), _mm256_cmpgt_epi32(_mm256_set1_epi32(up), s)));
+  }
+  static F max_where(F a, Mask m, F v) { return _mm256_blendv_ps(a, _mm256_max_ps(a, v), m); }
+  static F where(Mask m, F v) { return _mm256_and_ps(m, v); }
+
+  // r[0..7] (8 keys' values at 8 dims) -> r[i] = dim i of the 8 keys.
+  static void transpose(F r[8]) {
+    F t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // per 128-bit half H: u[i + c] = dim 4H + c of keys i..i+3
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+      r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------- quantized
+// As the portable path's arithmetic: cvtps rounds to nearest even, as nearbyint.
+void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the packs' 4-byte pieces back in k order
+  for (int64_t at = 0; at < m * k_blocks; ++at) {
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) top = _mm256_max_ps(top, Avx2::abs(v[i] = _mm256_loadu_ps(x + at * kBlock + 8 * i)));
+    const float amax = Avx2::reduce_max(top);
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    xs[at] = amax / 127.f;
+    xsum[at] = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+  }
+}
+
+// VPMADDUBSW multiplies unsigned by signed bytes and adds pairs into int16, saturating; VPMADDWD
+// with ones then adds pairs of those into int32. int8: |x| times w with x's sign (llama.cpp's q8_0
+// dot): |x|, |w| <= 127 keep a pair's sum within int16. int4: the nibbles (q + 8 <= 15) times x,
+// where a pair is at most 2 · 15 · 127, so a block's 8 chunks add up in int16 (30480) before one
+// widening, and the offset comes back as 8 · sum(xq).
+// kRows rows by a group (two halves of 8 outputs), each weight vector loaded once for the rows.
+template <int kRows, int kBits>
+void qtile(const QProblem& p, int64_t g, int64_t row0) {
+  constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.q + (g * p.k_blocks + b) * weight_bytes;
+    const int32_t* xb[kRows];
+    for (int r = 0; r < kRows; ++r) xb[r] = reinterpret_cast<const int32_t*>(p.xq + ((row0 + r) * p.k_blocks + b) * kBlock);
+    __m256i dot[kRows][2];
+    if constexpr (kBits == 8) {
+      for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32));
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i x = _mm256_set1_epi32(xb[r][c]), ax = _mm256_abs_epi8(x);
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+        }
+      }
+    } else {
+      __m256i sums[kRows][2];
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+          const __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < kRows; ++r) {
+            sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_maddubs_epi16(first, _mm256_set1_epi32(xb[r][c])));
+            sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_maddubs_epi16(second, _mm256_set1_epi32(xb[r][c + 4])));
+          }
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i offset = _mm256_set1_epi32(8 * p.xsum[(row0 + r) * p.k_blocks + b]);
+        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_sub_epi32(_mm256_madd_epi16(sums[r][h], ones), offset);
+      }
+    }
+    const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
+    const __m256 sw[2] = {Avx2::widen(scale), Avx2::widen(scale + 8)};
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+}
+
+template <int kBits>
+void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t row = 0;
+    for (; row + 2 <= p.m; row += 2) qtile<2, kBits>(p, g, row);
+    if (row < p.m) qtile<1, kBits>(p, g, row);
+  }
+}
+
+// ----------------------------------------------------------------------------------------- float
+void round_values(const float* x, float* out, int64_t n) {  // as round_to_bf16
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+  }
+  for (; i < n; ++i) out[i] = round_to_bf16(x[i]);
+}
+
+// Tiles of at most 12 sums (of 16 registers), and at least 8 where the rows allow, so that FMAs'
+// latency is covered: one row by 4 groups (decode), two rows by 2, from four rows on 6 rows by one
+// group (2 weight vectors and 6 broadcasts per 12 FMAs).
+template <bool kBf16>
+void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
+  auto over = [&p, g1](int64_t g, auto rows_per_tile, auto cols) {
+    constexpr int kCols = decltype(cols)::value;
+    for (; g + kCols <= g1; g += kCols)
+      simd::frows<decltype(rows_per_tile)::value, kCols>(p, [&](auto rows, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+        simd::ftile<Avx2, decltype(rows)::value, kCols, kBf16>(p, g, row0, k0, k1, ahead);
+      });
+    return g;
+  };
+  using One = std::integral_constant<int, 1>;
+  int64_t g = g0;
+  if (p.m == 1) {
+    g = over(g, One{}, std::integral_constant<int, 4>{});
+    over(g, One{}, One{});
+  } else if (p.m <= 3) {
+    g = over(g, std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+    over(g, std::integral_constant<int, 2>{}, One{});
+  } else {
+    over(g, std::integral_constant<int, 6>{}, One{});
+  }
+}
+
+}  // namespace
+
+void add_avx2(Paths& t) {
+  if (!cpu().avx2) return;
+  t.name = "avx2";
+  t.quantize_rows = quantize_rows;
+  t.qgroups[0] = qgroups<8>;
+  t.qgroups[1] = qgroups<4>;
+  t.fgroups[0] = fgroups<false>;
+  t.fgroups[1] = fgroups<true>;
+  t.round = round_values;
+  simd::add_attention<Avx2>(t);
+}
+
+}  // namespace jaxinfer
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else
+#include "paths.h"
+
+void jaxinfer::add_avx2(Paths&) {}  // not an x86 CPU
+#endif
