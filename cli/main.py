@@ -177,6 +177,7 @@ def run(
         render.end_stream()  # before any notice the roofline may print
     if json_output or show_stats:
         result["timings"]["roofline"] = options.roofline(loaded, gen.timings, peak_flops, peak_bandwidth)
+        result["timings"]["kernels"] = loaded.kernels
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
     if show_stats:
@@ -340,10 +341,10 @@ def bench(
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
     if json_output:
         render.print_json(json.dumps({"model": str(loaded.path), "dtype": loaded.dtype, "quantize": loaded.quantize,
-                                      "kv_dtype": loaded.config.kv_dtype, "peak_flops": roofs.peak_flops,
+                                      "kv_dtype": loaded.config.kv_dtype, "kernels": loaded.kernels, "peak_flops": roofs.peak_flops,
                                       "peak_bandwidth": roofs.peak_bandwidth, "method": roofs.method, "points": rows}))
     else:
-        render.bench_table(rows, f"{loaded.path.name}, {loaded.storage}; peaks {roofs.method}")
+        render.bench_table(rows, f"{loaded.path.name}, {loaded.storage}, matrices on {loaded.kernels}; peaks {roofs.method}")
 
 
 

@@ -139,7 +139,8 @@ def stats(result: dict) -> None:
         f"decode:  {result['generated_tokens']} tokens, {t['decode_tok_s']:.1f} tok/s, "
         f"ITL mean {itl['mean']:.2f} / p50 {itl['p50']:.2f} / p90 {itl['p90']:.2f} ms"
         + (_roof(roof["decode"], "mbu") if roof else ""),
-        f"compile: {t['compile_s']:.2f} s ({cache}); finish: {result['finish_reason']}; seed: {result['seed']}",
+        f"compile: {t['compile_s']:.2f} s ({cache}); finish: {result['finish_reason']}; seed: {result['seed']}"
+        + (f"; matrices on {t['kernels']}" if "kernels" in t else ""),
     ]
     if spec := t.get("speculation"):
         lines.insert(2, f"speculation: {spec['accepted']} of {spec['drafted']} drafted tokens accepted ({spec['acceptance_rate']:.0%}), "

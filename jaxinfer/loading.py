@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import weights
+from jaxinfer import kernel, weights
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import config_from_hf
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.packed import is_packed, pack_params
+from jaxinfer.quant import is_quantized
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
@@ -62,6 +63,13 @@ class LoadedModel:
         """The matmul whose peak bounds this model's products (`roof_dtype`)."""
         layout = "packed" if any(is_packed(leaf) for leaf in self.params["layers"][0].values()) else "unpacked"
         return roof_dtype(self.dtype, layout)
+
+    @property
+    def kernels(self) -> str:
+        """The path its matrices run on: the CPU kernels' (`kernel.isa()`, as "avx2" or
+        "avx512-vnni-bf16") where they are held in one of the kernels' forms, else "XLA"."""
+        held = self.params["layers"][0].values()
+        return kernel.isa() if kernel.available() and any(is_packed(leaf) or is_quantized(leaf) for leaf in held) else "XLA"
 
     @property
     def max_positions(self) -> int:

@@ -176,13 +176,19 @@ def _medians(results: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def versions() -> str:
+    """The engines' versions, and the paths each took on this CPU: jaxinfer's kernels (`JAXINFER_ISA`
+    caps them) and the instruction sets llama.cpp was built for."""
     import jax
     import llama_cpp
     import torch
     import transformers
 
+    from jaxinfer import kernel
+
+    built = [part.split("=")[0].strip() for part in llama_cpp.llama_print_system_info().decode().split("|") if part.strip().endswith("= 1")]
     return (f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"llama-cpp-python {llama_cpp.__version__}")
+            f"llama-cpp-python {llama_cpp.__version__}; jaxinfer's kernels: {kernel.isa()}; llama.cpp built with "
+            f"{' '.join(b for b in built if b.startswith(('AVX', 'FMA', 'F16C', 'AMX', 'NEON', 'SVE')))}")
 
 
 def cpu_name() -> str:

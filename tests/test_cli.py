@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 
+from jaxinfer import kernel
+
 
 @pytest.fixture(scope="module")
 def model(tiny):
@@ -30,6 +32,8 @@ def test_json_output_and_stdin_prompt(model):
     roofline = result["timings"]["roofline"]
     assert roofline["prefill"]["mfu"] > 0 and roofline["decode"]["mbu"] > 0 and roofline["decode"]["bound"] == "memory"
     assert "TTFT" in proc.stderr and "MFU" in proc.stderr and "MBU" in proc.stderr
+    ran = kernel.isa() if kernel.vectorised() else "XLA"  # float matrices: packed for a vectorised path, else XLA's layouts
+    assert result["timings"]["kernels"] == ran and f"matrices on {ran}" in proc.stderr
 
 
 def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp_path):

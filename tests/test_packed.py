@@ -6,6 +6,7 @@ layouts is test_parity's)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,19 @@ def test_on_the_portable_path_float_matrices_stay_on_xlas_dot(isa):
         assert (layout_for_batch(1), layout_for_batch(8)) == ("out_in", "in_out")
     else:
         assert (layout_for_batch(1), layout_for_batch(8)) == ("packed", "packed")
+
+
+@needs_kernel
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="the CPU's flags are read from /proc/cpuinfo")
+def test_each_cap_names_the_family_this_cpu_has():
+    """`isa()` under each cap names the best family the CPU has at or below it, as its flags say."""
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split(":")[1].split())
+    has = {"avx512": {"avx512f", "avx512bw", "avx512vl"} <= flags, "avx2": {"avx2", "fma"} <= flags, "generic": True}
+    for cap in kernel.ISA_CAPS:
+        with kernel.capped(cap):
+            at_most = kernel.ISA_CAPS[max(kernel.ISA_CAPS.index(cap), kernel._own_cap(), 1):]  # native's family is avx512's or below
+            assert kernel.isa().split("-")[0] == next(family for family in at_most if has[family]), cap
+            assert kernel.isa().endswith("-amx") == (cap == "native" and kernel._own_cap() == 0 and "amx_tile" in flags and kernel.isa().startswith("avx512"))
 
 
 @needs_kernel
