@@ -69,9 +69,9 @@ def linear(x: jax.Array, layer: dict, name: str, cfg: ModelConfig) -> jax.Array:
 
 def layout_for_batch(batch: int, sharded: bool = False) -> str:
     """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size: packed for
-    the kernel wherever it is built with AVX-512, except over a mesh (`sharded`: the kernel's custom
-    call takes whole matrices, XLA's dot takes each device's shard); on XLA's dot, [in, out] for
-    batches and [out, in] for one row."""
+    the kernel wherever it takes a vectorised path (AVX2 or AVX-512), except over a mesh (`sharded`:
+    the kernel's custom call takes whole matrices, XLA's dot takes each device's shard); on XLA's
+    dot, [in, out] for batches and [out, in] for one row."""
     if kernel.vectorised() and not sharded:
         return "packed"
     return "in_out" if batch > 1 else "out_in"

@@ -50,7 +50,7 @@ def test_attention_kernel_matches_xla(isa, dtype, case):
     assert not ours[~live].any()  # a finished row's queries see nothing
 
 
-@pytest.mark.skipif(not kernel.vectorised(), reason="the kernel's AVX-512 paths do not run on this CPU")
+@pytest.mark.skipif(not kernel.vectorised(), reason="the kernels take no vectorised path on this CPU (neither AVX2 nor AVX-512)")
 def test_the_cache_says_who_attends():
     """A float cache on one device is the kernel's; an int8 cache, a head size the kernel has no
     path for, a mesh's cache, or any cache where the kernels are off is XLA's."""
