@@ -93,7 +93,7 @@ def machine_ceilings(
         known = json.loads(store.read_text()) if store else {}
     except (OSError, ValueError):
         known = {}
-    isa = kernel.isa() if _kernel_bf16(dtype) else None  # measured on the kernel: JAXINFER_NO_AMX has its own roof
+    isa = kernel.isa() if _kernel_bf16(dtype) else None  # measured on the kernel: each JAXINFER_ISA path has its own roof
     key = f"{machine_key()}:{dtype}" + (f":kernel {isa}, bfloat16 inputs" if isa else "")
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
