@@ -74,8 +74,8 @@ void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, i
   store_sums<V>(p, g, row0, acc);
 }
 
-// `tile(rows, row0, k0, k1, ahead)` over all rows in tiles of kRows, for kCols groups. 7–32 rows
-// (batched decode, a checking pass) go over the inputs a block at a time, and the second tile
+// `tile(rows, row0, k0, k1, ahead)` over all rows in tiles of kRows, for kCols groups. More rows
+// than a tile, up to 32 (batched decode, a checking pass), go over the inputs a block at a time, and the second tile
 // fetches the next block's weights while the others reuse this one's from L1, so the stream from
 // memory overlaps arithmetic instead of feeding the first tile alone. Measured on AVX-512 with the
 // weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
@@ -99,6 +99,19 @@ void frows(const FProblem& p, Tile&& tile) {
       if (row < p.m) with_rows<kRows - 1>(p.m - row, [&](auto rows) { tile(rows, row, k0, k1, row == kRows ? next : 0); });
     }
   }
+}
+
+// `tile(rows, cols, g, row0, k0, k1, ahead)` over groups [g0, g1): in tiles of kCols groups by kRows
+// rows (`frows`), then the groups left over one at a time.
+template <int kRows, int kCols, class Tile>
+void fgroups_in_tiles(const FProblem& p, int64_t g0, int64_t g1, Tile&& tile) {
+  int64_t g = g0;
+  auto wide = [&](auto cols) {
+    for (; g + decltype(cols)::value <= g1; g += decltype(cols)::value)
+      frows<kRows, decltype(cols)::value>(p, [&](auto rows, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) { tile(rows, cols, g, row0, k0, k1, ahead); });
+  };
+  wide(std::integral_constant<int, kCols>{});
+  if constexpr (kCols > 1) wide(std::integral_constant<int, 1>{});
 }
 
 // Cephes' expf polynomial: e^r for r = x - n ln 2 (ln 2 in two parts) where n = round(x / ln 2),

@@ -194,24 +194,15 @@ void round_values(const float* x, float* out, int64_t n) {  // as round_to_bf16
 // group (2 weight vectors and 6 broadcasts per 12 FMAs).
 template <bool kBf16>
 void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
-  auto over = [&p, g1](int64_t g, auto rows_per_tile, auto cols) {
-    constexpr int kCols = decltype(cols)::value;
-    for (; g + kCols <= g1; g += kCols)
-      simd::frows<decltype(rows_per_tile)::value, kCols>(p, [&](auto rows, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
-        simd::ftile<Avx2, decltype(rows)::value, kCols, kBf16>(p, g, row0, k0, k1, ahead);
-      });
-    return g;
+  auto tile = [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+    simd::ftile<Avx2, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, ahead);
   };
-  using One = std::integral_constant<int, 1>;
-  int64_t g = g0;
   if (p.m == 1) {
-    g = over(g, One{}, std::integral_constant<int, 4>{});
-    over(g, One{}, One{});
+    simd::fgroups_in_tiles<1, 4>(p, g0, g1, tile);
   } else if (p.m <= 3) {
-    g = over(g, std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-    over(g, std::integral_constant<int, 2>{}, One{});
+    simd::fgroups_in_tiles<2, 2>(p, g0, g1, tile);
   } else {
-    over(g, std::integral_constant<int, 6>{}, One{});
+    simd::fgroups_in_tiles<6, 1>(p, g0, g1, tile);
   }
 }
 

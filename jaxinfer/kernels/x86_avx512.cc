@@ -213,19 +213,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dtile(const
 // Tiles of 6 rows by 4 groups: 24 sums in the 32 registers.
 template <bool kBf16, bool kDot>
 void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
-  auto run = [&p](int64_t g, auto cols) {
-    constexpr int kCols = decltype(cols)::value;
-    simd::frows<6, kCols>(p, [&](auto rows, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
-      constexpr int kRows = decltype(rows)::value;
+  simd::fgroups_in_tiles<6, 4>(p, g0, g1, [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+    constexpr int kRows = decltype(rows)::value, kCols = decltype(cols)::value;
 #if defined(JAXINFER_AVX512_BF16)
-      if constexpr (kDot) return dtile<kRows, kCols>(p, g, row0, k0, k1, ahead);
+    if constexpr (kDot) return dtile<kRows, kCols>(p, g, row0, k0, k1, ahead);
 #endif
-      simd::ftile<Avx512, kRows, kCols, kBf16>(p, g, row0, k0, k1, ahead);
-    });
-  };
-  int64_t g = g0;
-  for (; g + 4 <= g1; g += 4) run(g, std::integral_constant<int, 4>{});
-  for (; g < g1; ++g) run(g, std::integral_constant<int, 1>{});
+    simd::ftile<Avx512, kRows, kCols, kBf16>(p, g, row0, k0, k1, ahead);
+  });
 }
 
 #if defined(JAXINFER_AMX)
