@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
-KERNEL_SOURCES = ("matmul", "attention", "paths", "generic", "x86_avx2", "x86_avx512")
+KERNEL_SOURCES = ("matmul", "attention", "paths", "generic", "x86_avx2", "x86_avx512", "arm_neon")
 
 
 class BuildWithFfiHeaders(build_ext):

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import importlib.machinery
 import os
+import platform
 from pathlib import Path
 
 import jax
@@ -47,18 +48,26 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-# The kernels' caps (`jaxinfer_cap_isa`), best first: the CPU's best paths, AVX-512 without AMX,
-# AVX2 + FMA, the portable C++. A cap only lowers: a CPU without AVX-512 takes AVX2 under "avx512".
-ISA_CAPS = ("native", "avx512", "avx2", "generic")
+# The kernels' caps by name → the level `jaxinfer_cap_isa` takes, best first: the CPU's best paths;
+# its best family without matrix units (x86: AVX-512 without AMX); the base vector family alone (x86:
+# AVX2 + FMA; ARM: NEON without SDOT); the portable C++. A cap only lowers: a CPU without AVX-512
+# takes AVX2 under "avx512". Each machine names only the caps its architecture has.
+_MACHINE = platform.machine().lower()
+if _MACHINE in ("x86_64", "amd64"):
+    ISA_CAPS = {"native": 0, "avx512": 1, "avx2": 2, "generic": 3}
+elif _MACHINE in ("aarch64", "arm64"):
+    ISA_CAPS = {"native": 0, "neon": 2, "generic": 3}
+else:
+    ISA_CAPS = {"native": 0, "generic": 3}
 
 
 def _own_cap() -> int:
-    """The process's cap: JAXINFER_ISA (one of ISA_CAPS, read at load), so any path can be run and
-    measured on a CPU that has a better one, or a misbehaving one turned off."""
+    """The process's cap level: JAXINFER_ISA (one of ISA_CAPS, read at load), so any path can be run
+    and measured on a CPU that has a better one, or a misbehaving one turned off."""
     asked = os.environ.get("JAXINFER_ISA", "native") or "native"
     if asked not in ISA_CAPS:
         raise JaxinferError(f"JAXINFER_ISA must be one of {', '.join(ISA_CAPS)}, not {asked!r}")
-    return ISA_CAPS.index(asked)
+    return ISA_CAPS[asked]
 
 
 @contextlib.contextmanager
@@ -66,7 +75,7 @@ def capped(path: str):
     """The kernels on `path` (one of ISA_CAPS) inside the block, or the process's own cap where that
     is lower; then back to the process's cap."""
     lib = library()
-    lib.jaxinfer_cap_isa(max(ISA_CAPS.index(path), _own_cap()))
+    lib.jaxinfer_cap_isa(max(ISA_CAPS[path], _own_cap()))
     try:
         yield
     finally:
@@ -81,7 +90,7 @@ def available() -> bool:
 
 
 def vectorised() -> bool:
-    """Available, and on a vectorised path (AVX2 or AVX-512): the portable C++ path rereads the
+    """Available, and on a vectorised path (AVX2, AVX-512, NEON): the portable C++ path rereads the
     weights for every row, fine as a fallback for quantized matrices but slower than XLA's dot for
     float ones."""
     return available() and isa() != "generic"
@@ -89,8 +98,8 @@ def vectorised() -> bool:
 
 def isa() -> str | None:
     """The paths the kernels take on this CPU under the cap, where they are built: the family
-    ('avx512', 'avx2' or 'generic') and what it adds ('-vnni', '-bf16', '-amx'), as
-    'avx512-vnni-bf16-amx'; else None."""
+    ('avx512', 'avx2', 'neon' or 'generic') and what it adds ('-vnni', '-bf16', '-amx', '-dotprod'),
+    as 'avx512-vnni-bf16-amx'; else None."""
     lib = library()
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 

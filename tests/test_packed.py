@@ -113,24 +113,37 @@ def test_on_the_portable_path_float_matrices_stay_on_xlas_dot(isa):
 @needs_kernel
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="the CPU's flags are read from /proc/cpuinfo")
 def test_each_cap_names_the_family_this_cpu_has():
-    """`isa()` under each cap names the best family the CPU has at or below it, as its flags say."""
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split(":")[1].split())
-    has = {"avx512": {"avx512f", "avx512bw", "avx512vl"} <= flags, "avx2": {"avx2", "fma"} <= flags, "generic": True}
-    for cap in kernel.ISA_CAPS:
+    """`isa()` under each cap names the best family the CPU has at or below it, and what it adds, as
+    /proc/cpuinfo's flags (x86) or features (ARM) say."""
+    key = "Features" if "neon" in kernel.ISA_CAPS else "flags"
+    lines = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(key)]
+    if not lines:  # qemu-user shows the host's
+        pytest.skip(f"/proc/cpuinfo has no {key!r} line: it describes another architecture")
+    flags = set(lines[0].split(":")[1].split())
+    families = [  # (cap level, family, the CPU has it)
+        (1, "avx512", {"avx512f", "avx512bw", "avx512vl"} <= flags),
+        (2, "avx2", {"avx2", "fma"} <= flags),
+        (2, "neon", "asimd" in flags),
+        (3, "generic", True),
+    ]
+    for cap, level in kernel.ISA_CAPS.items():
         with kernel.capped(cap):
-            at_most = kernel.ISA_CAPS[max(kernel.ISA_CAPS.index(cap), kernel._own_cap(), 1):]  # native's family is avx512's or below
-            assert kernel.isa().split("-")[0] == next(family for family in at_most if has[family]), cap
-            assert kernel.isa().endswith("-amx") == (cap == "native" and kernel._own_cap() == 0 and "amx_tile" in flags and kernel.isa().startswith("avx512"))
+            level = max(level, kernel._own_cap())
+            family, *adds = kernel.isa().split("-")
+            assert family == next(name for at, name, has in families if at >= max(level, 1) and has), cap
+            assert ("amx" in adds) == (level == 0 and "amx_tile" in flags and family == "avx512"), cap
+            assert ("dotprod" in adds) == (level < 2 and "asimddp" in flags), cap
 
 
 @needs_kernel
 def test_the_environment_picks_the_path():
-    """JAXINFER_ISA=avx2 gives the AVX2 paths where the CPU has them (a fresh process: it is read at
-    load), as the tests' cap does; a name that is no cap is refused in one line."""
+    """JAXINFER_ISA=avx2 (ARM: neon) gives the base vector paths where the CPU has them (a fresh
+    process: it is read at load), as the tests' cap does; a name that is no cap is refused in one line."""
     show = [sys.executable, "-c", "from jaxinfer import kernel; print(kernel.isa())"]
     env = {key: value for key, value in os.environ.items() if key != "JAXINFER_ISA"}
-    run = subprocess.run(show, env={**env, "JAXINFER_ISA": "avx2"}, capture_output=True, text=True, check=True)
-    with kernel.capped("avx2"):
+    base = next(cap for cap, level in kernel.ISA_CAPS.items() if level >= 2)
+    run = subprocess.run(show, env={**env, "JAXINFER_ISA": base}, capture_output=True, text=True, check=True)
+    with kernel.capped(base):
         assert run.stdout.strip() == kernel.isa()
     bad = subprocess.run(show, env={**env, "JAXINFER_ISA": "avx3"}, capture_output=True, text=True)
-    assert bad.returncode != 0 and "JAXINFER_ISA must be one of native, avx512, avx2, generic, not 'avx3'" in bad.stderr
+    assert bad.returncode != 0 and f"JAXINFER_ISA must be one of {', '.join(kernel.ISA_CAPS)}, not 'avx3'" in bad.stderr

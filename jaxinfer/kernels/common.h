@@ -25,13 +25,21 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxinfer {
 
-// JAXINFER_ISA and the tests cap the paths a CPU takes, to compare each with the one below it.
-enum Cap : int { kNative = 0, kNoAmx = 1, kNoAvx512 = 2, kPortable = 3 };
+// JAXINFER_ISA and the tests cap the paths a CPU takes, to compare each with the one below it: its
+// best; its best family without matrix units (AMX); the base vector family alone (x86: AVX2 + FMA,
+// ARM: NEON without SDOT); the portable C++.
+enum Cap : int { kNative = 0, kNoAmx = 1, kBaseVectors = 2, kPortable = 3 };
 inline std::atomic<int> isa_cap{kNative};
 
 // What this CPU has, asked once. The kernels never ask: `paths()` (paths.h) picks their table by
@@ -42,6 +50,7 @@ struct Cpu {
   bool avx512_vnni = false;  // VPDPBUSD on 512 bits
   bool avx512_bf16 = false;  // VDPBF16PS (Cooper Lake, Sapphire Rapids, Zen 4 on): CPUID 7.1 EAX bit 5
   bool amx = false;          // AMX's bfloat16 tiles, and Linux lets this process use them
+  bool dotprod = false;      // ARM's SDOT (ARMv8.2's dot-product extension: Apple M1, Graviton 2 on)
 };
 
 inline const Cpu& cpu() {
@@ -62,6 +71,13 @@ inline const Cpu& cpu() {
       c.amx = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
     }
 #endif
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+    c.dotprod = getauxval(AT_HWCAP) & (1ul << 20);  // HWCAP_ASIMDDP
+#elif defined(__aarch64__) && defined(__APPLE__)
+    int has = 0;
+    size_t size = sizeof has;
+    c.dotprod = sysctlbyname("hw.optional.arm.FEAT_DotProd", &has, &size, nullptr, 0) == 0 && has;
 #endif
     return c;
   }();

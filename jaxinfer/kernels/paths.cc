@@ -12,15 +12,19 @@ const Paths& paths() {
   std::call_once(built[cap], [cap] {
     Paths& t = tables[cap];
     add_generic(t);
-    if (cap < kPortable) add_avx2(t);
-    if (cap < kNoAvx512) add_avx512(t, cap < kNoAmx);
+    if (cap < kPortable) {
+      add_avx2(t);
+      add_neon(t, cap < kBaseVectors);
+    }
+    if (cap < kBaseVectors) add_avx512(t, cap < kNoAmx);
   });
   return tables[cap];
 }
 
 }  // namespace jaxinfer
 
-// JAXINFER_ISA and the tests: 0 the CPU's best paths, 1 no AMX, 2 no AVX-512, 3 the portable ones.
+// JAXINFER_ISA and the tests: 0 the CPU's best paths, 1 no AMX, 2 the base vector family (AVX2, NEON
+// without SDOT), 3 the portable ones.
 extern "C" void jaxinfer_cap_isa(int cap) { jaxinfer::isa_cap.store(cap); }
 
 // The paths taken under the current cap (`jaxinfer.kernel.isa()`): the family, then what it adds.

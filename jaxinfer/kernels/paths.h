@@ -1,5 +1,6 @@
 // The kernels' problems, and the table of paths that solve them: one source file per instruction-set
-// family fills its entries (generic.cc the portable reference, x86_avx2.cc, x86_avx512.cc), and
+// family fills its entries (generic.cc the portable reference, x86_avx2.cc, x86_avx512.cc,
+// arm_neon.cc), and
 // `paths()` picks the table once for this CPU and each cap, as llama.cpp's ggml-cpu/arch/ does.
 // The FFI handlers (matmul.cc, attention.cc) check shapes, share the work out and call the table.
 #pragma once
@@ -115,6 +116,7 @@ inline int attend_slot(int64_t hd) {  // where hd's path is in Paths::attend, or
 void add_generic(Paths&);
 void add_avx2(Paths&);
 void add_avx512(Paths&, bool amx);
+void add_neon(Paths&, bool dotprod);
 
 // The table for this CPU under the current cap.
 const Paths& paths();

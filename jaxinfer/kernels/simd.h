@@ -1,6 +1,7 @@
 // The float matmul tiles and the attention kernel, written once over a vector type V and included
-// inside each family's target region (x86_avx512.cc, x86_avx2.cc), so every instantiation is
-// compiled for that family's instructions. V, a struct of static functions, gives:
+// inside each family's target region (x86_avx512.cc, x86_avx2.cc; arm_neon.cc, whose base NEON needs
+// none), so every instantiation is compiled for that family's instructions. V, a struct of static
+// functions, gives:
 //   F (L floats), Mask (L lanes' flags), L, kRegisters (how many F the CPU holds);
 //   load, load_aligned, store, store_aligned, zero, set1, fma(a, b, c) = a * b + c, add, sub, mul,
 //   div, max, abs, copysign(magnitude, sign), exp (of x <= 0, within 2 ulp), reduce_max, reduce_add;
