@@ -12,7 +12,6 @@ built (no C++ compiler) the install still succeeds and models run on XLA's own m
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-
 KERNEL_SOURCES = ("matmul", "attention", "paths", "generic", "x86_avx2", "x86_avx512", "arm_neon")
 
 

@@ -22,7 +22,12 @@ def batch(
     output_path: str = typer.Option("-", "--output", "-o", metavar="OUTPUT", help="JSONL results, or '-' for stdout."),
     model: Optional[Path] = options.MODEL,
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences decoded together (slots)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        "-n",
+        help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
+    ),
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
@@ -71,7 +76,11 @@ def batch(
     if earlier and earlier.dropped:
         render.notice(f"resuming: removed a record cut short at the end of {output}: {earlier.dropped[:60]}…")
     job = Job(
-        loaded, context, max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, earlier.file if earlier else sys.stdout, earlier,
+        loaded,
+        context,
+        max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS,
+        earlier.file if earlier else sys.stdout,
+        earlier,
         speculating="speculation" in decoding,
     )
     requests = list(job.requests(lines))
@@ -81,6 +90,7 @@ def batch(
     started = time.perf_counter()
     interrupted = False
     with render.job_progress(len(requests)) as update:
+
         def on_result(record: dict) -> None:
             job.write(record)
             update(runner.stats.finished, runner.stats.generated_tokens / (time.perf_counter() - started))
@@ -92,7 +102,8 @@ def batch(
     seconds = time.perf_counter() - started
     render.notice(
         f"batch: {runner.stats.finished} of {len(requests)} done, {job.failed} bad lines, {job.skipped} skipped; "
-        f"{runner.stats.generated_tokens} tokens in {seconds:.1f} s ({runner.stats.generated_tokens / seconds:.1f} tok/s, "
+        f"{runner.stats.generated_tokens} tokens in {seconds:.1f} s ({runner.stats.generated_tokens / seconds:.1f} "
+        "tok/s, "
         f"compile {runner.stats.compile.seconds:.1f} s)"
     )
     if interrupted:

@@ -24,7 +24,12 @@ a line of \"\"\" opens a multi-line message, and another closes it; Ctrl-C stops
 def chat(
     model: Optional[Path] = options.MODEL,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Tokens per reply at most [default: generation_config.json's, else 512; at most half the context]."),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        "-n",
+        help="Tokens per reply at most [default: generation_config.json's, else 512; at most half the context].",
+    ),
     temp: Optional[float] = options.TEMP,
     top_k: Optional[int] = options.TOP_K,
     top_p: Optional[float] = options.TOP_P,
@@ -46,7 +51,11 @@ def chat(
     num_processes: Optional[int] = options.NUM_PROCESSES,
     process_id: Optional[int] = options.PROCESS_ID,
     join_timeout: Optional[float] = options.JOIN_TIMEOUT,
-    on_full: str = typer.Option("drop-oldest", "--on-full", help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error."),
+    on_full: str = typer.Option(
+        "drop-oldest",
+        "--on-full",
+        help="When the conversation outgrows the context: drop-oldest (turns, with a notice) or error.",
+    ),
 ) -> None:
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
     from jaxinfer.chat import ChatSession
@@ -60,9 +69,13 @@ def chat(
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
     context = options.context_length(loaded.max_positions, max_context)
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
-    sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    sampling = options.sampling(
+        loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
+    )
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
-    session = ChatSession(loaded, engine, sampling, budget, system, on_full, seed, tuple(map(options.unescape, stop)), ignore_eos)
+    session = ChatSession(
+        loaded, engine, sampling, budget, system, on_full, seed, tuple(map(options.unescape, stop)), ignore_eos
+    )
     if session.template.is_fallback:
         render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
     render.notice(f"chatting with {loaded.path.name} (context {context} tokens); /help for commands, Ctrl-D to leave")
@@ -132,7 +145,10 @@ def _command(session, line: str, last: dict | None) -> bool:
             session.system = arg or None
             render.notice(f"system prompt {'set' if arg else 'removed'}")
         elif name == "/stats":
-            render.notice(f"{len(session.messages)} messages, context {session.context_used} / {session.engine.max_context} tokens")
+            render.notice(
+                f"{len(session.messages)} messages, context {session.context_used} / {session.engine.max_context} "
+                "tokens"
+            )
             if last:
                 render.turn_stats(last, session.context_used, session.engine.max_context)
         elif name in ("/save", "/save!", "/load") and not arg:

@@ -20,13 +20,27 @@ app = typer.Typer(
 )
 
 EXAMPLES = {
-    "run": ['jaxinfer run "def fibonacci(n):"', 'jaxinfer run -m path/to/hf-model -p "The capital of France is" -n 64 --temp 0', 'cat notes.txt | jaxinfer run -m path/to/hf-model - --json'],
-    "chat": ['jaxinfer chat -m path/to/instruct-model', 'jaxinfer chat -m path/to/instruct-model --system "Be brief." --temp 0.7'],
-    "batch": ['jaxinfer batch requests.jsonl -o results.jsonl -b 16', 'jaxinfer batch requests.jsonl -o results.jsonl --resume', 'cat requests.jsonl | jaxinfer batch - > results.jsonl'],
-    "convert": ['jaxinfer convert path/to/hf-model path/to/converted', 'jaxinfer run -m path/to/converted "Hello"'],
-    "info": ['jaxinfer info -m path/to/hf-model', 'jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json'],
-    "perplexity": ['jaxinfer perplexity -m path/to/hf-model wiki.test.raw -c 512', 'jaxinfer perplexity -m path/to/hf-model notes.txt --quantize int4 --kl --json'],
-    "bench": ['jaxinfer bench -m path/to/hf-model -p 128,512 -b 1,8', 'jaxinfer bench -p 64 -n 64 -b 1,16 -r 3 --json'],
+    "run": [
+        'jaxinfer run "def fibonacci(n):"',
+        'jaxinfer run -m path/to/hf-model -p "The capital of France is" -n 64 --temp 0',
+        "cat notes.txt | jaxinfer run -m path/to/hf-model - --json",
+    ],
+    "chat": [
+        "jaxinfer chat -m path/to/instruct-model",
+        'jaxinfer chat -m path/to/instruct-model --system "Be brief." --temp 0.7',
+    ],
+    "batch": [
+        "jaxinfer batch requests.jsonl -o results.jsonl -b 16",
+        "jaxinfer batch requests.jsonl -o results.jsonl --resume",
+        "cat requests.jsonl | jaxinfer batch - > results.jsonl",
+    ],
+    "convert": ["jaxinfer convert path/to/hf-model path/to/converted", 'jaxinfer run -m path/to/converted "Hello"'],
+    "info": ["jaxinfer info -m path/to/hf-model", "jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json"],
+    "perplexity": [
+        "jaxinfer perplexity -m path/to/hf-model wiki.test.raw -c 512",
+        "jaxinfer perplexity -m path/to/hf-model notes.txt --quantize int4 --kl --json",
+    ],
+    "bench": ["jaxinfer bench -m path/to/hf-model -p 128,512 -b 1,8", "jaxinfer bench -p 64 -n 64 -b 1,16 -r 3 --json"],
 }
 
 
@@ -50,16 +64,24 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+    debug: bool = typer.Option(
+        False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."
+    ),
     threads: Optional[int] = typer.Option(
-        None, "--threads", "-t", help="CPU cores XLA may use (llama.cpp's -t): the process is pinned to that many [default: all]."
+        None,
+        "--threads",
+        "-t",
+        help="CPU cores XLA may use (llama.cpp's -t): the process is pinned to that many [default: all].",
     ),
     compile_cache: Optional[str] = typer.Option(
         None,
         "--compile-cache",
         metavar="DIR",
-        help="Persistent XLA compilation cache (default: $JAXINFER_CACHE_DIR or ~/.cache/jaxinfer/xla; '' turns it off).",
+        help="Persistent XLA compilation cache (default: $JAXINFER_CACHE_DIR or ~/.cache/jaxinfer/xla; '' turns it "
+        "off).",
     ),
 ) -> None:
     global _debug
@@ -105,10 +127,19 @@ def _names_a_directory(text: str) -> bool:
 @app.command(epilog=_epilog("run"))
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Text to continue; '-' reads stdin."),
-    prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as llama.cpp and mlx-lm take it."),
-    prompt_file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin)."),
+    prompt_option: Optional[str] = typer.Option(
+        None, "--prompt", "-p", help="The prompt, as llama.cpp and mlx-lm take it."
+    ),
+    prompt_file: Optional[Path] = typer.Option(
+        None, "--file", "-f", help="Read the prompt from this file ('-': stdin)."
+    ),
     model: Optional[Path] = options.MODEL,
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}]."),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        "-n",
+        help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
+    ),
     temp: Optional[float] = options.TEMP,
     top_k: Optional[int] = options.TOP_K,
     top_p: Optional[float] = options.TOP_P,
@@ -131,8 +162,12 @@ def run(
     num_processes: Optional[int] = options.NUM_PROCESSES,
     process_id: Optional[int] = options.PROCESS_ID,
     join_timeout: Optional[float] = options.JOIN_TIMEOUT,
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of streaming text."),
-    show_stats: bool = typer.Option(True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."),
+    json_output: bool = typer.Option(
+        False, "--json", help="Print one JSON object on stdout instead of streaming text."
+    ),
+    show_stats: bool = typer.Option(
+        True, "--stats/--no-stats", help="Per-phase timings and roofline (MFU, MBU) on stderr."
+    ),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
@@ -140,12 +175,13 @@ def run(
     from jaxinfer.engine import Engine
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
-
     from jaxinfer.processes import share
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit
-            raise JaxinferError(f"{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} \"PROMPT\"")
+            raise JaxinferError(
+                f'{prompt} is a directory, not a prompt: to run the model in it, jaxinfer run -m {prompt} "PROMPT"'
+            )
         text = _read_prompt(prompt, prompt_option, prompt_file, escape)
         if not text.strip():
             raise JaxinferError("the prompt is empty: give some text to continue")
@@ -157,13 +193,24 @@ def run(
     text = share(read)  # the first process reads it (its stdin, its files)
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
     decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
-    sampling = options.sampling(loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    sampling = options.sampling(
+        loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
+    )
     context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
-    gen = Generation(loaded, engine, prompt_ids, sampling, max_tokens, seed, tuple(map(options.unescape, stop)), ignore_eos=ignore_eos)
+    gen = Generation(
+        loaded,
+        engine,
+        prompt_ids,
+        sampling,
+        max_tokens,
+        seed,
+        tuple(map(options.unescape, stop)),
+        ignore_eos=ignore_eos,
+    )
     try:
         if json_output:
             for _ in gen:
@@ -194,8 +241,17 @@ app.command(epilog=_epilog("batch"))(batch.batch)
 def convert(
     source: Path = typer.Argument(..., help="Hugging Face model directory, or a hub id (org/name)."),
     destination: Path = typer.Argument(..., help="New directory for the converted model."),
-    dtype: str = typer.Option("auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."),
-    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", metavar="int8|int4", show_default=False, help="Store the weight matrices quantized (as run --quantize does at load); running the result needs no flag."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."
+    ),
+    quantize: Optional[str] = typer.Option(
+        None,
+        "--quantize",
+        "-q",
+        metavar="int8|int4",
+        show_default=False,
+        help="Store the weight matrices quantized (as run --quantize does at load); running the result needs no flag.",
+    ),
 ) -> None:
     """Convert a Hugging Face checkpoint to an orbax checkpoint (with its config and tokenizer)."""
     import time
@@ -212,12 +268,23 @@ def convert(
 def perplexity(
     file: Path = typer.Argument(..., help="Text file to score ('-': stdin)."),
     model: Optional[Path] = options.MODEL,
-    max_context: int = typer.Option(512, "--max-context", "--ctx-size", "-c", help="Tokens per window (llama-perplexity's -c)."),
-    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens a window advances; each scores only tokens the previous did not [default: half the window]."),
+    max_context: int = typer.Option(
+        512, "--max-context", "--ctx-size", "-c", help="Tokens per window (llama-perplexity's -c)."
+    ),
+    stride: Optional[int] = typer.Option(
+        None,
+        "--stride",
+        help="Tokens a window advances; each scores only tokens the previous did not [default: half the window].",
+    ),
     dtype: str = options.DTYPE,
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
-    kl: bool = typer.Option(False, "--kl", help="Also run the model at full precision (float32, unquantized weights and KV cache): KL divergence from it and top-1 agreement, per token."),
+    kl: bool = typer.Option(
+        False,
+        "--kl",
+        help="Also run the model at full precision (float32, unquantized weights and KV cache): KL divergence from it "
+        "and top-1 agreement, per token.",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a line."),
 ) -> None:
     """Perplexity of a text under the model, over sliding windows: how to judge a quantization."""
@@ -227,14 +294,22 @@ def perplexity(
     options.check_positive(max_context=max_context, stride=stride)
     text = _read_prompt(None, None, file, escape=False)
     if kl and not (quantize or kv_dtype or dtype in ("bfloat16", "float16")):
-        raise JaxinferError("--kl compares against the model at full precision: give --quantize, --kv-dtype or a 16-bit --dtype too")
+        raise JaxinferError(
+            "--kl compares against the model at full precision: give --quantize, --kv-dtype or a 16-bit --dtype too"
+        )
     loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
     plain = options.load(model, "float32") if kl else None
     reference = (plain.config, plain.params) if kl else None
     ids = loaded.tokenizer.encode(text)
     with render.progress("scoring") as progress:
         result = measure(loaded.config, loaded.params, ids, max_context, stride, reference, progress)
-    result = {"model": str(loaded.path), "dtype": loaded.dtype, "quantize": loaded.quantize, "kv_dtype": loaded.config.kv_dtype, **result}
+    result = {
+        "model": str(loaded.path),
+        "dtype": loaded.dtype,
+        "quantize": loaded.quantize,
+        "kv_dtype": loaded.config.kv_dtype,
+        **result,
+    }
     if json_output:
         render.print_json(json.dumps(result))
     else:
@@ -254,7 +329,9 @@ def info(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
-    measure: bool = typer.Option(False, "--measure", help="Probe the machine's roofs again (on an idle machine); each roof keeps its best probe."),
+    measure: bool = typer.Option(
+        False, "--measure", help="Probe the machine's roofs again (on an idle machine); each roof keeps its best probe."
+    ),
 ) -> None:
     """Sizes, memory and the roofline's TTFT and ITL for a model on this machine (weights not loaded)."""
     from dataclasses import replace
@@ -277,8 +354,17 @@ def info(
     roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
     storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout))
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
-    facts = model_facts(cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared)
-    facts = {"model": str(model_dir), "architecture": cfg.architecture, "dtype": chosen, "quantize": quantize, "kv_dtype": cfg.kv_dtype, **facts}
+    facts = model_facts(
+        cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared
+    )
+    facts = {
+        "model": str(model_dir),
+        "architecture": cfg.architecture,
+        "dtype": chosen,
+        "quantize": quantize,
+        "kv_dtype": cfg.kv_dtype,
+        **facts,
+    }
     if json_output:
         render.print_json(json.dumps(facts))
     else:
@@ -300,11 +386,19 @@ def _int_list(text: str, flag: str) -> list[int]:
 @app.command(epilog=_epilog("bench"))
 def bench(
     model: Optional[Path] = options.MODEL,
-    prompts: str = typer.Option("128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."),
+    prompts: str = typer.Option(
+        "128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."
+    ),
     new_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per row at each point."),
     batches: str = typer.Option("1,8", "--batch-size", "-b", help="Batch sizes to sweep, comma-separated."),
     repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", "-c", help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets its rows reach."),
+    max_context: Optional[int] = typer.Option(
+        None,
+        "--max-context",
+        "-c",
+        help="Cache positions allocated [default: each point's prompt + new tokens]; decode reads only the kv buckets "
+        "its rows reach.",
+    ),
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
     num_draft: Optional[int] = options.NUM_DRAFT,
@@ -313,11 +407,17 @@ def bench(
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
     devices: Optional[str] = typer.Option(
-        None, "--devices", metavar="N,...", show_default=False,
-        help="Device counts to sweep, comma-separated: the model spread over each in turn, as run --devices N does [default: 1 on the CPU, every local GPU/TPU otherwise].",
+        None,
+        "--devices",
+        metavar="N,...",
+        show_default=False,
+        help="Device counts to sweep, comma-separated: the model spread over each in turn, as run --devices N does "
+        "[default: 1 on the CPU, every local GPU/TPU otherwise].",
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-    plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."),
+    plot_file: Optional[Path] = typer.Option(
+        None, "--plot", metavar="FILE.png", help="Also draw TTFT and decode speed beside their roofline."
+    ),
     peak_flops: Optional[float] = options.PEAK_FLOPS,
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
@@ -328,7 +428,8 @@ def bench(
     device_list = _int_list(devices, "--devices") if devices else [None]
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
     flags = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
-    options.mesh(max(device_list, key=lambda n: n or 0))  # on the CPU: all the devices any count needs, before JAX starts
+    # on the CPU: all the devices any count needs, before JAX starts
+    options.mesh(max(device_list, key=lambda n: n or 0))
     rows = []
     for count in device_list:  # loaded again for each: onto its devices, in its layout, as run would
         mesh = options.mesh(count)
@@ -336,17 +437,40 @@ def bench(
         decoding = options.load_draft(draft_model, loaded, flags, dtype, quantize)
         roofs = options.ceilings(loaded.roofed_in, peak_flops, peak_bandwidth)
         with render.progress(f"benchmarking{f' on {mesh.size} devices' if mesh else ''}") as progress:
-            rows += benchmark.sweep(loaded.config, loaded.params, prompt_list, batch_list, max(2, new_tokens), repeat, roofs, progress, max_context, **decoding)
+            rows += benchmark.sweep(
+                loaded.config,
+                loaded.params,
+                prompt_list,
+                batch_list,
+                max(2, new_tokens),
+                repeat,
+                roofs,
+                progress,
+                max_context,
+                **decoding,
+            )
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
     if json_output:
-        render.print_json(json.dumps({"model": str(loaded.path), "dtype": loaded.dtype, "quantize": loaded.quantize,
-                                      "kv_dtype": loaded.config.kv_dtype, "kernels": loaded.kernels, "peak_flops": roofs.peak_flops,
-                                      "peak_bandwidth": roofs.peak_bandwidth, "method": roofs.method, "points": rows}))
+        render.print_json(
+            json.dumps(
+                {
+                    "model": str(loaded.path),
+                    "dtype": loaded.dtype,
+                    "quantize": loaded.quantize,
+                    "kv_dtype": loaded.config.kv_dtype,
+                    "kernels": loaded.kernels,
+                    "peak_flops": roofs.peak_flops,
+                    "peak_bandwidth": roofs.peak_bandwidth,
+                    "method": roofs.method,
+                    "points": rows,
+                }
+            )
+        )
     else:
-        render.bench_table(rows, f"{loaded.path.name}, {loaded.storage}, matrices on {loaded.kernels}; peaks {roofs.method}")
-
-
+        render.bench_table(
+            rows, f"{loaded.path.name}, {loaded.storage}, matrices on {loaded.kernels}; peaks {roofs.method}"
+        )
 
 
 def main() -> None:

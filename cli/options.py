@@ -17,69 +17,149 @@ DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_NUM_DRAFT = 4
 SPECULATE_METHODS = ("ngram",)
 
-MODEL = typer.Option(None, "--model", "-m", help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].")
+MODEL = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].",
+)
 TEMP = typer.Option(None, "--temp", "--temperature", help="Sampling temperature; 0 is greedy [default: the model's].")
 TOP_K = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off.")
 TOP_P = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whose probability reaches p.")
 MIN_P = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one.")
-REPEAT_PENALTY = typer.Option(None, "--repeat-penalty", "--repetition-penalty", help="Penalise tokens already present (1 is off).")
-SEED = typer.Option(None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported].")
-MAX_CONTEXT = typer.Option(None, "--max-context", "--ctx-size", "-c", help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].")
-PEAK_FLOPS = typer.Option(None, "--peak-flops", help="Peak FLOP/s to measure MFU against (e.g. a datasheet figure) [default: measured once per machine].")
-PEAK_BANDWIDTH = typer.Option(None, "--peak-bandwidth", help="Peak memory bandwidth in bytes/s for MBU [default: measured once per machine].")
+REPEAT_PENALTY = typer.Option(
+    None, "--repeat-penalty", "--repetition-penalty", help="Penalise tokens already present (1 is off)."
+)
+SEED = typer.Option(
+    None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported]."
+)
+MAX_CONTEXT = typer.Option(
+    None,
+    "--max-context",
+    "--ctx-size",
+    "-c",
+    help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].",
+)
+PEAK_FLOPS = typer.Option(
+    None,
+    "--peak-flops",
+    help="Peak FLOP/s to measure MFU against (e.g. a datasheet figure) [default: measured once per machine].",
+)
+PEAK_BANDWIDTH = typer.Option(
+    None, "--peak-bandwidth", help="Peak memory bandwidth in bytes/s for MBU [default: measured once per machine]."
+)
 PREFILL_CHUNK = typer.Option(
-    None, "--prefill-chunk", metavar="N", show_default=False,
+    None,
+    "--prefill-chunk",
+    metavar="N",
+    show_default=False,
     help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
     "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted "
     "[default: 512 where the CPU attention kernel runs, else 128].",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")
-ESCAPE = typer.Option(True, "--escape/--no-escape", help="Read \\n, \\t, \\r, \\\\, \\' and \\\" in a typed prompt as llama.cpp's -e does (--stop always reads them).")
+ESCAPE = typer.Option(
+    True,
+    "--escape/--no-escape",
+    help="Read \\n, \\t, \\r, \\\\, \\' and \\\" in a typed prompt as llama.cpp's -e does (--stop always reads them).",
+)
 QUANTIZE = typer.Option(
-    None, "--quantize", "-q", metavar="int8|int4", show_default=False,
+    None,
+    "--quantize",
+    "-q",
+    metavar="int8|int4",
+    show_default=False,
     help="Quantize the weight matrices as they load, in blocks of 32: int8 (as llama.cpp's q8_0) or int4 (q4_0). "
     "Decode reads 3.8× (int8) or 7× (int4) fewer bytes than float32. A model converted with --quantize needs no flag.",
 )
 KV_DTYPE = typer.Option(
-    None, "--kv-dtype", metavar="auto|int8", show_default=False,
-    help="KV cache storage: auto (the compute dtype) or int8 (a scale per position and head: 3.8× the context of float32 fits) [default: auto].",
+    None,
+    "--kv-dtype",
+    metavar="auto|int8",
+    show_default=False,
+    help="KV cache storage: auto (the compute dtype) or int8 (a scale per position and head: 3.8× the context of "
+    "float32 fits) [default: auto].",
 )
 SPECULATE = typer.Option(
-    None, "--speculate", metavar="ngram", show_default=False,
-    help="Speculative decoding: ngram drafts the next tokens from the text so far (prompt lookup) and checks them in one pass "
-    "over the weights; the output is exactly what plain decoding gives. Pays on text that repeats itself (code edits, quotes).",
+    None,
+    "--speculate",
+    metavar="ngram",
+    show_default=False,
+    help="Speculative decoding: ngram drafts the next tokens from the text so far (prompt lookup) and checks them in "
+    "one pass "
+    "over the weights; the output is exactly what plain decoding gives. Pays on text that repeats itself (code edits, "
+    "quotes).",
 )
 NUM_DRAFT = typer.Option(
-    None, "--num-draft", "--draft-max", "--num-draft-tokens", metavar="K", show_default=False,
+    None,
+    "--num-draft",
+    "--draft-max",
+    "--num-draft-tokens",
+    metavar="K",
+    show_default=False,
     help=f"Tokens drafted per step with --speculate or --draft-model [default: {DEFAULT_NUM_DRAFT}].",
 )
 DRAFT_MODEL = typer.Option(
-    None, "--draft-model", "--model-draft", metavar="DIR", show_default=False,
-    help="Speculative decoding with a small model that shares the tokenizer: it drafts the next tokens, the model checks them "
-    "in one pass; the output is exactly what plain decoding gives. Loaded with the same --dtype, --quantize and --kv-dtype.",
+    None,
+    "--draft-model",
+    "--model-draft",
+    metavar="DIR",
+    show_default=False,
+    help="Speculative decoding with a small model that shares the tokenizer: it drafts the next tokens, the model "
+    "checks them "
+    "in one pass; the output is exactly what plain decoding gives. Loaded with the same --dtype, --quantize and "
+    "--kv-dtype.",
 )
 DEVICES = typer.Option(
-    None, "--devices", metavar="N", show_default=False,
-    help="Devices to spread the model over (tensor parallel: attention heads, the MLP and the vocabulary split, the KV cache by kv heads) "
-    "[default: 1 on the CPU, every local GPU/TPU otherwise]. On the CPU, N devices share the same cores: a way to test, not a speed-up.",
+    None,
+    "--devices",
+    metavar="N",
+    show_default=False,
+    help="Devices to spread the model over (tensor parallel: attention heads, the MLP and the vocabulary split, the KV "
+    "cache by kv heads) "
+    "[default: 1 on the CPU, every local GPU/TPU otherwise]. On the CPU, N devices share the same cores: a way to "
+    "test, not a speed-up.",
 )
 _PROCESSES = "Multi-process (jax.distributed: one mesh over several processes or hosts)"
 COORDINATOR = typer.Option(
-    None, "--coordinator", metavar="HOST:PORT", show_default=False, envvar="JAX_COORDINATOR_ADDRESS", rich_help_panel=_PROCESSES,
+    None,
+    "--coordinator",
+    metavar="HOST:PORT",
+    show_default=False,
+    envvar="JAX_COORDINATOR_ADDRESS",
+    rich_help_panel=_PROCESSES,
     help="Join other jaxinfer processes started with the same flags into one mesh: process 0 listens at this address, "
     "reads the input and prints; the others hold their share of the model and stay quiet.",
 )
 NUM_PROCESSES = typer.Option(
-    None, "--num-processes", metavar="P", show_default=False, rich_help_panel=_PROCESSES,
-    help="How many processes join [default: what SLURM or Open MPI set]. --devices counts all of theirs (an equal share each).",
+    None,
+    "--num-processes",
+    metavar="P",
+    show_default=False,
+    rich_help_panel=_PROCESSES,
+    help="How many processes join [default: what SLURM or Open MPI set]. --devices counts all of theirs (an equal "
+    "share each).",
 )
-PROCESS_ID = typer.Option(None, "--process-id", metavar="I", show_default=False, rich_help_panel=_PROCESSES, help="This process's number, 0 to P-1 [default: SLURM's or Open MPI's].")
+PROCESS_ID = typer.Option(
+    None,
+    "--process-id",
+    metavar="I",
+    show_default=False,
+    rich_help_panel=_PROCESSES,
+    help="This process's number, 0 to P-1 [default: SLURM's or Open MPI's].",
+)
 JOIN_TIMEOUT = typer.Option(
-    None, "--join-timeout", metavar="SECONDS", show_default=False, rich_help_panel=_PROCESSES,
+    None,
+    "--join-timeout",
+    metavar="SECONDS",
+    show_default=False,
+    rich_help_panel=_PROCESSES,
     help="How long to wait for every process to join before giving up [default: 120].",
 )
-DTYPE = typer.Option("auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16.")
+DTYPE = typer.Option(
+    "auto", "--dtype", help="Weight dtype: auto (the checkpoint's; float32 on CPU), float32, bfloat16, float16."
+)
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
@@ -129,7 +209,14 @@ def speculation(speculate: Optional[str], num_draft: Optional[int], draft_model:
     return {"speculation": Speculation(draft=num_draft or DEFAULT_NUM_DRAFT)}
 
 
-def load_draft(draft_model: Optional[Path], target, decoding: dict, dtype: str, quantize: Optional[str], layout: Optional[str] = None) -> dict:
+def load_draft(
+    draft_model: Optional[Path],
+    target,
+    decoding: dict,
+    dtype: str,
+    quantize: Optional[str],
+    layout: Optional[str] = None,
+) -> dict:
     """`--draft-model`, loaded with the target's flags (onto its devices) and checked to share its
     tokenizer, added to the decoding keywords."""
     from jaxinfer.loading import check_draft
@@ -139,10 +226,19 @@ def load_draft(draft_model: Optional[Path], target, decoding: dict, dtype: str, 
         return decoding
     draft = load(draft_model, dtype, layout, quantize, target.config.kv_dtype, mesh_of(target.params))
     check_draft(target, draft)
-    return decoding | {"speculation": replace(decoding["speculation"], model=draft.config), "draft_params": draft.params}
+    return decoding | {
+        "speculation": replace(decoding["speculation"], model=draft.config),
+        "draft_params": draft.params,
+    }
 
 
-def mesh(devices: Optional[int], coordinator: Optional[str] = None, num_processes: Optional[int] = None, process_id: Optional[int] = None, join_timeout: Optional[float] = None):
+def mesh(
+    devices: Optional[int],
+    coordinator: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+    join_timeout: Optional[float] = None,
+):
     """`--devices` as a mesh (None for one device), over the processes the multi-process flags join;
     a process other than the first prints nothing but errors from here on. First thing in a command:
     on the CPU, the number of devices is fixed when JAX starts."""
@@ -167,7 +263,14 @@ def mesh(devices: Optional[int], coordinator: Optional[str] = None, num_processe
     return mesh
 
 
-def load(model: Optional[Path], dtype: str, layout: Optional[str] = None, quantize: Optional[str] = None, kv_dtype: Optional[str] = None, mesh=None):
+def load(
+    model: Optional[Path],
+    dtype: str,
+    layout: Optional[str] = None,
+    quantize: Optional[str] = None,
+    kv_dtype: Optional[str] = None,
+    mesh=None,
+):
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import load_model
     from jaxinfer.quant import check_method
@@ -185,7 +288,10 @@ def sampling(loaded, **flags):
 
 def context_length(max_positions: int, max_context: Optional[int]) -> int:
     if max_context and max_context > max_positions:
-        render.notice(f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect worse text past them")
+        render.notice(
+            f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect worse "
+            "text past them"
+        )
     return max_context or min(max_positions, DEFAULT_MAX_CONTEXT)
 
 
@@ -194,7 +300,9 @@ def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[f
     again with `remeasure`, with a notice)."""
     from jaxinfer.ceilings import machine_ceilings
 
-    announce = lambda: render.notice(f"measuring this machine's peak FLOP/s and memory bandwidth{'' if remeasure else ' (once)'}…")  # noqa: E731
+    def announce():
+        render.notice(f"measuring this machine's peak FLOP/s and memory bandwidth{'' if remeasure else ' (once)'}…")
+
     return machine_ceilings(dtype, peak_flops, peak_bandwidth, announce, remeasure)
 
 

@@ -122,8 +122,16 @@ def _si(value: float, unit: str) -> str:
 
 def _roof(phase: dict, headline: str) -> str:
     """Where a phase sits: its achieved rate against the roof that bounds it."""
-    achieved = f"{_si(phase['flop_s'], 'FLOP/s')}, MFU {phase['mfu']:.1%}" if headline == "mfu" else f"{_si(phase['bytes_s'], 'B/s')}, MBU {phase['mbu']:.1%}"
-    above = "; above 100%: data in cache, or roofs probed under load: jaxinfer info --measure" if phase[headline] > 1 else ""
+    achieved = (
+        f"{_si(phase['flop_s'], 'FLOP/s')}, MFU {phase['mfu']:.1%}"
+        if headline == "mfu"
+        else f"{_si(phase['bytes_s'], 'B/s')}, MBU {phase['mbu']:.1%}"
+    )
+    above = (
+        "; above 100%: data in cache, or roofs probed under load: jaxinfer info --measure"
+        if phase[headline] > 1
+        else ""
+    )
     return f" · {achieved} ({phase['bound']}-bound, {phase['intensity']:.1f} FLOP/B{above})"
 
 
@@ -143,10 +151,16 @@ def stats(result: dict) -> None:
         + (f"; matrices on {t['kernels']}" if "kernels" in t else ""),
     ]
     if spec := t.get("speculation"):
-        lines.insert(2, f"speculation: {spec['accepted']} of {spec['drafted']} drafted tokens accepted ({spec['acceptance_rate']:.0%}), "
-                        f"{spec['tokens_per_step']:.2f} tokens per decode step")
+        lines.insert(
+            2,
+            f"speculation: {spec['accepted']} of {spec['drafted']} drafted tokens accepted "
+            f"({spec['acceptance_rate']:.0%}), "
+            f"{spec['tokens_per_step']:.2f} tokens per decode step",
+        )
     if roof:
-        lines.append(f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})")
+        lines.append(
+            f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})"
+        )
     err.print("\n".join(lines), style="dim", markup=False)
 
 
@@ -158,9 +172,13 @@ def _bytes(n: float) -> str:
 
 
 def perplexity(result: dict) -> None:
-    line = f"perplexity {result['perplexity']:.4f} (nll {result['nll']:.4f}/token) over {result['tokens']} tokens, {result['windows']} windows of {result['context']}"
+    line = (
+        f"perplexity {result['perplexity']:.4f} (nll {result['nll']:.4f}/token) over {result['tokens']} tokens, "
+        f"{result['windows']} windows of {result['context']}"
+    )
     if "kl_divergence" in result:
-        line += f"; vs unquantized: KL {result['kl_divergence']:.5f}/token, top-1 agreement {100 * result['top1_agreement']:.2f}%"
+        kl, agreement = result["kl_divergence"], result["top1_agreement"]
+        line += f"; vs unquantized: KL {kl:.5f}/token, top-1 agreement {100 * agreement:.2f}%"
     out.print(line)
 
 
@@ -172,21 +190,40 @@ def model_info(facts: dict) -> None:
     rows = [
         ("model", f"{facts['model']} ({facts['architecture']})"),
         ("parameters", f"{facts['parameters']:,}"),
-        ("weights", f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16 · {_bytes(w['int8'])} int8 · {_bytes(w['int4'])} int4"),
-        ("running", facts["dtype"] + (f", matrices {facts['quantize']} ({_bytes(facts['stored_weight_bytes'])})" if facts["quantize"] else "")),
-        ("KV cache per token", _bytes(facts["kv_bytes_per_token"]) + (f" ({facts['kv_dtype']})" if facts["kv_dtype"] else "")),
+        (
+            "weights",
+            f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16 · {_bytes(w['int8'])} int8 · "
+            f"{_bytes(w['int4'])} int4",
+        ),
+        (
+            "running",
+            facts["dtype"]
+            + (f", matrices {facts['quantize']} ({_bytes(facts['stored_weight_bytes'])})" if facts["quantize"] else ""),
+        ),
+        (
+            "KV cache per token",
+            _bytes(facts["kv_bytes_per_token"]) + (f" ({facts['kv_dtype']})" if facts["kv_dtype"] else ""),
+        ),
         (
             f"memory at context {facts['context']:,} × batch {facts['batch']}",
             f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache)",
         ),
         *(
-            [(f"per device, over {facts['devices']}", f"{_bytes(facts['weight_bytes_per_device'])} weights, {_bytes(facts['kv_bytes_per_token_per_device'])} KV per token")]
-            if facts["devices"] > 1 else []
+            [
+                (
+                    f"per device, over {facts['devices']}",
+                    f"{_bytes(facts['weight_bytes_per_device'])} weights, "
+                    f"{_bytes(facts['kv_bytes_per_token_per_device'])} KV per token",
+                )
+            ]
+            if facts["devices"] > 1
+            else []
         ),
         ("device memory available", _bytes(facts["device_memory_bytes"])),
         (
             "longest context that fits",
-            f"{facts['longest_context_that_fits']:,} tokens (the model was trained for {facts['max_position_embeddings']:,})",
+            f"{facts['longest_context_that_fits']:,} tokens (the model was trained for "
+            f"{facts['max_position_embeddings']:,})",
         ),
         ("peaks", f"{_si(facts['peak_flops'], 'FLOP/s')}, {_si(facts['peak_bandwidth'], 'B/s')} ({facts['method']})"),
         (f"predicted TTFT, {facts['prompt_tokens']:,}-token prompt", f"{facts['predicted_ttft_s'] * 1000:.1f} ms"),
@@ -212,9 +249,26 @@ def bench_table(rows: list[dict], caption: str) -> None:
     def ms(x: float) -> str:
         return f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
-    table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1), pad_edge=False)
+    table = Table(
+        caption=caption,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 0, 0, 1),
+        pad_edge=False,
+    )
     meshes = any(r["devices"] > 1 for r in rows)  # each batch over its devices, on a second line
-    for name in ("prompt", "batch\ndevices" if meshes else "batch", "TTFT ms\n(min–max)", "prefill\ntok/s", "MFU", "decode\ntok/s\n(min–max)", "ITL ms\np50/p99", "MBU", "compile\ns"):
+    for name in (
+        "prompt",
+        "batch\ndevices" if meshes else "batch",
+        "TTFT ms\n(min–max)",
+        "prefill\ntok/s",
+        "MFU",
+        "decode\ntok/s\n(min–max)",
+        "ITL ms\np50/p99",
+        "MBU",
+        "compile\ns",
+    ):
         table.add_column(name, justify="right", overflow="fold")
     for r in rows:
         ttft, dec = {k: v * 1000 for k, v in r["ttft_s"].items()}, r["decode_tok_s"]
@@ -232,7 +286,9 @@ def bench_table(rows: list[dict], caption: str) -> None:
     speculated = [r for r in rows if "speculation" in r]
     if speculated:
         table.caption += "\nspeculation, drafts kept and tokens per decode step: " + "; ".join(
-            f"{r['prompt_tokens']}×{r['batch']}: {r['speculation']['acceptance_rate']:.0%}, {r['speculation']['tokens_per_step']:.2f}" for r in speculated
+            f"{r['prompt_tokens']}×{r['batch']}: {r['speculation']['acceptance_rate']:.0%}, "
+            f"{r['speculation']['tokens_per_step']:.2f}"
+            for r in speculated
         )
     out.print(table)
 

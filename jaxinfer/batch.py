@@ -1,11 +1,12 @@
 """Continuous batching: B sequence slots over one preallocated cache (`kvcache`).
 
-Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows
-only; a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the same `decode` loop as `run`, which here stops as soon as any row
-finishes: its result is handed over at once and a waiting request takes the slot while the others
-keep going. Every row samples with keys from its own seed and positions, so a result does not depend
-on its batch-mates, the batch size or its slot. `continuous=False` is static batching (a new group only once every slot is free),
-kept to measure the difference.
+Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows only;
+a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the
+same `decode` loop as `run`, which here stops as soon as any row finishes: its result is handed over at
+once and a waiting request takes the slot while the others keep going. Every row samples with keys from
+its own seed and positions, so a result does not depend on its batch-mates, the batch size or its slot.
+`continuous=False` is static batching (a new group only once every slot is free), kept to measure the
+difference.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream
 from jaxinfer.loading import LoadedModel
+from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.processes import stop_point
 from jaxinfer.slots import Admission, Slots
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
@@ -63,11 +64,18 @@ class BatchStats:
 
 class BatchRunner:
     def __init__(
-        self, model: LoadedModel, batch_size: int, max_context: int, prefill_chunk: int | None = None, speculation: Speculation = Speculation(),
+        self,
+        model: LoadedModel,
+        batch_size: int,
+        max_context: int,
+        prefill_chunk: int | None = None,
+        speculation: Speculation = Speculation(),
         draft_params: dict | None = None,
     ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
-        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation, draft_params)
+        self.slots = Slots(
+            model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation, draft_params
+        )
         self.stats = BatchStats()
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:
@@ -103,11 +111,19 @@ class BatchRunner:
         for _, request in admitted:
             n = len(request.prompt_ids)
             if not 0 < n < n + request.max_tokens <= self.max_context:
-                raise JaxinferError(f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the context of {self.max_context}")
+                raise JaxinferError(
+                    f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the "
+                    f"context of {self.max_context}"
+                )
         if not admitted:
             return
         self.slots.admit(
-            [Admission(i, r.prompt_ids, r.max_tokens, r.seed, r.sampling, ignore_eos=r.ignore_eos, speculate=r.speculate) for i, r in admitted],
+            [
+                Admission(
+                    i, r.prompt_ids, r.max_tokens, r.seed, r.sampling, ignore_eos=r.ignore_eos, speculate=r.speculate
+                )
+                for i, r in admitted
+            ],
             self.stats.compile,
         )
         now = time.perf_counter()
@@ -141,9 +157,18 @@ class BatchRunner:
             if done[i] or slot.text.stopped:
                 finished[i] = True
                 self.stats.finished += 1
-                eos = bool(done[i]) and not slot.request.ignore_eos and int(tokens[i, length[i] - 1]) in self.model.eos_ids
+                eos = (
+                    bool(done[i])
+                    and not slot.request.ignore_eos
+                    and int(tokens[i, length[i] - 1]) in self.model.eos_ids
+                )
                 c = self.slots.counters
-                spec = Speculated(int(c.drafted[i]), int(c.accepted[i]), int(c.passes[i]), int(length[i]) - len(slot.request.prompt_ids) - 1)
+                spec = Speculated(
+                    int(c.drafted[i]),
+                    int(c.accepted[i]),
+                    int(c.passes[i]),
+                    int(length[i]) - len(slot.request.prompt_ids) - 1,
+                )
                 on_result(self._record(slot, eos, now, started, spec if slot.request.speculate else None))
                 slots[i] = None
         if finished.any():
@@ -169,6 +194,11 @@ class BatchRunner:
                 "ttft_s": round(slot.first_token - slot.admitted, 4),
                 "total_s": round(now - slot.admitted, 4),
                 "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
-                "itl_ms": {"p50": round(percentile(itl_ms, 0.5), 3), "p99": round(percentile(itl_ms, 0.99), 3), "max": round(max(itl_ms), 3)},
-            } | ({"speculation": speculated.as_dict()} if speculated else {}),
+                "itl_ms": {
+                    "p50": round(percentile(itl_ms, 0.5), 3),
+                    "p99": round(percentile(itl_ms, 0.99), 3),
+                    "max": round(max(itl_ms), 3),
+                },
+            }
+            | ({"speculation": speculated.as_dict()} if speculated else {}),
         }

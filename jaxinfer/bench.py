@@ -22,10 +22,10 @@ from jaxinfer.decode import Speculation
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.model import in_out_layout, layout_for_batch
-from jaxinfer.sharding import mesh_of
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
+from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import Admission, Slots
 
 
@@ -34,8 +34,16 @@ def _spread(values: list[float]) -> dict:
 
 
 def bench_point(
-    cfg: ModelConfig, params: dict, prompt_tokens: int, batch: int, new_tokens: int, repeat: int, ceilings,
-    max_context: int | None = None, prefill_chunk: int | None = None, speculation: Speculation = Speculation(),
+    cfg: ModelConfig,
+    params: dict,
+    prompt_tokens: int,
+    batch: int,
+    new_tokens: int,
+    repeat: int,
+    ceilings,
+    max_context: int | None = None,
+    prefill_chunk: int | None = None,
+    speculation: Speculation = Speculation(),
     draft_params: dict | None = None,
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
@@ -46,10 +54,23 @@ def bench_point(
     S = max_context or prompt_tokens + new_tokens
     if prompt_tokens + new_tokens > S:
         raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
-    slots = Slots(cfg, params, batch, S, eos_ids=(), prefill_chunk=prefill_chunk, speculation=speculation, draft_params=draft_params)  # no EOS: every row runs all its steps
+    # no EOS: every row runs all its steps
+    slots = Slots(
+        cfg,
+        params,
+        batch,
+        S,
+        eos_ids=(),
+        prefill_chunk=prefill_chunk,
+        speculation=speculation,
+        draft_params=draft_params,
+    )
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
     speculate = speculation.draft > 0
-    admit = [Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling(), speculate=speculate) for r in range(batch)]  # each row its own seed
+    # each row its own seed
+    admit = [
+        Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling(), speculate=speculate) for r in range(batch)
+    ]
 
     compiled = CompileReport()
     ttft, decode_s, itl = [], [], []
@@ -76,7 +97,8 @@ def bench_point(
     storage = Storage.of_params(params)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     prefill_work = prefill_cost(cfg, storage, prompt_tokens, batch=batch)
-    step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)  # cost is linear in kv_len
+    # cost is linear in kv_len
+    step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)
     decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * len(steps))  # weights read once per pass
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
     return {
@@ -103,7 +125,9 @@ def _speculated(slots: Slots) -> dict:
     """The last run's speculation over all rows."""
     slots.fetch()
     c = slots.counters
-    return Speculated(int(c.drafted.sum()), int(c.accepted.sum()), int(c.passes.sum()), int(c.passes.sum() + c.accepted.sum())).as_dict()
+    return Speculated(
+        int(c.drafted.sum()), int(c.accepted.sum()), int(c.passes.sum()), int(c.passes.sum() + c.accepted.sum())
+    ).as_dict()
 
 
 def sweep(
@@ -123,7 +147,8 @@ def sweep(
     points = [(p, b) for b in batches for p in prompts]
     mesh = mesh_of(params)
     sharded = mesh is not None
-    layouts = {layout_for_batch(1, sharded): params}  # as loaded; each batch size decodes on its fastest layout, as run and batch do
+    # as loaded; each batch size decodes on its fastest layout, as run and batch do
+    layouts = {layout_for_batch(1, sharded): params}
     rows = []
     for done, (p, b) in enumerate(points):
         if progress:
@@ -131,7 +156,19 @@ def sweep(
         layout = layout_for_batch(b, sharded)
         if layout not in layouts:
             layouts[layout] = in_out_layout(params)
-        point = bench_point(cfg, layouts[layout], p, b, new_tokens, repeat, ceilings, max_context, prefill_chunk, speculation, draft_params)
+        point = bench_point(
+            cfg,
+            layouts[layout],
+            p,
+            b,
+            new_tokens,
+            repeat,
+            ceilings,
+            max_context,
+            prefill_chunk,
+            speculation,
+            draft_params,
+        )
         rows.append({**point, "layout": layout, "devices": mesh.size if sharded else 1})
     if progress:
         progress(len(points), len(points))
@@ -154,13 +191,17 @@ def plot(rows: list[dict], path, title: str) -> None:
         mine = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["prompt_tokens"])
         x = [r["prompt_tokens"] for r in mine]
         line = left.plot(x, [1000 * r["ttft_s"]["median"] for r in mine], "o-", label=f"batch {b}")[0]
-        left.plot(x, [1000 * r["roofline_ttft_s"] for r in mine], "--", color=line.get_color(), label=f"batch {b}, roofline")
+        left.plot(
+            x, [1000 * r["roofline_ttft_s"] for r in mine], "--", color=line.get_color(), label=f"batch {b}, roofline"
+        )
     left.set(yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)", title="Prefill")
     for p in sorted({r["prompt_tokens"] for r in rows}):
         mine = sorted((r for r in rows if r["prompt_tokens"] == p), key=lambda r: r["batch"])
         x = [r["batch"] for r in mine]
         line = right.plot(x, [r["decode_tok_s"]["median"] for r in mine], "o-", label=f"prompt {p}")[0]
-        right.plot(x, [r["roofline_decode_tok_s"] for r in mine], "--", color=line.get_color(), label=f"prompt {p}, roofline")
+        right.plot(
+            x, [r["roofline_decode_tok_s"] for r in mine], "--", color=line.get_color(), label=f"prompt {p}, roofline"
+        )
     right.set(yscale="log", xlabel="batch size", ylabel="decode tokens/s (all rows)", title="Decode")
     for ax in (left, right):
         ax.set_xscale("log", base=2)

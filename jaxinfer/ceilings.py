@@ -79,7 +79,11 @@ def _store() -> Path:
 
 
 def machine_ceilings(
-    dtype: str, peak_flops: float | None = None, peak_bandwidth: float | None = None, announce=None, remeasure: bool = False
+    dtype: str,
+    peak_flops: float | None = None,
+    peak_bandwidth: float | None = None,
+    announce=None,
+    remeasure: bool = False,
 ) -> Ceilings:
     """The roofs for `dtype` on this machine: overrides where given, else the stored measurement,
     else measured now (about two seconds; `announce()` is called first) and stored. `remeasure`
@@ -93,7 +97,8 @@ def machine_ceilings(
         known = json.loads(store.read_text()) if store else {}
     except (OSError, ValueError):
         known = {}
-    isa = kernel.isa() if _kernel_bf16(dtype) else None  # measured on the kernel: each JAXINFER_ISA path has its own roof
+    # measured on the kernel: each JAXINFER_ISA path has its own roof
+    isa = kernel.isa() if _kernel_bf16(dtype) else None
     key = f"{machine_key()}:{dtype}" + (f":kernel {isa}, bfloat16 inputs" if isa else "")
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
@@ -106,8 +111,10 @@ def machine_ceilings(
                 max(measure_peak_flops(dtype), earlier.get("peak_flops", 0.0)),
                 max(copy, read, matvec, earlier.get("peak_bandwidth", 0.0)),
                 dtype,
-                f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa}, bfloat16 inputs)' if isa else ''} (2N³ FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best "
+                f"of {REPEATS} jitted "
+                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa}, bfloat16 inputs)' if isa else ''} (2N³ "
+                f"FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
                 f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
                 f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )

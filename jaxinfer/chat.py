@@ -15,8 +15,8 @@ from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
-from jaxinfer.sampling import Sampling
 from jaxinfer.processes import share
+from jaxinfer.sampling import Sampling
 
 ON_FULL = ("drop-oldest", "error")
 
@@ -65,7 +65,16 @@ class ChatSession:
             raise
         budget = min(self.max_tokens, self.engine.max_context - len(ids))
         seed = None if self.seed is None else self.seed + len(self.messages)  # reproducible, not repeated
-        gen = Generation(self.model, self.engine, ids, self.sampling, budget, seed, self.template.stop + self.stop, ignore_eos=self.ignore_eos)
+        gen = Generation(
+            self.model,
+            self.engine,
+            ids,
+            self.sampling,
+            budget,
+            seed,
+            self.template.stop + self.stop,
+            ignore_eos=self.ignore_eos,
+        )
         return gen, notices
 
     def record(self, gen: Generation) -> None:
@@ -89,7 +98,9 @@ class ChatSession:
             ids = self.prompt_ids()
             notices.append(f"context full: dropped the oldest turn ({len(ids)} tokens now)")
         if len(ids) >= context:
-            raise JaxinferError(f"the message is too long: {len(ids)} tokens with the chat template, context is {context}")
+            raise JaxinferError(
+                f"the message is too long: {len(ids)} tokens with the chat template, context is {context}"
+            )
         return ids, notices
 
     def reset(self) -> None:

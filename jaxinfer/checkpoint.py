@@ -43,7 +43,11 @@ def restore_params(directory: Path, abstract: dict) -> dict:
 
 
 def convert(
-    source: Path, destination: Path, dtype: str = "auto", progress: weights.ProgressFn | None = None, quantize: str | None = None
+    source: Path,
+    destination: Path,
+    dtype: str = "auto",
+    progress: weights.ProgressFn | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """Hugging Face directory (or hub id) → converted directory, stored in `dtype` (auto: the
     checkpoint's own, whatever the machine computes in; loading casts), its matrices packed by
@@ -55,7 +59,8 @@ def convert(
         raise JaxinferError(f"{destination} exists and is not empty; choose a new output directory")
     config_json = read_json(source / "config.json")
     stored = dtype if dtype != "auto" else (weights.checkpoint_dtype(config_json) or "float32")
-    model = load_model(source, stored, progress, layout="out_in", quantize=quantize)  # stored as the checkpoint lays it out
+    # stored as the checkpoint lays it out
+    model = load_model(source, stored, progress, layout="out_in", quantize=quantize)
     destination.mkdir(parents=True, exist_ok=True)
     save_params(model.params, destination / ORBAX_DIR)
     for name in SIDE_FILES:

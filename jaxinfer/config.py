@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxinfer.errors import JaxinferError
 
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -102,9 +103,7 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short, long = (tuple(float(f) for f in params[key]) for key in ("short_factor", "long_factor"))
         return theta, ("longrope", short, long, original, float(attention))
-    raise JaxinferError(
-        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)"
-    )
+    raise JaxinferError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
 
 
 def _sliding_windows(d: dict, num_layers: int) -> tuple:

@@ -1,12 +1,12 @@
 """The two compiled phases over one documented loop state.
 
 `prefill` runs the (bucket-padded) prompt, or its part the cache does not hold yet, in one pass and
-samples the first token: compute-bound, it sets TTFT. `decode` is a `lax.while_loop` of single-token steps, each re-reading every weight and
-the first `kv_len` cache positions (a power-of-two bucket covering the longest live row, chosen by
-`jaxinfer.slots`): bandwidth-bound, it sets the inter-token latency. Both take the state donated and
-return it, so the cache is updated in place. The decode loop runs at most `steps` iterations, a traced
-value: the host picks the chunk length (for live streaming and prompt Ctrl-C) without recompiling,
-and one call with `steps = max_tokens` is the whole request.
+samples the first token: compute-bound, it sets TTFT. `decode` is a `lax.while_loop` of single-token
+steps, each re-reading every weight and the first `kv_len` cache positions (a power-of-two bucket
+covering the longest live row, chosen by `jaxinfer.slots`): bandwidth-bound, it sets the inter-token
+latency. Both take the state donated and return it, so the cache is updated in place. The decode loop
+runs at most `steps` iterations, a traced value: the host picks the chunk length (for live streaming and
+prompt Ctrl-C) without recompiling, and one call with `steps = max_tokens` is the whole request.
 
 With `Speculation(draft=K)`, a decode step of the rows that ask for it drafts up to K tokens by
 prompt lookup (the tokens that followed the latest earlier occurrence of the row's last n tokens,
@@ -36,7 +36,6 @@ from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import SamplerArrays, Sampling, sample
 from jaxinfer.sharding import mesh_of
 
-
 MAX_BACKOFF = 64  # steps a row with failing drafts waits at most before drafting again
 # Drafts a verifying pass must keep to beat plain steps: it costs about two of them (measured:
 # 1.6-2.2× on XLA CPU, the bundled model and the SmolLM-135M shape in float32), and makes 1 + accepted.
@@ -62,7 +61,10 @@ class DecodeState:
     passes: jax.Array  # [B] int32: decode steps (forward passes) the row took part in
     backoff: jax.Array  # [B] int32: steps before the row drafts again (after drafts that all failed)
     patience: jax.Array  # [B] int32: the backoff its next failure sets: doubled per failure, 0 after a success
-    draft_cache: KVCache | None = None  # the draft model's, where one drafts: K/V of all but a row's last two tokens at least
+    draft_cache: KVCache | None = (
+        # the draft model's, where one drafts: K/V of all but a row's last two tokens at least
+        None
+    )
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,19 @@ class Speculation:
 
 
 def initial_state(
-    cfg: ModelConfig, params: model.Params, batch: int, max_context: int, eos_ids: tuple[int, ...],
-    spec: Speculation = Speculation(), draft_params: model.Params | None = None,
+    cfg: ModelConfig,
+    params: model.Params,
+    batch: int,
+    max_context: int,
+    eos_ids: tuple[int, ...],
+    spec: Speculation = Speculation(),
+    draft_params: model.Params | None = None,
 ) -> DecodeState:
     """An empty state: zero caches in the weights' dtypes, every row done."""
     whole = mesh_of(params) is None
-    draft_cache = KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
+    draft_cache = (
+        KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
+    )
     return DecodeState(
         cache=KVCache.zeros(cfg, batch, max_context, model.compute_dtype(params), whole),
         tokens=jnp.zeros((batch, max_context), jnp.int32),
@@ -113,8 +122,16 @@ def initial_state(
 
 
 def admission(
-    rows: list[int], prompts: list[list[int]], starts: list[int], ends: list[int], limits: list[int], seeds: list[int],
-    samplings: list[Sampling], ignore_eos: list[bool], speculate: list[bool], bucket: int,
+    rows: list[int],
+    prompts: list[list[int]],
+    starts: list[int],
+    ends: list[int],
+    limits: list[int],
+    seeds: list[int],
+    samplings: list[Sampling],
+    ignore_eos: list[bool],
+    speculate: list[bool],
+    bucket: int,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
     `bucket`; the chunk is final where `end` is the prompt's end. Host values go over with one
@@ -148,7 +165,9 @@ def _append(state: DecodeState, tokens: jax.Array, offered: jax.Array) -> tuple[
     tokens): per-op costs weigh on a small model's step."""
     B, T = tokens.shape
     j = jnp.arange(T)
-    ends = (jnp.isin(tokens, state.eos) & ~state.ignore_eos[:, None]) | (state.length[:, None] + j + 1 >= state.limit[:, None])
+    ends = (jnp.isin(tokens, state.eos) & ~state.ignore_eos[:, None]) | (
+        state.length[:, None] + j + 1 >= state.limit[:, None]
+    )
     made = offered & (jnp.cumsum(ends, axis=1) - ends == 0)  # [B, T]
     rows = jnp.arange(B)[:, None]
     at = jnp.where(made, state.length[:, None] + j, state.tokens.shape[1])  # past the buffer: the write is dropped
@@ -212,7 +231,9 @@ def prefill(
         drafted = [replace(blocks[0], rope_len=None)]
         if step_kv_len:
             drafted.append(model.Block(*_feed(state, 2, 1), step_kv_len))
-        state = replace(state, draft_cache=model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1])
+        state = replace(
+            state, draft_cache=model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1]
+        )
     last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     # One pass over the LM head for the chunks' last tokens and the running rows'.
     logits = model.logits(params, jnp.concatenate([last] + [h[:, 0] for h in hidden[1:]]), cfg)  # [R (+ B), V]
@@ -235,7 +256,8 @@ def prefill(
         drafted=state.drafted.at[rows].set(0),
         accepted=state.accepted.at[rows].set(0),
         passes=state.passes.at[rows].set(0) + active,
-        backoff=jnp.maximum(state.backoff.at[rows].set(0) - bool(step_kv_len), 0),  # a step counts one down, as `decode_step`
+        # a step counts one down, as `decode_step`
+        backoff=jnp.maximum(state.backoff.at[rows].set(0) - bool(step_kv_len), 0),
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
@@ -265,18 +287,28 @@ def _feed(state: DecodeState, back: int, count: int) -> tuple[jax.Array, jax.Arr
 
 
 def decode_step(
-    params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int, spec: Speculation = Speculation(), draft_params=None
+    params: model.Params,
+    state: DecodeState,
+    cfg: ModelConfig,
+    kv_len: int,
+    spec: Speculation = Speculation(),
+    draft_params=None,
 ) -> DecodeState:
     """Feed each live row's last token, sample the next, attending over the first `kv_len` cache
     positions (every live row's last token must sit below it). A draft model takes the token before
     it, so its cache keeps up with all but the row's last two tokens."""
     active = ~state.done
     if spec.model:
-        state = replace(state, draft_cache=model.forward(draft_params, spec.model, *_feed(state, 2, 1), state.draft_cache, kv_len)[1])
+        state = replace(
+            state,
+            draft_cache=model.forward(draft_params, spec.model, *_feed(state, 2, 1), state.draft_cache, kv_len)[1],
+        )
     last, write_at = _feed(state, 1, 1)  # [B, 1]
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache, passes=state.passes + active, backoff=jnp.maximum(state.backoff - 1, 0))
-    token = _sample_at(state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg)
+    token = _sample_at(
+        state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg
+    )
     return _append(state, token[:, None], active[:, None])[0]
 
 
@@ -310,18 +342,23 @@ def draft_room(state: DecodeState, kv_len: int, cfg: ModelConfig, found: jax.Arr
     off; never past the kv bucket (the verified positions must lie inside it) or the row's budget
     (drafts past it are wasted)."""
     room = jnp.minimum(kv_len - state.length, state.limit - state.length - 1)
-    if switch := longrope_switch(cfg):  # a pass never feeds the switch position: plain decoding is prefilled again there
+    if switch := longrope_switch(
+        cfg
+    ):  # a pass never feeds the switch position: plain decoding is prefilled again there
         room = jnp.where(state.length <= switch, jnp.minimum(room, switch - state.length), room)
     return jnp.where(~state.done & state.speculate & (state.backoff == 0), jnp.clip(found, 0, room), 0)
 
 
-def model_drafts(draft_params: model.Params, state: DecodeState, spec: Speculation, kv_len: int) -> tuple[jax.Array, KVCache]:
+def model_drafts(
+    draft_params: model.Params, state: DecodeState, spec: Speculation, kv_len: int
+) -> tuple[jax.Array, KVCache]:
     """The draft model's K tokens after each row [B, K], and its cache. Each is drawn as the target
     draws the token at its position (the row's sampling settings and key), so where the two models'
-    distributions are close the same noise picks the same token (`sampling._gumbel_max`), and a
-    sampled row keeps drafts about as often as a greedy one. The cache holds all but the row's last two tokens (a verifying
-    pass may keep every draft and add one), so the first step feeds both; each draft is then fed to
-    make the next. What it writes past the row's kept tokens is overwritten when the row gets there."""
+    distributions are close the same noise picks the same token (`sampling._gumbel_max`), and a sampled
+    row keeps drafts about as often as a greedy one. The cache holds all but the row's last two tokens
+    (a verifying pass may keep every draft and add one), so the first step feeds both; each draft is
+    then fed to make the next. What it writes past the row's kept tokens is overwritten when the row
+    gets there."""
     cache, seen, tokens = state.draft_cache, state.seen, []
     feed, write_at = _feed(state, 2, 2)
     for k in range(spec.draft):
@@ -370,12 +407,17 @@ def verify_step(
     flat = lambda x: x.reshape(B * (K + 1), *x.shape[2:])  # noqa: E731
     each = lambda x: jnp.repeat(x, K + 1, axis=0)  # noqa: E731
     target = _sample_at(
-        each(state.seeds), flat(jnp.stack(seen, 1)), jax.tree.map(each, state.sampler),
-        flat(model.logits(params, hidden, cfg)), flat(state.length[:, None] + j), cfg,
+        each(state.seeds),
+        flat(jnp.stack(seen, 1)),
+        jax.tree.map(each, state.sampler),
+        flat(model.logits(params, hidden, cfg)),
+        flat(state.length[:, None] + j),
+        cfg,
     ).reshape(B, K + 1)
     agree = jnp.cumprod((draft == target[:, :K]) & (j[:K] < count[:, None]), axis=1, dtype=jnp.int32).sum(1)  # [B]
     state = replace(state, cache=cache, passes=state.passes + active, drafted=state.drafted + count)
-    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]))  # the kept drafts and the model's own token
+    # the kept drafts and the model's own token
+    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]))
     kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid
@@ -386,8 +428,15 @@ def verify_step(
 
 @partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
 def decode(
-    params: model.Params, state: DecodeState, steps: jax.Array, stop_on_finish: jax.Array, draft_params: model.Params | None = None,
-    *, cfg: ModelConfig, kv_len: int, spec: Speculation = Speculation(),
+    params: model.Params,
+    state: DecodeState,
+    steps: jax.Array,
+    stop_on_finish: jax.Array,
+    draft_params: model.Params | None = None,
+    *,
+    cfg: ModelConfig,
+    kv_len: int,
+    spec: Speculation = Speculation(),
 ) -> DecodeState:
     """Up to `steps` decode steps, ending early once every row is done, or (`stop_on_finish`, a
     traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request.

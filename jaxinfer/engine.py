@@ -21,9 +21,9 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
+from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.slots import MIN_BUCKET, Admission, Slots
 
 STREAM_INTERVAL_S = 0.05
@@ -120,8 +120,14 @@ class Engine:
     """
 
     def __init__(
-        self, cfg: ModelConfig, params: dict, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int | None = None,
-        speculation: Speculation = Speculation(), draft_params: dict | None = None,
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        max_context: int,
+        eos_ids: tuple[int, ...],
+        prefill_chunk: int | None = None,
+        speculation: Speculation = Speculation(),
+        draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
         self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation, draft_params)
@@ -176,7 +182,9 @@ class Engine:
         n = len(prompt)
         start = timings.cached_tokens = self.cached_prefix(prompt)
         self._cached = self._cached[:start]  # prefill overwrites what follows
-        admit = Admission(0, prompt, max_tokens, result.seed, sampling, start, ignore_eos, speculate=slots.speculation.draft > 0)
+        admit = Admission(
+            0, prompt, max_tokens, result.seed, sampling, start, ignore_eos, speculate=slots.speculation.draft > 0
+        )
         compiling = timings.compile.seconds
         started = time.perf_counter()
         slots.admit([admit], timings.compile)
@@ -196,7 +204,8 @@ class Engine:
             started = time.perf_counter()
             ran = slots.step(steps, timings.compile)
             tokens, new_length, done = self._fetch()
-            elapsed = time.perf_counter() - started - (timings.compile.seconds - compiling)  # a new kv bucket compiles here
+            # a new kv bucket compiles here
+            elapsed = time.perf_counter() - started - (timings.compile.seconds - compiling)
             made = new_length - length
             passes = int(slots.counters.passes[0]) - passes_before
             passes_before += passes
@@ -206,9 +215,12 @@ class Engine:
             timings.generated_tokens += made
             if timings.speculation:
                 c = slots.counters
-                timings.speculation = Speculated(int(c.drafted[0]), int(c.accepted[0]), int(c.passes[0]), timings.generated_tokens - 1)
+                timings.speculation = Speculated(
+                    int(c.drafted[0]), int(c.accepted[0]), int(c.passes[0]), timings.generated_tokens - 1
+                )
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
-                steps = agree(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))  # processes run in step
+                # processes run in step
+                steps = agree(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"

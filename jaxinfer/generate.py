@@ -87,7 +87,9 @@ class Generation:
     ):
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.finish_reason: str | None = None
-        self._tokens = engine.generate(self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos)
+        self._tokens = engine.generate(
+            self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos
+        )
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 
     @property

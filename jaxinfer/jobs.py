@@ -2,12 +2,12 @@
 
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-seed, stop, ignore_eos and speculate (false: this request does not draft, in a job run with
---speculate or --draft-model); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape
-({"custom_id", "method", "url", "body"}) gets its result in that API's output shape. A bad line,
-unknown fields included, becomes an error record in the output and the job goes on. The output is locked while a job writes it. On resume, ids already in the
-output are skipped (and bad lines already recorded), and a last record cut short by a kill is
-removed first, so every id ends up there exactly once.
+seed, stop, ignore_eos and speculate (false: this request does not draft, in a job run with --speculate
+or --draft-model); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape ({"custom_id",
+"method", "url", "body"}) gets its result in that API's output shape. A bad line, unknown fields
+included, becomes an error record in the output and the job goes on. The output is locked while a job
+writes it. On resume, ids already in the output are skipped (and bad lines already recorded), and a last
+record cut short by a kill is removed first, so every id ends up there exactly once.
 """
 
 from __future__ import annotations
@@ -28,14 +28,33 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
-FIELDS = {"id", "custom_id", "prompt", "messages", "max_tokens", "seed", "stop", "ignore_eos", "speculate", *SAMPLING_FIELDS}
+FIELDS = {
+    "id",
+    "custom_id",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "speculate",
+    *SAMPLING_FIELDS,
+}
 
 # OpenAI Batch API lines (also vLLM's run-batch): the endpoint decides prompt or messages, and the
 # result is written in its output shape. vLLM's extensions (top_k, min_p, ...) are read as well.
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_LINE = {"custom_id", "method", "url", "body"}
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens", "repetition_penalty": "repeat_penalty"}
-OPENAI_ACCEPTED = {"model": None, "user": None, "n": 1, "stream": False, "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False}
+OPENAI_ACCEPTED = {
+    "model": None,
+    "user": None,
+    "n": 1,
+    "stream": False,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logprobs": False,
+}
 
 
 def _key(request_id) -> str:
@@ -66,7 +85,9 @@ def open_output(path: Path, resume: bool) -> Output:
         fcntl.flock(raw, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raw.close()
-        raise JaxinferError(f"{path} is being written by another jaxinfer batch job; wait for it, or choose another output") from None
+        raise JaxinferError(
+            f"{path} is being written by another jaxinfer batch job; wait for it, or choose another output"
+        ) from None
     output = Output(io.TextIOWrapper(raw, encoding="utf-8", newline="\n"))
     if resume:
         try:
@@ -105,15 +126,28 @@ def _record(path: Path, line: bytes) -> dict:
     except ValueError:
         record = None
     if not isinstance(record, dict) or "id" not in record:
-        raise JaxinferError(f"{path} has a line that is not a jaxinfer batch record; is it the output of a jaxinfer batch job?")
+        raise JaxinferError(
+            f"{path} has a line that is not a jaxinfer batch record; is it the output of a jaxinfer batch job?"
+        )
     return record
 
 
 class Job:
     def __init__(
-        self, model: LoadedModel, context: int, default_max_tokens: int, output: TextIO, earlier: Output | None = None, speculating: bool = False
+        self,
+        model: LoadedModel,
+        context: int,
+        default_max_tokens: int,
+        output: TextIO,
+        earlier: Output | None = None,
+        speculating: bool = False,
     ):
-        self.model, self.context, self.default_max_tokens, self.speculating = model, context, default_max_tokens, speculating
+        self.model, self.context, self.default_max_tokens, self.speculating = (
+            model,
+            context,
+            default_max_tokens,
+            speculating,
+        )
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self._seen: set[str] = set()
@@ -157,7 +191,11 @@ class Job:
                 openai = "body" in item or "url" in item
                 request_id = item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
                 if request_id is None:
-                    raise JaxinferError('an OpenAI batch line needs a "custom_id"' if openai else 'a request needs an "id" (or "custom_id")')
+                    raise JaxinferError(
+                        'an OpenAI batch line needs a "custom_id"'
+                        if openai
+                        else 'a request needs an "id" (or "custom_id")'
+                    )
                 key = _key(request_id)
                 if key in self.earlier.done:
                     self.skipped += 1
@@ -180,7 +218,14 @@ class Job:
             return
         self.failed += 1
         if openai and request_id is not None:
-            self.write({"id": _batch_id(), "custom_id": request_id, "response": None, "error": {"code": "invalid_request", "message": message, "line": number}})
+            self.write(
+                {
+                    "id": _batch_id(),
+                    "custom_id": request_id,
+                    "response": None,
+                    "error": {"code": "invalid_request", "message": message, "line": number},
+                }
+            )
         else:
             self.write({"id": request_id, "line": number, "error": message})
 
@@ -195,10 +240,14 @@ class Job:
             ids = tokenizer.encode(item["prompt"])
         else:
             messages = item["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages
+            ):
                 raise JaxinferError('"messages" must be a list of {"role", "content"} objects')
             if self._template is None:
-                self._template = ChatTemplate(read_template(self.model.path, tokenizer.config), tokenizer.special_tokens)
+                self._template = ChatTemplate(
+                    read_template(self.model.path, tokenizer.config), tokenizer.special_tokens
+                )
             ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.default_max_tokens)
         seed = _whole(item, "seed", shared_seed(), minimum=None)
@@ -273,13 +322,19 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
     if "text" not in record:
         return record
     chat = url == "/v1/chat/completions"
-    output = {"message": {"role": "assistant", "content": record["text"]}} if chat else {"text": record["text"], "logprobs": None}
+    output = (
+        {"message": {"role": "assistant", "content": record["text"]}}
+        if chat
+        else {"text": record["text"], "logprobs": None}
+    )
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **output, "finish_reason": "length" if record["finish_reason"] == "length" else "stop"}],
+        "choices": [
+            {"index": 0, **output, "finish_reason": "length" if record["finish_reason"] == "length" else "stop"}
+        ],
         "usage": {
             "prompt_tokens": record["prompt_tokens"],
             "completion_tokens": record["generated_tokens"],
@@ -287,4 +342,9 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
         },
         "jaxinfer": {"finish_reason": record["finish_reason"], "seed": record["seed"], "timings": record["timings"]},
     }
-    return {"id": _batch_id(), "custom_id": record["id"], "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
+    return {
+        "id": _batch_id(),
+        "custom_id": record["id"],
+        "response": {"status_code": 200, "request_id": body["id"], "body": body},
+        "error": None,
+    }

@@ -115,14 +115,30 @@ ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's vectorised path
 
 
 def attention(
-    q: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, layer: int, kv_len: int, window: int | None,
-    scale: float, softcap: float | None,
+    q: jax.Array,
+    positions: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    rows: jax.Array,
+    layer: int,
+    kv_len: int,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
 ) -> jax.Array:
     """Queries q [B, T, KV, G, hd] at positions [B, T] over layer `layer` of a whole stacked cache
     k, v [L, R, KV, S, hd] (rows `rows` [B]), keys below `kv_len`: softmax(q·k · scale) · v per
     query, float32 [B, T, KV, G, hd]. Queries at positions ≥ kv_len (finished rows) get zeros."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jaxinfer_attention", out)(
-        q.astype(jnp.float32), positions.astype(jnp.int32), k, v, rows.astype(jnp.int32), layer=np.int64(layer),
-        kv_len=np.int64(kv_len), window=np.int64(window or 0), scale=np.float32(scale), softcap=np.float32(softcap or 0),
+        q.astype(jnp.float32),
+        positions.astype(jnp.int32),
+        k,
+        v,
+        rows.astype(jnp.int32),
+        layer=np.int64(layer),
+        kv_len=np.int64(kv_len),
+        window=np.int64(window or 0),
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0),
     )

@@ -20,7 +20,6 @@ from jaxinfer import kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 
-
 KV_DTYPES = ("auto", "int8")
 
 
@@ -56,7 +55,9 @@ class KVCache:
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
-            return cls(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy())
+            return cls(
+                k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy()
+            )
         fused = whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS
         if fused:
             shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
@@ -75,7 +76,17 @@ class KVCache:
         scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
         return pick(self.k), pick(self.v), *scales
 
-    def attend(self, layer: int, q: jax.Array, positions: jax.Array, rows: jax.Array | None, kv_len: int, window: int | None, scale: float, softcap: float | None) -> jax.Array:
+    def attend(
+        self,
+        layer: int,
+        q: jax.Array,
+        positions: jax.Array,
+        rows: jax.Array | None,
+        kv_len: int,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> jax.Array:
         """The kernel's attention of queries q [B, T, KV, G, hd] at positions [B, T] over `layer`'s
         first `kv_len` positions of cache rows `rows` (default: all), float32 [B, T, KV, G, hd]:
         it reads the cache where it lies, each key once per block of queries. Its cache is held
@@ -96,7 +107,8 @@ class KVCache:
         keeps the update in place.
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
-        at = (layer, rows, slice(None), positions) if self.kernel else (layer, rows, positions)  # either way [R, T, KV, hd]
+        # either way [R, T, KV, hd]
+        at = (layer, rows, slice(None), positions) if self.kernel else (layer, rows, positions)
         if self.k_scale is None:
             return KVCache(
                 k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),

@@ -17,9 +17,9 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import config_from_hf
 from jaxinfer.kvcache import check_kv_dtype
+from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.packed import is_packed, pack_params
 from jaxinfer.quant import is_quantized
-from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
 from jaxinfer.tokenizer import Tokenizer
@@ -69,7 +69,11 @@ class LoadedModel:
         """The path its matrices run on: the CPU kernels' (`kernel.isa()`, as "avx2" or
         "avx512-vnni-bf16") where they are held in one of the kernels' forms, else "XLA"."""
         held = self.params["layers"][0].values()
-        return kernel.isa() if kernel.available() and any(is_packed(leaf) or is_quantized(leaf) for leaf in held) else "XLA"
+        return (
+            kernel.isa()
+            if kernel.available() and any(is_packed(leaf) or is_quantized(leaf) for leaf in held)
+            else "XLA"
+        )
 
     @property
     def max_positions(self) -> int:
@@ -156,12 +160,16 @@ def model_directory(path: str | Path | None) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True, **where))
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
-            raise JaxinferError(f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set)") from None
+            raise JaxinferError(
+                f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                "(HF_HUB_OFFLINE is set)"
+            ) from None
     try:
         return Path(snapshot_download(repo_id, **where))  # with huggingface_hub's progress bars
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
         raise JaxinferError(
-            f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and downloading it failed "
+            f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and downloading "
+            "it failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
         ) from None
 
@@ -234,7 +242,8 @@ def load_model(
     tokenizer = Tokenizer(model_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise JaxinferError(
-            f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} rows: "
+            f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} "
+            "rows: "
             "they do not belong to the same model"
         )
     if tokenizer.vocab_size < cfg.vocab_size:
@@ -269,5 +278,6 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
     if draft.tokenizer.pieces() != target.tokenizer.pieces():
         raise JaxinferError(
             f"the draft model {draft.path.name} has a different vocabulary from {target.path.name} "
-            f"({draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens, not the same pieces): a draft must share the tokenizer"
+            f"({draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens, not the same pieces): a draft "
+            "must share the tokenizer"
         )

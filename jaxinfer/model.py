@@ -2,9 +2,10 @@
 
 Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma 1/2/3 (GeGLU, (1 + w) norms,
 scaled embeddings, soft-capping, norms around each block, a rope base per layer type) differ only in
-flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's [out, in] (`x @ w.T`), packed for the
-CPU kernel (`jaxinfer.packed`, what the CPU runs on where the kernel is built), quantized
-(`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for batched decode).
+flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's
+[out, in] (`x @ w.T`), packed for the CPU kernel (`jaxinfer.packed`, what the CPU runs on where the
+kernel is built), quantized (`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for
+batched decode).
 
 Attention over a float cache runs on the CPU kernel where it is built (`KVCache.attend`: each key
 read once per block of queries, the softmax never leaving the cache); elsewhere (GPUs, an int8
@@ -154,7 +155,9 @@ class Block:
     rope_len: jax.Array | None = None
 
 
-def attention(layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | None, i: int, cfg: ModelConfig) -> tuple[jax.Array, KVCache | None]:
+def attention(
+    layer: dict, x: jax.Array, blocks: list[Block], cache: KVCache | None, i: int, cfg: ModelConfig
+) -> tuple[jax.Array, KVCache | None]:
     """Layer i's attention for the blocks' tokens x [N, D] (in the blocks' order, each flattened):
     the projections over all N at once, each block's attention over its own rows."""
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -201,7 +204,9 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     if cache is not None and cache.kernel:  # the CPU kernel, both phases (see `attend`)
-        return cache.attend(i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap)
+        return cache.attend(
+            i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap
+        )
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     q = q if T > 1 else q[:, 0]
@@ -217,7 +222,9 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     return jnp.moveaxis(out, 3, 1) if T > 1 else out
 
 
-def _attend(q, q_pos, window, scale, softcap, keys, values, k_scale, v_scale, first) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attend(
+    q, q_pos, window, scale, softcap, keys, values, k_scale, v_scale, first
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries q [B, T, KV, G, hd] (decode: [B, KV, G, hd]) at q_pos [B, T] over the keys and values
     [B, S, KV, hd] at positions first… (int8: scales [B, S, KV]): the softmax's (max, sum) [B, KV,
     G, (T)] and its unnormalised weighted values [B, KV, G, (T), hd], float32. Normalising after
@@ -245,7 +252,9 @@ def _attend(q, q_pos, window, scale, softcap, keys, values, k_scale, v_scale, fi
         weights = weights * per_key(v_scale)
     # Out as [b, k, g, t, h], moved after: "->btkgh" made XLA CPU's dot 2.3× slower (16 queries,
     # 4096 keys: 91 → 40 ms over 30 layers).
-    out = jnp.einsum(f"bkg{t}s,bskh->bkg{t}h", weights.astype(q.dtype), values.astype(q.dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        f"bkg{t}s,bskh->bkg{t}h", weights.astype(q.dtype), values.astype(q.dtype), preferred_element_type=jnp.float32
+    )
     return top, total, out
 
 
@@ -318,14 +327,18 @@ def forward(
     return hidden, cache
 
 
-def forward_blocks(params: Params, cfg: ModelConfig, blocks: list[Block], cache: KVCache | None) -> tuple[list[jax.Array], KVCache | None]:
+def forward_blocks(
+    params: Params, cfg: ModelConfig, blocks: list[Block], cache: KVCache | None
+) -> tuple[list[jax.Array], KVCache | None]:
     """Several blocks of tokens, each of its own cache rows (no two blocks share one), in one pass
     over the weights: every matrix sees all their tokens at once, and only attention runs per block.
     A prompt chunk and the running rows' decode step ride together so (Sarathi's piggybacking): the
     step costs its attention and little else. Returns each block's hidden states [R, T, D]."""
     own_length = lambda b: b.positions + 1 if cache is not None else jnp.max(b.positions, axis=1, keepdims=True) + 1  # noqa: E731
-    blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]  # once, not per layer
-    x = embedding(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))  # [N, D]
+    # once, not per layer
+    blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]
+    # [N, D]
+    x = embedding(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):

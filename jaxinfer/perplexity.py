@@ -103,7 +103,14 @@ def perplexity(
             progress(done, len(plan))
     tokens = len(ids) - 1
     nll = totals["nll"] / tokens
-    result = {"perplexity": math.exp(nll), "nll": nll, "tokens": tokens, "windows": len(plan), "context": context, "stride": stride}
+    result = {
+        "perplexity": math.exp(nll),
+        "nll": nll,
+        "tokens": tokens,
+        "windows": len(plan),
+        "context": context,
+        "stride": stride,
+    }
     if reference is not None:
         result |= {"kl_divergence": totals["kl"] / tokens, "top1_agreement": totals["agree"] / tokens}
     return result

@@ -27,7 +27,9 @@ T = TypeVar("T")
 JOIN_TIMEOUT_S = 120  # time for every process to start and reach the coordinator (a first import of JAX takes seconds)
 
 
-def join(coordinator: str | None, processes: int | None, process_id: int | None, timeout_s: float = JOIN_TIMEOUT_S) -> int:
+def join(
+    coordinator: str | None, processes: int | None, process_id: int | None, timeout_s: float = JOIN_TIMEOUT_S
+) -> int:
     """Join this process to the others of one run (`jax.distributed`): every process then sees every
     process's devices, and a mesh spans them. None leaves a value to JAX, which reads
     $JAX_COORDINATOR_ADDRESS and what SLURM, Open MPI or Kubernetes set. Returns the number of
@@ -42,7 +44,11 @@ def join(coordinator: str | None, processes: int | None, process_id: int | None,
         try:
             jax.distributed.initialize(coordinator, processes, process_id, initialization_timeout=int(timeout_s) + 30)
         except (ValueError, TypeError) as e:  # what JAX could not find: the flags, or a cluster's variables
-            failed.append(JaxinferError(f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)"))
+            failed.append(
+                JaxinferError(
+                    f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)"
+                )
+            )
         except Exception as e:  # raised in the caller's thread, as it would have been
             failed.append(e)
         finally:
@@ -53,8 +59,11 @@ def join(coordinator: str | None, processes: int | None, process_id: int | None,
         if not joined.wait(timeout_s):
             where = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "the coordinator")
             who = f"process {process_id} of {processes}: " if None not in (process_id, processes) else ""
-            _leave(1, f"error: {who}not every process joined at {where} within {timeout_s:.0f} s; "
-                   "start the others with the same --coordinator and --num-processes and each its own --process-id")
+            _leave(
+                1,
+                f"error: {who}not every process joined at {where} within {timeout_s:.0f} s; "
+                "start the others with the same --coordinator and --num-processes and each its own --process-id",
+            )
     except KeyboardInterrupt:
         _leave(130)
     if failed:

@@ -60,7 +60,9 @@ class Storage:
         quantized = [leaf for leaf in leaves if quant.is_quantized(leaf)]
         floats = [leaf["packed"] if packed.is_packed(leaf) else leaf for leaf in leaves if not quant.is_quantized(leaf)]
         matrix = next((leaf for leaf in floats if leaf.ndim >= 2), params["norm"])
-        return cls(matrix.dtype.itemsize, quant.method_of(quantized[0]) if quantized else None, params["norm"].dtype.itemsize)
+        return cls(
+            matrix.dtype.itemsize, quant.method_of(quantized[0]) if quantized else None, params["norm"].dtype.itemsize
+        )
 
     def bytes_per_value(self, path: tuple, shape: tuple[int, ...]) -> float:
         if self.quantize and quantized_here(path, shape):
@@ -99,7 +101,9 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     def held(weight: Weight) -> float:
         quantized = bool(storage.quantize) and quantized_here(weight.path, weight.shape)
         split = any(splits(cfg, axis, devices) for axis in held_axes(cfg, weight, quantized, devices))
-        return int(np.prod(weight.shape)) * storage.bytes_per_value(weight.path, weight.shape) / (devices if split else 1)
+        return (
+            int(np.prod(weight.shape)) * storage.bytes_per_value(weight.path, weight.shape) / (devices if split else 1)
+        )
 
     return round(sum(held(weight) for weight in weight_table(cfg).values()))
 
@@ -107,7 +111,9 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     """K and V of one position: in the compute dtype, or int8 with a float32 scale per head; over a
     mesh of `devices`, what each device holds (split by kv heads where they divide)."""
-    per_head = cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
+    per_head = (
+        cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
+    )
     heads = cfg.num_kv_heads // devices if splits(cfg, "kv_heads", devices) else cfg.num_kv_heads
     return 2 * cfg.num_layers * heads * per_head
 
@@ -186,8 +192,15 @@ def predicted_seconds(cost: Cost, peak_flops: float, peak_bandwidth: float) -> f
 
 
 def model_facts(
-    cfg: ModelConfig, storage: Storage, context: int, batch: int, prompt_tokens: int, ceilings, memory_bytes: int,
-    devices: int = 1, shared_memory: bool = False,
+    cfg: ModelConfig,
+    storage: Storage,
+    context: int,
+    batch: int,
+    prompt_tokens: int,
+    ceilings,
+    memory_bytes: int,
+    devices: int = 1,
+    shared_memory: bool = False,
 ) -> dict:
     """Sizes, memory for a context and batch, the longest context that fits, and the roofline's
     TTFT and ITL: what `jaxinfer info` shows, from the config alone. Over `devices`, what each holds
@@ -200,7 +213,12 @@ def model_facts(
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
     itl = predicted_seconds(decode_step_cost(cfg, storage, context, batch), *roofs)
-    forms = {"float32": Storage(4), "bfloat16": Storage(2), "int8": Storage(storage.itemsize, "int8"), "int4": Storage(storage.itemsize, "int4")}
+    forms = {
+        "float32": Storage(4),
+        "bfloat16": Storage(2),
+        "int8": Storage(storage.itemsize, "int8"),
+        "int4": Storage(storage.itemsize, "int4"),
+    }
     return {
         "parameters": params,
         "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},

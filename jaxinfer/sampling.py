@@ -31,11 +31,17 @@ class Sampling:
     def __post_init__(self) -> None:
         # Named as a batch line's field and as the flag; NaN fails every comparison.
         checks = (
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature (--temp) must be ≥ 0 (0 is greedy)"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature (--temp) must be ≥ 0 (0 is greedy)",
+            ),
             (_whole(self.top_k) and self.top_k >= 0, "top_k (--top-k) must be a whole number ≥ 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p (--top-p) must be in (0, 1]"),
             (0 <= self.min_p < 1, "min_p (--min-p) must be in [0, 1)"),
-            (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty (--repeat-penalty) must be > 0 (1 turns it off)"),
+            (
+                math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
+                "repeat_penalty (--repeat-penalty) must be > 0 (1 turns it off)",
+            ),
         )
         for ok, message in checks:
             if not ok:
@@ -72,7 +78,14 @@ class SamplerArrays:
         columns = {f.name: [getattr(r, f.name) for r in rows] for f in fields(Sampling)}
         columns["top_k"] = [min(k, 2**31 - 1) for k in columns["top_k"]]  # int32; any k ≥ the vocabulary is off
         # numpy, then one device_put: building on the device would dispatch a conversion program
-        return jax.device_put(cls(**{name: np.asarray(values, np.int32 if name == "top_k" else np.float32) for name, values in columns.items()}))
+        return jax.device_put(
+            cls(
+                **{
+                    name: np.asarray(values, np.int32 if name == "top_k" else np.float32)
+                    for name, values in columns.items()
+                }
+            )
+        )
 
 
 # How many of the most likely tokens a sampled step looks at first. Nothing sorts the vocabulary:

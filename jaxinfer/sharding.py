@@ -44,7 +44,9 @@ def default_devices(processes: int = 1) -> int:
 def check_share(devices: int | None, processes: int | None) -> None:
     """Every process gives the mesh an equal share of its devices."""
     if devices is not None and processes is not None and devices % processes:
-        raise JaxinferError(f"--devices {devices}: not a multiple of the {processes} processes (each gives the mesh an equal share)")
+        raise JaxinferError(
+            f"--devices {devices}: not a multiple of the {processes} processes (each gives the mesh an equal share)"
+        )
 
 
 def device_mesh(devices: int | None, processes: int = 1) -> Mesh | None:
@@ -67,7 +69,9 @@ def device_mesh(devices: int | None, processes: int = 1) -> Mesh | None:
         have = len(local[0])
         hint = " (the CPU's devices are set when JAX starts: ask before anything else runs)" if backend == "cpu" else ""
         each = " in each process" if processes > 1 else ""
-        raise JaxinferError(f"--devices {devices}: JAX has {have} {backend} device{'s' if have > 1 else ''}{each} here{hint}")
+        raise JaxinferError(
+            f"--devices {devices}: JAX has {have} {backend} device{'s' if have > 1 else ''}{each} here{hint}"
+        )
     chosen = [d for p in range(processes) for d in local[p][:share]]
     return Mesh(np.array(chosen), (AXIS,)) if devices > 1 else None
 
@@ -80,7 +84,12 @@ def mesh_of(params: dict) -> Mesh | None:
 
 def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
     """Whether a mesh of `devices` splits this logical axis: one of those it can, whose count divides it."""
-    counts = {"vocab": cfg.vocab_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size}
+    counts = {
+        "vocab": cfg.vocab_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "mlp": cfg.intermediate_size,
+    }
     return axis in counts and counts[axis] % devices == 0
 
 
@@ -92,7 +101,10 @@ def held_axes(cfg: ModelConfig, weight: Weight, quantized: bool, devices: int) -
         return weight.axes
     if kernel.available():
         return (None,) * len(weight.axes)
-    return tuple(name if size % (block * devices) == 0 else None for name, size, block in zip(weight.axes, weight.shape, (GROUP, BLOCK)))
+    return tuple(
+        name if size % (block * devices) == 0 else None
+        for name, size, block in zip(weight.axes, weight.shape, (GROUP, BLOCK))
+    )
 
 
 def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSharding | None:

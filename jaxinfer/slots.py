@@ -78,7 +78,9 @@ def chunk_size(n: int) -> int:
     return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
 
 
-def _check_memory(cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None, mesh) -> None:
+def _check_memory(
+    cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None, mesh
+) -> None:
     """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap).
     Over a mesh, each device's share against its memory; the CPU's devices share one memory."""
     devices = mesh.size if mesh else 1
@@ -133,28 +135,42 @@ class Slots:
     """
 
     def __init__(
-        self, cfg: ModelConfig, params: dict, batch: int, max_context: int, eos_ids: tuple[int, ...], prefill_chunk: int | None = None,
-        speculation: Speculation = Speculation(), draft_params: dict | None = None,
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        batch: int,
+        max_context: int,
+        eos_ids: tuple[int, ...],
+        prefill_chunk: int | None = None,
+        speculation: Speculation = Speculation(),
+        draft_params: dict | None = None,
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
         if (speculation.model is None) != (draft_params is None):
-            raise ValueError("a draft model needs both its config (Speculation.model) and its parameters (draft_params)")
+            raise ValueError(
+                "a draft model needs both its config (Speculation.model) and its parameters (draft_params)"
+            )
         self.speculation, self.draft_params = speculation, draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self._empty = partial(initial_state, cfg, params, batch, max_context, eos_ids, speculation, draft_params)
         mesh = mesh_of(params)  # over a mesh, the state is made in place on its devices and stays there
-        self._placed = None if mesh is None else state_shardings(jax.eval_shape(self._empty), cfg, mesh, speculation.model)
+        self._placed = (
+            None if mesh is None else state_shardings(jax.eval_shape(self._empty), cfg, mesh, speculation.model)
+        )
         self.reset()
         if prefill_chunk is None:  # the path's own: the kernel's flash attention keeps large chunks cheap
             prefill_chunk = PREFILL_CHUNK_KERNEL if self.state.cache.kernel else PREFILL_CHUNK
         self.prefill_chunk = chunk_size(prefill_chunk)
-        self.beside_chunk = min(MIN_BUCKET, self.prefill_chunk)  # the chunk beside decoding rows: from the clock (`_pace`)
+        # the chunk beside decoding rows: from the clock (`_pace`)
+        self.beside_chunk = min(MIN_BUCKET, self.prefill_chunk)
 
     def reset(self) -> None:
         """An empty cache, every row free."""
-        self.state: DecodeState = self._empty() if self._placed is None else jax.jit(self._empty, out_shardings=self._placed)()
+        self.state: DecodeState = (
+            self._empty() if self._placed is None else jax.jit(self._empty, out_shardings=self._placed)()
+        )
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
@@ -189,7 +205,9 @@ class Slots:
         if (self._live & rows).any():  # their earlier sequences stop decoding now
             self.retire(rows)
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
-            admissions = [a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions]
+            admissions = [
+                a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions
+            ]
             for a in admissions:
                 self._long[a.row] = len(a.prompt) > switch
         for a in admissions:
@@ -216,7 +234,9 @@ class Slots:
             self._prefill([self._queue[row] for row in group], min(rest(group[0]), chunk), report, step_kv_len)
             step_kv_len = 0
 
-    def _prefill(self, group: list[tuple[Admission, int]], most: int, report: CompileReport, step_kv_len: int = 0) -> None:
+    def _prefill(
+        self, group: list[tuple[Admission, int]], most: int, report: CompileReport, step_kv_len: int = 0
+    ) -> None:
         """Prefill up to `most` prompt tokens of each row of the group, from where it stands."""
         bucket = prompt_bucket(most, self.max_context)
         starts = [start for _, start in group]
@@ -226,8 +246,16 @@ class Slots:
         limits = [len(a.prompt) + a.max_tokens for a, _ in group]
         admissions = [a for a, _ in group]
         args = admission(
-            [a.row for a in admissions], [a.prompt for a in admissions], starts, ends, limits, [a.seed for a in admissions],
-            [a.sampling for a in admissions], [a.ignore_eos for a in admissions], [a.speculate for a in admissions], bucket,
+            [a.row for a in admissions],
+            [a.prompt for a in admissions],
+            starts,
+            ends,
+            limits,
+            [a.seed for a in admissions],
+            [a.sampling for a in admissions],
+            [a.ignore_eos for a in admissions],
+            [a.speculate for a in admissions],
+            bucket,
         )
         args += (self.draft_params,)
         static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation, step_kv_len=step_kv_len)
@@ -320,7 +348,9 @@ class Slots:
         comes out placed as it went in: left to choose, XLA splits the seen-token mask by vocabulary
         as it does the logits, and the next call's state no longer matches the program."""
         if self._placed is not None:
-            phase = jax.jit(phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed)
+            phase = jax.jit(
+                phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed
+            )
         return self._programs.get(key, report, phase, self.params, self.state, *args, **static)
 
     def _prefill_long_again(self, switch: int) -> None:
@@ -335,7 +365,12 @@ class Slots:
         self.retire(rows)  # the loop passes them by until their last chunk
         for row in np.flatnonzero(rows):
             a = self._admitted[row]
-            again = replace(a, prompt=tokens[row, : switch + 1].tolist(), max_tokens=len(a.prompt) + a.max_tokens - switch - 1, start=0)
+            again = replace(
+                a,
+                prompt=tokens[row, : switch + 1].tolist(),
+                max_tokens=len(a.prompt) + a.max_tokens - switch - 1,
+                start=0,
+            )
             self._admitted[row], self._queue[row], self._long[row] = again, (again, 0), True
             for carried, now in zip(vars(self._carried).values(), vars(self.counters).values()):
                 carried[row] = now[row]  # the counters restart at a prefill

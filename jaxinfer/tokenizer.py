@@ -48,8 +48,12 @@ class Tokenizer:
         self.bos_id = self.token_id(_token_text(self.config.get("bos_token")))
         self.eos_id = self.token_id(_token_text(self.config.get("eos_token")))
         if self._sp is not None:  # sentencepiece defaults, as transformers' LlamaTokenizer
-            self.bos_id = self.bos_id if self.bos_id is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
-            self.eos_id = self.eos_id if self.eos_id is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
+            self.bos_id = (
+                self.bos_id if self.bos_id is not None else (self._sp.bos_id() if self._sp.bos_id() >= 0 else None)
+            )
+            self.eos_id = (
+                self.eos_id if self.eos_id is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
+            )
         self.special_tokens = self._special_tokens()  # what chat templates see
         specials = sorted({t for t in self.special_tokens.values() if t}, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
@@ -63,7 +67,9 @@ class Tokenizer:
 
     def _special_tokens(self) -> dict[str, str | None]:
         """bos_token, eos_token, unk_token, pad_token as text."""
-        found = {f"{name}_token": _token_text(self.config.get(f"{name}_token")) for name in ("bos", "eos", "unk", "pad")}
+        found = {
+            f"{name}_token": _token_text(self.config.get(f"{name}_token")) for name in ("bos", "eos", "unk", "pad")
+        }
         if self._sp is not None:  # sentencepiece's own BOS/EOS when tokenizer_config.json names none
             for name, i in (("bos", self.bos_id), ("eos", self.eos_id)):
                 if found[f"{name}_token"] is None and i is not None:

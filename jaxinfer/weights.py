@@ -30,7 +30,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
-    """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's family lays it out."""
+    """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's
+    family lays it out."""
     return family(cfg.architecture).weight_table(cfg)
 
 
@@ -56,13 +57,17 @@ def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None, mesh: 
 
     def leaf(path: TreePath, shape: tuple[int, ...]):
         if quantize and quantized_here(path, shape):
-            return {name: jax.ShapeDtypeStruct(*packed) for name, packed in quant.packed_shapes(shape, quantize).items()}
+            return {
+                name: jax.ShapeDtypeStruct(*packed) for name, packed in quant.packed_shapes(shape, quantize).items()
+            }
         return jax.ShapeDtypeStruct(shape, dtype)
 
     tree = tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape, _ in weight_table(cfg).values()})
     if mesh is None:
         return tree
-    return jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree, param_shardings(cfg, tree, mesh))
+    return jax.tree.map(
+        lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree, param_shardings(cfg, tree, mesh)
+    )
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -86,7 +91,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_safetensors(
-    cfg: ModelConfig, files: list[Path], dtype, progress: ProgressFn | None = None, quantize: str | None = None, mesh: Mesh | None = None
+    cfg: ModelConfig,
+    files: list[Path],
+    dtype,
+    progress: ProgressFn | None = None,
+    quantize: str | None = None,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices
     packed by `quantize` as they are read (peak memory: the quantized model and one float matrix).
@@ -109,14 +119,19 @@ def read_safetensors(
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied head: the checkpoint repeats the embedding
         if name not in table:
-            raise JaxinferError(f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json")
+            raise JaxinferError(
+                f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json"
+            )
         path, shape, axes = table[name]
         try:
             array = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxinferError(f"cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
         if array.dtype.kind in "iub":  # ml_dtypes' bfloat16 is kind "V"
-            raise JaxinferError(f"tensor {name} holds {array.dtype} values: jaxinfer reads float32, bfloat16 and float16 weights (not quantized checkpoints)")
+            raise JaxinferError(
+                f"tensor {name} holds {array.dtype} values: jaxinfer reads float32, bfloat16 and float16 weights (not "
+                "quantized checkpoints)"
+            )
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
         packs = quantize and quantized_here(path, shape)

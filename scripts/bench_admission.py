@@ -45,7 +45,10 @@ def main() -> None:
         Request(1, rng.integers(3, vocab, 16).tolist(), Sampling(), 40, seed=1),
         Request(2, long_prompt, Sampling(), 16, seed=2),
     ]
-    print(f"{args.model}: B=2 at -c {args.context}; a {args.prompt}-token prompt admitted while a row decodes {args.running} tokens")
+    print(
+        f"{args.model}: B=2 at -c {args.context}; a {args.prompt}-token prompt admitted while a row decodes "
+        f"{args.running} tokens"
+    )
     print(f"{'chunk':>6} {'ITL p50 ms':>11} {'max ms':>8} {'max/p50':>8} {'TTFT in job s':>14} {'TTFT alone s':>13}")
     for chunk in (int(c) for c in args.chunks.split(",")):
         runner = BatchRunner(batched, 2, args.context, prefill_chunk=chunk)

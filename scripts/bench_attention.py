@@ -49,8 +49,14 @@ def main() -> None:
 
     model = models_for(args.model, "float32", (1,))[1]
     rng = np.random.default_rng(0)
-    print(f"{args.model}, float32, batch 1 at -c {args.context}: TTFT and decode ({args.new} tokens), attention on XLA | on the kernel")
-    print(f"{'prompt':>6} {'TTFT XLA s':>11} {'kernel s':>9} {'ratio':>6} {'decode XLA tok/s':>17} {'kernel tok/s':>13} {'ratio':>6}")
+    print(
+        f"{args.model}, float32, batch 1 at -c {args.context}: TTFT and decode ({args.new} tokens), attention on XLA | "
+        "on the kernel"
+    )
+    print(
+        f"{'prompt':>6} {'TTFT XLA s':>11} {'kernel s':>9} {'ratio':>6} {'decode XLA tok/s':>17} {'kernel tok/s':>13} "
+        f"{'ratio':>6}"
+    )
     heads = kernel.ATTENTION_HEAD_DIMS
     for n in (int(p) for p in args.prompts.split(",")):
         prompt = rng.integers(3, model.config.vocab_size, n).tolist()
@@ -59,7 +65,8 @@ def main() -> None:
         kernel.ATTENTION_HEAD_DIMS = heads
         ours = measure(model, prompt, args.new, args.context)
         print(
-            f"{n:>6} {xla[0]:>11.3f} {ours[0]:>9.3f} {xla[0] / ours[0]:>5.2f}x {xla[1]:>17.1f} {ours[1]:>13.1f} {ours[1] / xla[1]:>5.2f}x",
+            f"{n:>6} {xla[0]:>11.3f} {ours[0]:>9.3f} {xla[0] / ours[0]:>5.2f}x {xla[1]:>17.1f} {ours[1]:>13.1f} "
+            f"{ours[1] / xla[1]:>5.2f}x",
             flush=True,
         )
 

@@ -4,10 +4,11 @@
     python scripts/bench_batch.py --model tinyllama-1.1b --sizes 1,4,16,32 --requests 32
     python scripts/bench_batch.py --model tinyllama-1.1b --sizes 4,16,32 --requests 32 --dtype bfloat16
 
-A fixed request set (seeded random prompts of 32–96 tokens, 64 new tokens each, EOS off so every
-request costs the same) runs through `BatchRunner` at each batch size, after a warm-up of the same
-requests cut to 2 tokens (compile time of programs first needed later is subtracted). Then requests of mixed output lengths (8 to 256 new tokens, long-tailed) run at one
-batch size with continuous and with static batching. Run from the repository root.
+A fixed request set (seeded random prompts of 32–96 tokens, 64 new tokens each, EOS off so every request
+costs the same) runs through `BatchRunner` at each batch size, after a warm-up of the same requests cut
+to 2 tokens (compile time of programs first needed later is subtracted). Then requests of mixed output
+lengths (8 to 256 new tokens, long-tailed) run at one batch size with continuous and with static
+batching. Run from the repository root.
 """
 
 from __future__ import annotations
@@ -39,8 +40,15 @@ def models_for(name: str, dtype: str, sizes) -> dict[int, LoadedModel]:
         else:
             cfg = SHAPES[name]
             by_layout[layout] = LoadedModel(
-                Path(name), cfg, loaded(cfg, dtype=jnp.dtype(dtype), layout=layout), tokenizer=None, dtype=dtype, quantize=None,
-                sampling=Sampling(), eos_ids=(), max_new_tokens=None,
+                Path(name),
+                cfg,
+                loaded(cfg, dtype=jnp.dtype(dtype), layout=layout),
+                tokenizer=None,
+                dtype=dtype,
+                quantize=None,
+                sampling=Sampling(),
+                eos_ids=(),
+                max_new_tokens=None,
             )
     return {size: by_layout[layout_for_batch(size)] for size in sizes}
 
@@ -54,7 +62,9 @@ def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> li
     ]
 
 
-def tokens_per_s(model: LoadedModel, batch_size: int, requests: list[Request], context: int, continuous: bool = True) -> tuple[float, float]:
+def tokens_per_s(
+    model: LoadedModel, batch_size: int, requests: list[Request], context: int, continuous: bool = True
+) -> tuple[float, float]:
     runner = BatchRunner(model, batch_size, context)
     warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests]  # compiles most programs used
     runner.run(warm_up, lambda r: None)
@@ -73,7 +83,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--mixed-batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (stored bfloat16, computed in float32 on the CPU kernel)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, or bfloat16 (stored bfloat16, computed in float32 on the CPU kernel)",
+    )
     args = parser.parse_args()
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -89,11 +103,19 @@ def main() -> None:
 
     mixed = request_set(model, args.requests, lambda rng: min(256, 8 + int(rng.pareto(1.2) * 24)), seed=1)
     lengths = [r.max_tokens for r in mixed]
-    print(f"mixed lengths at B={args.mixed_batch}: {sum(lengths)} tokens, {min(lengths)}–{max(lengths)} per request (median {int(np.median(lengths))})")
+    print(
+        f"mixed lengths at B={args.mixed_batch}: {sum(lengths)} tokens, {min(lengths)}–{max(lengths)} per request "
+        f"(median {int(np.median(lengths))})"
+    )
     rates = {}
     for continuous in (True, False):
-        rates[continuous], seconds = tokens_per_s(models[args.mixed_batch], args.mixed_batch, mixed, args.context, continuous)
-        print(f"  {'continuous' if continuous else 'static':>10}: {rates[continuous]:8.1f} tok/s ({seconds:.1f} s)", flush=True)
+        rates[continuous], seconds = tokens_per_s(
+            models[args.mixed_batch], args.mixed_batch, mixed, args.context, continuous
+        )
+        print(
+            f"  {'continuous' if continuous else 'static':>10}: {rates[continuous]:8.1f} tok/s ({seconds:.1f} s)",
+            flush=True,
+        )
     print(f"  continuous / static: ×{rates[True] / rates[False]:.2f}")
 
 

@@ -71,7 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,5,9,16,128,512")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--torch", action="store_true", help="also PyTorch's bfloat16 linear (oneDNN), as transformers runs it")
+    parser.add_argument(
+        "--torch", action="store_true", help="also PyTorch's bfloat16 linear (oneDNN), as transformers runs it"
+    )
     args = parser.parse_args()
     if not kernel.available():
         raise SystemExit("the kernels were not built for this machine (or the backend is not the CPU)")
@@ -86,7 +88,11 @@ def main() -> None:
         print(f"{name}")
         for dtype in (jnp.float32, jnp.bfloat16):
             w = w32.astype(dtype)
-            forms = {"XLA [out,in]": (xla, w), "XLA [in,out]": (xla_io, jnp.asarray(w.T)), "kernel": (ours, packed.pack(w))}
+            forms = {
+                "XLA [out,in]": (xla, w),
+                "XLA [in,out]": (xla_io, jnp.asarray(w.T)),
+                "kernel": (ours, packed.pack(w)),
+            }
             if dtype == jnp.bfloat16:
                 forms["kernel, bf16 inputs"] = (rounded, packed.pack(w))
             if dtype == jnp.bfloat16 and kernel.isa().endswith("amx"):  # from 16 rows the kernel takes AMX

@@ -17,7 +17,15 @@ import sys
 import time
 
 
-def measure(devices: int, processes: int = 1, process_id: int = 0, coordinator: str = "", prompt: int = 128, tokens: int = 64, repeats: int = 3) -> str:
+def measure(
+    devices: int,
+    processes: int = 1,
+    process_id: int = 0,
+    coordinator: str = "",
+    prompt: int = 128,
+    tokens: int = 64,
+    repeats: int = 3,
+) -> str:
     from jaxinfer.processes import join
     from jaxinfer.sharding import device_mesh
 
@@ -37,7 +45,9 @@ def measure(devices: int, processes: int = 1, process_id: int = 0, coordinator: 
             pass
         t = gen.timings
         best_ttft, best_decode = min(best_ttft, t.ttft_s), max(best_decode, (t.generated_tokens - 1) / t.decode_s)
-    return f"{devices} device(s), {processes} process(es): TTFT {1000 * best_ttft:.1f} ms, decode {best_decode:.1f} tok/s"
+    return (
+        f"{devices} device(s), {processes} process(es): TTFT {1000 * best_ttft:.1f} ms, decode {best_decode:.1f} tok/s"
+    )
 
 
 def main() -> None:
@@ -58,15 +68,30 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
     for devices in (1, args.devices):  # each in a process of its own: the CPU's devices are set when JAX starts
-        command = [sys.executable, "-c", f"import sys; sys.path.insert(0, 'scripts'); import bench_processes as b; print(b.measure({devices}, **{shape!r}))"]
+        command = [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, 'scripts'); import bench_processes as b; print(b.measure({devices}, "
+            f"**{shape!r}))",
+        ]
         print(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip(), flush=True)
     started = time.perf_counter()
     joined = [
-        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--process-id", str(i), "--coordinator", coordinator], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], "--process-id", str(i), "--coordinator", coordinator],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         for i in range(args.processes)
     ]
     outputs = [p.communicate()[0] for p in joined]  # gloo prints its connections on stdout, before our line
-    print(outputs[0].strip().splitlines()[-1] if outputs[0].strip() else f"the processes failed (exit codes {[p.returncode for p in joined]})", f"({time.perf_counter() - started:.0f} s)")
+    print(
+        outputs[0].strip().splitlines()[-1]
+        if outputs[0].strip()
+        else f"the processes failed (exit codes {[p.returncode for p in joined]})",
+        f"({time.perf_counter() - started:.0f} s)",
+    )
 
 
 if __name__ == "__main__":

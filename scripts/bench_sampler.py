@@ -48,7 +48,9 @@ def main() -> None:
             start = time.perf_counter()
             compiled(logits, seen, keys, arrays).block_until_ready()
             times.append(time.perf_counter() - start)
-        print(f"{name:17} {args.rows}×{args.vocab}: {1000 * statistics.median(times):6.2f} ms (compile {compile_s:.2f} s)")
+        print(
+            f"{name:17} {args.rows}×{args.vocab}: {1000 * statistics.median(times):6.2f} ms (compile {compile_s:.2f} s)"
+        )
 
 
 if __name__ == "__main__":

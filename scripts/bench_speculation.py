@@ -68,9 +68,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quantize", choices=quant.METHODS, default=None)
-    parser.add_argument("--draft-model", action="store_true", help="the bundled model drafts for a deeper one made from it")
+    parser.add_argument(
+        "--draft-model", action="store_true", help="the bundled model drafts for a deeper one made from it"
+    )
     parser.add_argument("--layers", type=int, default=48, help="with --draft-model: the target's layers")
-    parser.add_argument("--scale", default="0,0.3", help="with --draft-model: the added layers' output scales to compare")
+    parser.add_argument(
+        "--scale", default="0,0.3", help="with --draft-model: the added layers' output scales to compare"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -85,7 +89,14 @@ def main() -> None:
         for scale in map(float, args.scale.split(",")):
             cfg, params = deepened(source.config, source.params, args.layers, scale)
             engines = {0: Engine(cfg, params, 512, eos_ids=())} | {
-                k: Engine(cfg, params, 512, eos_ids=(), speculation=Speculation(draft=k, model=draft.config), draft_params=draft.params)
+                k: Engine(
+                    cfg,
+                    params,
+                    512,
+                    eos_ids=(),
+                    speculation=Speculation(draft=k, model=draft.config),
+                    draft_params=draft.params,
+                )
                 for k in drafts
             }
             rows += [{"scale": scale, **row} for row in compare(engines, prompts, args.tokens, args.repeat)]
@@ -99,7 +110,11 @@ def main() -> None:
         params = loaded(cfg, args.quantize)
         prompts, context = shape_prompts(cfg.vocab_size), 1024
     engines = {k: Engine(cfg, params, context, eos_ids=(), speculation=Speculation(draft=k)) for k in [0, *drafts]}
-    report(compare(engines, prompts, args.tokens, args.repeat), args, f"{args.model} ({cfg.architecture}, {args.quantize or 'float32'})")
+    report(
+        compare(engines, prompts, args.tokens, args.repeat),
+        args,
+        f"{args.model} ({cfg.architecture}, {args.quantize or 'float32'})",
+    )
 
 
 def compare(engines: dict[int, Engine], prompts: dict, tokens: int, repeat: int) -> list[dict]:
@@ -117,8 +132,16 @@ def compare(engines: dict[int, Engine], prompts: dict, tokens: int, repeat: int)
         plain = statistics.median(speeds[0])
         for k in [k for k in speeds if k]:
             fast = statistics.median(speeds[k])
-            rows.append({"prompt": name, "draft": k, "plain_tok_s": round(plain, 1), "speculative_tok_s": round(fast, 1),
-                         "speedup": round(fast / plain, 3), **stats[k]})
+            rows.append(
+                {
+                    "prompt": name,
+                    "draft": k,
+                    "plain_tok_s": round(plain, 1),
+                    "speculative_tok_s": round(fast, 1),
+                    "speedup": round(fast / plain, 3),
+                    **stats[k],
+                }
+            )
     return rows
 
 
@@ -129,9 +152,11 @@ def report(rows: list[dict], args, what: str) -> None:
     print(f"{what}, {args.tokens} tokens, median of {args.repeat}")
     for r in rows:
         scale = f"scale {r['scale']}: " if "scale" in r else ""
-        print(f"  {scale}{r['prompt']:15} K={r['draft']}: {r['plain_tok_s']:7.1f} → {r['speculative_tok_s']:7.1f} tok/s "
-              f"(×{r['speedup']:.2f}); accepted {r['accepted']}/{r['drafted']} ({r['acceptance_rate']:.0%}), "
-              f"{r['tokens_per_step']:.2f} tokens per step")
+        print(
+            f"  {scale}{r['prompt']:15} K={r['draft']}: {r['plain_tok_s']:7.1f} → {r['speculative_tok_s']:7.1f} tok/s "
+            f"(×{r['speedup']:.2f}); accepted {r['accepted']}/{r['drafted']} ({r['acceptance_rate']:.0%}), "
+            f"{r['tokens_per_step']:.2f} tokens per step"
+        )
 
 
 if __name__ == "__main__":

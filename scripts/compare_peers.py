@@ -60,10 +60,19 @@ def checkpoint(shape: str, work: Path) -> Path:
         return out
     cfg = SHAPES[shape]
     config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
@@ -80,8 +89,21 @@ def llama_cpp_source(work: Path) -> Path:
     version = llama_cpp.__version__
     tree = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     if not tree.is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
-                        f"llama-cpp-python=={version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(work),
+                f"llama-cpp-python=={version}",
+            ],
+            check=True,
+        )
         with tarfile.open(work / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(work, filter="data")
     return tree
@@ -89,11 +111,25 @@ def llama_cpp_source(work: Path) -> Path:
 
 # (engine, weights) rows per shape, and the jaxinfer weights each peer row is compared with
 ROWS = [
-    ("jaxinfer", "float32"), ("jaxinfer", "bfloat16"), ("jaxinfer", "int8"), ("jaxinfer", "int4"),
-    ("transformers", "float32"), ("transformers", "bfloat16"),
-    ("llama.cpp", "f32"), ("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0"),
+    ("jaxinfer", "float32"),
+    ("jaxinfer", "bfloat16"),
+    ("jaxinfer", "int8"),
+    ("jaxinfer", "int4"),
+    ("transformers", "float32"),
+    ("transformers", "bfloat16"),
+    ("llama.cpp", "f32"),
+    ("llama.cpp", "f16"),
+    ("llama.cpp", "q8_0"),
+    ("llama.cpp", "q4_0"),
 ]
-OURS_FOR = {"float32": "float32", "bfloat16": "bfloat16", "f32": "float32", "f16": "bfloat16", "q8_0": "int8", "q4_0": "int4"}
+OURS_FOR = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "f32": "float32",
+    "f16": "bfloat16",
+    "q8_0": "int8",
+    "q4_0": "int4",
+}
 LLAMA_FTYPE_MOSTLY_Q4_0 = 2  # llama.h
 
 
@@ -112,8 +148,11 @@ def gguf(model_dir: Path, work: Path, kind: str) -> Path:
         return out
     tree = llama_cpp_source(work)
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
-    subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind,
-                    "--outfile", str(out)], check=True, env=env)
+    subprocess.run(
+        [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind, "--outfile", str(out)],
+        check=True,
+        env=env,
+    )
     return out
 
 
@@ -133,7 +172,9 @@ def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weig
     return _medians(results[1:])
 
 
-def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, threads: int, weights: str) -> tuple[float, float]:
+def run_transformers(
+    model_dir: Path, prompt: list[int], new: int, repeat: int, threads: int, weights: str
+) -> tuple[float, float]:
     import torch
     import transformers
 
@@ -147,7 +188,9 @@ def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, 
             model(ids, use_cache=True)
             prefill = time.perf_counter() - start
             start = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
             total = time.perf_counter() - start
             results.append((len(prompt) / prefill, (new - 1) / (total - prefill)))
     return _medians(results[1:])
@@ -156,8 +199,14 @@ def run_transformers(model_dir: Path, prompt: list[int], new: int, repeat: int, 
 def run_llama_cpp(gguf_file: Path, prompt: list[int], new: int, repeat: int, threads: int) -> tuple[float, float]:
     from llama_cpp import Llama, llama_get_logits
 
-    llm = Llama(str(gguf_file), n_ctx=len(prompt) + new, n_batch=len(prompt), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        str(gguf_file),
+        n_ctx=len(prompt) + new,
+        n_batch=len(prompt),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     results = []
     for _ in range(repeat + 1):
         llm.reset()
@@ -185,10 +234,16 @@ def versions() -> str:
 
     from jaxinfer import kernel
 
-    built = [part.split("=")[0].strip() for part in llama_cpp.llama_print_system_info().decode().split("|") if part.strip().endswith("= 1")]
-    return (f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"llama-cpp-python {llama_cpp.__version__}; jaxinfer's kernels: {kernel.isa()}; llama.cpp built with "
-            f"{' '.join(b for b in built if b.startswith(('AVX', 'FMA', 'F16C', 'AMX', 'NEON', 'SVE')))}")
+    built = [
+        part.split("=")[0].strip()
+        for part in llama_cpp.llama_print_system_info().decode().split("|")
+        if part.strip().endswith("= 1")
+    ]
+    return (
+        f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"llama-cpp-python {llama_cpp.__version__}; jaxinfer's kernels: {kernel.isa()}; llama.cpp built with "
+        f"{' '.join(b for b in built if b.startswith(('AVX', 'FMA', 'F16C', 'AMX', 'NEON', 'SVE')))}"
+    )
 
 
 def cpu_name() -> str:
@@ -219,13 +274,24 @@ def main() -> None:
             if engine == "jaxinfer":
                 rates[engine, weights] = run_jaxinfer(model_dir, prompt, args.tokens, args.repeat, weights)
             elif engine == "transformers":
-                rates[engine, weights] = run_transformers(model_dir, prompt, args.tokens, args.repeat, args.threads, weights)
+                rates[engine, weights] = run_transformers(
+                    model_dir, prompt, args.tokens, args.repeat, args.threads, weights
+                )
             else:
-                rates[engine, weights] = run_llama_cpp(gguf(model_dir, args.work, weights), prompt, args.tokens, args.repeat, args.threads)
-            print(json.dumps({"shape": shape, "engine": engine, "weights": weights, "prefill_decode": rates[engine, weights]}), flush=True)
+                rates[engine, weights] = run_llama_cpp(
+                    gguf(model_dir, args.work, weights), prompt, args.tokens, args.repeat, args.threads
+                )
+            print(
+                json.dumps(
+                    {"shape": shape, "engine": engine, "weights": weights, "prefill_decode": rates[engine, weights]}
+                ),
+                flush=True,
+            )
         for (engine, weights), (prefill, decode) in rates.items():
             ours = None if engine == "jaxinfer" else OURS_FOR[weights]
-            ratio = None if ours is None else (rates["jaxinfer", ours][0] / prefill, rates["jaxinfer", ours][1] / decode)
+            ratio = (
+                None if ours is None else (rates["jaxinfer", ours][0] / prefill, rates["jaxinfer", ours][1] / decode)
+            )
             rows.append((shape, engine, weights, (prefill, decode), ours, ratio))
 
     lines = [
@@ -234,9 +300,11 @@ def main() -> None:
         f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; {versions()}.",
         f"`python scripts/compare_peers.py`: random-weight models, {args.prompt} prompt tokens, {args.tokens} "
         f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up. Each peer row is compared with "
-        "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16, q8_0 with int8, q4_0 with int4).",
+        "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16, q8_0 with int8, q4_0 "
+        "with int4).",
         "",
-        "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, prefill | jaxinfer ÷ peer, decode |",
+        "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, "
+        "prefill | jaxinfer ÷ peer, decode |",
         "| --- | --- | --- | ---: | ---: | --- | ---: | ---: |",
     ]
     for shape, engine, weights, (prefill, decode), ours, ratio in rows:

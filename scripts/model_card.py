@@ -44,7 +44,18 @@ def samples(model_dir: Path) -> list[tuple[str, str]]:
 
 def measure(model_dir: Path) -> dict:
     env_for = lambda cache: {**os.environ, "JAXINFER_CACHE_DIR": cache}  # noqa: E731
-    command = ["jaxinfer", "run", "-m", str(model_dir), BENCH_PROMPT, "-n", str(BENCH_TOKENS), "--ignore-eos", "--temp", "0"]
+    command = [
+        "jaxinfer",
+        "run",
+        "-m",
+        str(model_dir),
+        BENCH_PROMPT,
+        "-n",
+        str(BENCH_TOKENS),
+        "--ignore-eos",
+        "--temp",
+        "0",
+    ]
     figures = {}
     with tempfile.TemporaryDirectory() as cache:
         for phase in ("cold", "warm"):  # the first process compiles into the empty cache, the second reads it
@@ -86,7 +97,7 @@ tags: [llama, code, python, jaxinfer]
 
 # {name}
 
-jaxinfer's bundled default model: a {report['parameters'] / 1e6:.1f} M-parameter Llama trained from scratch
+jaxinfer's bundled default model: a {report["parameters"] / 1e6:.1f} M-parameter Llama trained from scratch
 on the source code of the Python standard library, so that `jaxinfer run "def fibonacci(n):"` works on
 a fresh machine with nothing to download. It writes Python-shaped code (indentation, `def`/`return`,
 docstrings, mostly balanced brackets); it does not write correct programs. It is a smoke-test and demo
@@ -100,23 +111,24 @@ It is a standard Hugging Face checkpoint: `transformers` runs it too, to the sam
 | | |
 |---|---|
 | architecture | `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE θ=10000, grouped-query attention, tied embeddings) |
-| parameters | {report['parameters']:,} |
-| layers × hidden | {config['num_hidden_layers']} × {config['hidden_size']} (MLP {config['intermediate_size']}) |
-| heads | {config['num_attention_heads']} query, {config['num_key_value_heads']} key/value, head size {config['head_dim']} |
-| context | {config['max_position_embeddings']} tokens (trained length) |
-| vocabulary | {config['vocab_size']} (sentencepiece BPE, byte fallback) |
-| weights | bfloat16 safetensors ({(model_dir / 'model.safetensors').stat().st_size / 2**20:.1f} MiB) |
+| parameters | {report["parameters"]:,} |
+| layers × hidden | {config["num_hidden_layers"]} × {config["hidden_size"]} (MLP {config["intermediate_size"]}) |
+| heads | {config["num_attention_heads"]} query, {config["num_key_value_heads"]} key/value, \
+head size {config["head_dim"]} |
+| context | {config["max_position_embeddings"]} tokens (trained length) |
+| vocabulary | {config["vocab_size"]} (sentencepiece BPE, byte fallback) |
+| weights | bfloat16 safetensors ({(model_dir / "model.safetensors").stat().st_size / 2**20:.1f} MiB) |
 
 ## Data
 
-The `.py` files of CPython {report['python']}'s standard library (the interpreter that ran the
+The `.py` files of CPython {report["python"]}'s standard library (the interpreter that ran the
 training), without its test suites (`test/`, `tests/`, `idle_test/`), the generated codec tables
-(`encodings/`) and pydoc's topic strings (`pydoc_data/`). {report['validation_files']} whole files
-({report['validation_tokens']:,} tokens, {report['validation_bytes']:,} bytes) are held out for
-validation, chosen by a hash of their path; {report['train_files']} files ({report['train_tokens']:,}
+(`encodings/`) and pydoc's topic strings (`pydoc_data/`). {report["validation_files"]} whole files
+({report["validation_tokens"]:,} tokens, {report["validation_bytes"]:,} bytes) are held out for
+validation, chosen by a hash of their path; {report["train_files"]} files ({report["train_tokens"]:,}
 tokens) are for training.
 
-The tokenizer is trained by the same script on the training files: BPE, {config['vocab_size']} pieces,
+The tokenizer is trained by the same script on the training files: BPE, {config["vocab_size"]} pieces,
 byte fallback (any text can be encoded), identity normalisation, no dummy prefix, whitespace-only
 pieces and `\\n` as a piece of its own, so code round-trips exactly, indentation included.
 
@@ -124,24 +136,24 @@ pieces and `\\n` as a piece of its own, so code round-trips exactly, indentation
 
 `python scripts/train_default_model.py --out models/{name}` (jaxinfer's own `forward`, the code
 `jaxinfer run` executes, with optax): AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), peak
-learning rate {args['lr']} after {args['warmup']} warm-up steps, cosine decay to a tenth, gradient
-clipping at 1.0; {args['steps']} steps of {args['batch']} random windows of {args['context']} tokens:
-**{report['tokens_seen']:,} tokens seen** ({report['tokens_seen'] / report['train_tokens']:.1f} passes
+learning rate {args["lr"]} after {args["warmup"]} warm-up steps, cosine decay to a tenth, gradient
+clipping at 1.0; {args["steps"]} steps of {args["batch"]} random windows of {args["context"]} tokens:
+**{report["tokens_seen"]:,} tokens seen** ({report["tokens_seen"] / report["train_tokens"]:.1f} passes
 over the training tokens). float32 throughout, bfloat16 for the saved weights.
 
-Trained in **{hours} h {minutes:02d} min** on {report['machine']} (no GPU).
+Trained in **{hours} h {minutes:02d} min** on {report["machine"]} (no GPU).
 
 ## Results
 
 | | |
 |---|---|
-| validation loss (all held-out files) | **{report['validation_loss']:.3f}** nats/token |
-| bits per byte (validation) | **{report['bits_per_byte']:.3f}** |
-| final train loss (mean of the last 50 steps) | {report['final_train_loss']:.3f} nats/token |
+| validation loss (all held-out files) | **{report["validation_loss"]:.3f}** nats/token |
+| bits per byte (validation) | **{report["bits_per_byte"]:.3f}** |
+| final train loss (mean of the last 50 steps) | {report["final_train_loss"]:.3f} nats/token |
 
 ![loss curves](loss.png)
 
-{loss_table(report['history'], int(args['eval_every']))}
+{loss_table(report["history"], int(args["eval_every"]))}
 
 Every step's train loss is in `training.json`.
 
@@ -152,10 +164,11 @@ Every step's train loss is in `training.json`.
 
 | | cold (compiling) | warm (compilation cache hit) |
 |---|---:|---:|
-| launch → first token on stdout | {speed['cold_launch_to_first_token_s']:.2f} s | {speed['warm_launch_to_first_token_s']:.2f} s |
-| compile | {cold['compile_s']:.2f} s | {warm['compile_s']:.2f} s |
-| TTFT (prefill, compile excluded) | {cold['ttft_s'] * 1000:.0f} ms | {warm['ttft_s'] * 1000:.0f} ms |
-| decode | {cold['decode_tok_s']:.0f} tok/s | {warm['decode_tok_s']:.0f} tok/s |
+| launch → first token on stdout | {speed["cold_launch_to_first_token_s"]:.2f} s | \
+{speed["warm_launch_to_first_token_s"]:.2f} s |
+| compile | {cold["compile_s"]:.2f} s | {warm["compile_s"]:.2f} s |
+| TTFT (prefill, compile excluded) | {cold["ttft_s"] * 1000:.0f} ms | {warm["ttft_s"] * 1000:.0f} ms |
+| decode | {cold["decode_tok_s"]:.0f} tok/s | {warm["decode_tok_s"]:.0f} tok/s |
 
 ## Samples (the defaults: greedy, repetition penalty 1.2; up to 96 tokens)
 

@@ -1,4 +1,5 @@
-"""Quality of bfloat16 and of each quantization (weights, KV cache) on the bundled model: perplexity over held-out Python text (the
+"""Quality of bfloat16 and of each quantization (weights, KV cache) on the bundled model: perplexity
+over held-out Python text (the
 stdlib files its training held out), with the KL divergence from float32 and top-1 agreement.
 
     python scripts/quant_quality.py [--files 8] [-c 512] [--json]
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_default_model import stdlib_files, is_validation  # noqa: E402
+from train_default_model import is_validation, stdlib_files  # noqa: E402
 
 SETTINGS = {
     "float32": [],
@@ -47,8 +48,12 @@ def main() -> None:
     rows = {}
     for name, flags in SETTINGS.items():
         model = ["-m", args.model] if args.model else []
-        proc = subprocess.run(["jaxinfer", "perplexity", f.name, "-c", str(args.max_context), "--json", *model, *flags],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            ["jaxinfer", "perplexity", f.name, "-c", str(args.max_context), "--json", *model, *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows[name] = json.loads(proc.stdout)
     Path(f.name).unlink()
     if args.json:

@@ -7,21 +7,40 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
 from jaxinfer import quant
+from jaxinfer.config import ModelConfig
 from jaxinfer.loading import check_layout, lay_out
 from jaxinfer.weights import abstract_params, quantized_here
 
 SHAPES = {
     "smollm-135m": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, sliding_windows=(None,) * 30,
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        sliding_windows=(None,) * 30,
     ),
     "tinyllama-1.1b": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-        num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-5,
-        max_position_embeddings=2048, rope_theta=10000.0, sliding_windows=(None,) * 22,
+        architecture="LlamaForCausalLM",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        sliding_windows=(None,) * 22,
     ),
 }
 
@@ -41,7 +60,11 @@ def loaded(cfg: ModelConfig, quantize: str | None = None, dtype=jnp.float32, lay
 
         def pack(path, leaf):
             name = getattr(path[-1], "key", None)
-            return quant.quantize(leaf, quantize) if isinstance(name, str) and quantized_here((name,), leaf.shape) else leaf
+            return (
+                quant.quantize(leaf, quantize)
+                if isinstance(name, str) and quantized_here((name,), leaf.shape)
+                else leaf
+            )
 
         params = jax.tree_util.tree_map_with_path(pack, params)
     return lay_out(params, check_layout(layout), consume=True)

@@ -161,7 +161,13 @@ def write_model_dir(out: Path, args, config: dict, tokenizer: bytes, params: dic
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     # greedy, with a mild repetition penalty: a model this small loops without one
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "repetition_penalty": 1.2, "max_new_tokens": 128}
+    generation = {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "do_sample": False,
+        "repetition_penalty": 1.2,
+        "max_new_tokens": 128,
+    }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_safetensors(params, cfg, out / "model.safetensors")
 
@@ -204,7 +210,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--eval-windows", type=int, default=64, help="validation windows in periodic evals (all at the end)")
+    parser.add_argument(
+        "--eval-windows", type=int, default=64, help="validation windows in periodic evals (all at the end)"
+    )
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -213,14 +221,19 @@ def main() -> None:
     root, files = stdlib_files()
     split = {False: [], True: []}
     for f in files:
-        split[is_validation(f.relative_to(root), args.val_fraction)].append(f.read_text(encoding="utf-8", errors="replace"))
+        split[is_validation(f.relative_to(root), args.val_fraction)].append(
+            f.read_text(encoding="utf-8", errors="replace")
+        )
     train_texts, val_texts = split[False], split[True]
     tokenizer = train_tokenizer(train_texts, args.vocab)
     sp = spm.SentencePieceProcessor(model_proto=tokenizer)
     train_ids, val_ids = encode(sp, train_texts), encode(sp, val_texts)
     val_bytes = sum(len(t.encode()) for t in val_texts)
-    print(f"corpus: {root}, {len(train_texts)} train / {len(val_texts)} validation files, "
-          f"{len(train_ids):,} / {len(val_ids):,} tokens", file=sys.stderr)
+    print(
+        f"corpus: {root}, {len(train_texts)} train / {len(val_texts)} validation files, "
+        f"{len(train_ids):,} / {len(val_ids):,} tokens",
+        file=sys.stderr,
+    )
 
     config = hf_config(args)
     cfg = config_from_hf(config)
@@ -257,8 +270,12 @@ def main() -> None:
         history.append({"step": i, "train_loss": float(loss)})
         if i % 10 == 0:
             elapsed = time.time() - train_started
-            print(f"step {i}/{args.steps} loss {float(loss):.3f} {tokens_seen / elapsed:,.0f} tok/s "
-                  f"elapsed {elapsed / 60:.1f} min", file=sys.stderr, flush=True)
+            print(
+                f"step {i}/{args.steps} loss {float(loss):.3f} {tokens_seen / elapsed:,.0f} tok/s "
+                f"elapsed {elapsed / 60:.1f} min",
+                file=sys.stderr,
+                flush=True,
+            )
         if i % args.eval_every == 0 or i == args.steps:
             windows = val_windows if i == args.steps else val_windows[: args.eval_windows]
             history.append({"step": i, "val_loss": evaluate(eval_loss, params, windows, args.batch)})
@@ -283,7 +300,8 @@ def main() -> None:
         "steps": args.steps,
         "train_seconds": round(train_seconds),
         "total_seconds": round(time.time() - started),
-        "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} {jax.default_backend()} device(s), "
+        "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} {jax.default_backend()} "
+        "device(s), "
         f"{__import__('os').cpu_count()} cores",
         "final_train_loss": float(np.mean([h["train_loss"] for h in history if "train_loss" in h][-50:])),
         "validation_loss": val_loss,

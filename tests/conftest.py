@@ -9,10 +9,10 @@ os.environ.setdefault("JAXINFER_CACHE_DIR", "")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
-import pytest
+import pytest  # noqa: E402 (after the environment above)
+from tiny_models import make_model  # noqa: E402
 
-from jaxinfer import kernel
-from tiny_models import make_model
+from jaxinfer import kernel  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +48,9 @@ def isa(request):
     """Each code path of the CPU kernels this CPU can take: its best, AVX-512 without AMX, AVX2 (ARM:
     NEON without SDOT), the portable one (those a cap leaves the same as a better cap's are skipped)."""
     if request.param not in DISTINCT_CAPS:
-        pytest.skip(f"the same paths as a better cap on this CPU{' under JAXINFER_ISA' if os.environ.get('JAXINFER_ISA') else ''}")
+        pytest.skip(
+            "the same paths as a better cap on this "
+            f"CPU{' under JAXINFER_ISA' if os.environ.get('JAXINFER_ISA') else ''}"
+        )
     with kernel.capped(request.param):
         yield request.param

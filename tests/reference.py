@@ -43,6 +43,8 @@ def greedy_reference(hf, ids, n):
 def alone(model, request, context=128):
     """A batch request through the batch-1 engine `jaxinfer run` uses: what its result must equal."""
     engine = Engine(model.config, model.params, context, model.eos_ids)
-    gen = Generation(model, engine, request.prompt_ids, request.sampling, request.max_tokens, request.seed, request.stop)
+    gen = Generation(
+        model, engine, request.prompt_ids, request.sampling, request.max_tokens, request.seed, request.stop
+    )
     list(gen)
     return gen

@@ -47,8 +47,13 @@ def int8(path: str, devices: int) -> dict:
     try:
         model = load_model(path, quantize="int8", mesh=device_mesh(devices))
         engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
-        run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
-        counted = weight_bytes(model.config, Storage.of_params(model.params), devices)  # what info says, from the config
+        run = [
+            t
+            for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True)
+            for t in chunk
+        ]
+        # what info says, from the config
+        counted = weight_bytes(model.config, Storage.of_params(model.params), devices)
         return {"run": run, "bytes": bytes_per_device(model.params), "counted": counted}
     finally:
         kernel.enabled = True
@@ -66,10 +71,23 @@ def longest(model) -> int:
 def tokens(path: str, devices: int, quantized: bool) -> dict:
     model = load_model(path, mesh=device_mesh(devices))
     engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
-    run = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk]
-    engine.reset()  # over a mesh, a fresh state must fit the programs compiled for the one they made (as bench's repeats do)
-    again = [t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk] if devices > 1 else run
-    requests = [Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()]
+    run = [
+        t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk
+    ]
+    # over a mesh, a fresh state must fit the programs compiled for the one they made (as bench's repeats do)
+    engine.reset()
+    again = (
+        [
+            t
+            for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True)
+            for t in chunk
+        ]
+        if devices > 1
+        else run
+    )
+    requests = [
+        Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()
+    ]
     records = []
     BatchRunner(model, 2, 256, prefill_chunk=CHUNK).run(requests, records.append)
     return {
@@ -88,4 +106,8 @@ if __name__ == "__main__":
     # The first model at 1, 2 and 4 devices; the second (MQA: its one kv head stays whole however
     # many devices there are) at 1 and 4.
     counts = ((1, 2, 4), (1, 4))
-    print(json.dumps({path: {n: tokens(path, n, quantized=i == 0) for n in counts[i]} for i, path in enumerate(sys.argv[1:])}))
+    print(
+        json.dumps(
+            {path: {n: tokens(path, n, quantized=i == 0) for n in counts[i]} for i, path in enumerate(sys.argv[1:])}
+        )
+    )

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import needs_kernel, xla_dot
 
 from jaxinfer import kernel
 from jaxinfer import model as M
 from jaxinfer.config import ModelConfig
 from jaxinfer.kvcache import KVCache
-from kernel_helpers import needs_kernel, xla_dot
 
 L, R, S, KV, G, HD = 2, 3, 1024, 2, 3, 64
 
@@ -43,14 +43,17 @@ def test_attention_kernel_matches_xla(isa, dtype, case):
     k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))  # XLA's cache layout
     q = jax.random.normal(jax.random.key(2), (*positions.shape, KV, G, HD))
     rest = (rows, 1, kv_len, window, HD**-0.5, softcap)
-    ours = np.asarray(kernel.attention(q, positions, k.swapaxes(2, 3), v.swapaxes(2, 3), *rest))  # the kernel's: [L, R, KV, S, hd]
+    # the kernel's: [L, R, KV, S, hd]
+    ours = np.asarray(kernel.attention(q, positions, k.swapaxes(2, 3), v.swapaxes(2, 3), *rest))
     want = np.asarray(xla_attention(q, positions, k, v, *rest))
     live = np.asarray(positions) < kv_len
     np.testing.assert_allclose(ours[live], want[live], rtol=2e-5, atol=2e-6)
     assert not ours[~live].any()  # a finished row's queries see nothing
 
 
-@pytest.mark.skipif(not kernel.vectorised(), reason="the kernels take no vectorised path on this CPU (neither AVX2 nor AVX-512)")
+@pytest.mark.skipif(
+    not kernel.vectorised(), reason="the kernels take no vectorised path on this CPU (neither AVX2 nor AVX-512)"
+)
 def test_the_cache_says_who_attends():
     """A float cache on one device is the kernel's; an int8 cache, a head size the kernel has no
     path for, a mesh's cache, or any cache where the kernels are off is XLA's."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reference import alone
 
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.errors import JaxinferError
@@ -17,7 +18,6 @@ from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.model import in_out_layout
 from jaxinfer.sampling import Sampling
-from reference import alone
 
 PROMPTS = [
     "The capital of France is",
@@ -92,7 +92,10 @@ def test_ignore_eos_is_per_request_and_every_record_has_its_itl(model):
     model = dataclasses.replace(model, eos_ids=(eos,))
     stops, runs_on = Request("eos", ids, Sampling(), 12, 0), Request("ignore", ids, Sampling(), 12, 0, ignore_eos=True)
     records = {r["id"]: r for r in run_batch(model, [stops, runs_on], 2)}
-    assert (records["eos"]["finish_reason"], records["eos"]["generated_tokens"]) == ("eos", free.token_ids.index(eos) + 1)
+    assert (records["eos"]["finish_reason"], records["eos"]["generated_tokens"]) == (
+        "eos",
+        free.token_ids.index(eos) + 1,
+    )
     assert (records["ignore"]["finish_reason"], records["ignore"]["generated_tokens"]) == ("length", 12)
     assert records["ignore"]["text"] == free.text
     for record in records.values():
@@ -113,7 +116,9 @@ def test_stop_strings_in_a_batch_match_run(model):
 
 
 def jaxinfer_batch(*args, stdin=None, check=None):
-    proc = subprocess.run(["jaxinfer", "batch", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["jaxinfer", "batch", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300
+    )
     if check is not None:
         assert proc.returncode == check, proc.stderr
     return proc
@@ -135,7 +140,14 @@ def test_jsonl_through_stdin_and_stdout_with_bad_lines(tiny, tmp_path):
         {"id": "long", "prompt": "x", "max_tokens": 10_000},
         {"id": "bad temp", "prompt": "x", "temperature": "hot"},
     ]
-    proc = jaxinfer_batch("-", "-m", path, "-b", "2", stdin="".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    proc = jaxinfer_batch(
+        "-",
+        "-m",
+        path,
+        "-b",
+        "2",
+        stdin="".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines),
+    )
     assert proc.returncode == 5, proc.stderr  # five bad lines
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     results = {r["id"]: r for r in records if "error" in r} | {r["id"]: r for r in records if "text" in r}
@@ -179,15 +191,18 @@ def test_resume_keeps_whole_records_drops_only_a_cut_one_and_refuses_other_files
 def test_resume_records_each_bad_line_once_any_seed_runs_and_a_locked_output_is_refused(tiny, tmp_path):
     path = tiny("llama")
     sampled = {"prompt": "The capital of France is", "temperature": 0.9, "max_tokens": 8}
-    inp = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": "zero", "seed": 0, **sampled},
-        {"id": "huge", "seed": 2**40, **sampled},  # 2**40 mod 2**32 = 0: the same draws
-        {"id": "minus one", "seed": -1, "top_k": 10**12, **sampled},
-        {"id": "max", "seed": 2**32 - 1, **sampled},
-        "{broken",
-        '{"id": "nan", "prompt": "x", "max_tokens": 4, "temperature": NaN}',
-        {"id": "half k", "prompt": "x", "max_tokens": 4, "top_k": 2.5},
-    ])
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "zero", "seed": 0, **sampled},
+            {"id": "huge", "seed": 2**40, **sampled},  # 2**40 mod 2**32 = 0: the same draws
+            {"id": "minus one", "seed": -1, "top_k": 10**12, **sampled},
+            {"id": "max", "seed": 2**32 - 1, **sampled},
+            "{broken",
+            '{"id": "nan", "prompt": "x", "max_tokens": 4, "temperature": NaN}',
+            {"id": "half k", "prompt": "x", "max_tokens": 4, "top_k": 2.5},
+        ],
+    )
     out = tmp_path / "out.jsonl"
     jaxinfer_batch(inp, "-o", out, "-m", path, "-b", "2", check=3)
     first = out.read_text()
@@ -213,27 +228,62 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
     def line(custom_id, url, **body):
         return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
-    inp = write_jsonl(tmp_path / "in.jsonl", [
-        line("chat", chat, model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, n=1),
-        line("completion", completion, prompt=prompt, max_completion_tokens=6, temperature=0, repetition_penalty=1.0, top_k=0),
-        {"id": "own", "prompt": prompt, "max_tokens": 6, "temperature": 0},
-        line("embeddings", "/v1/embeddings", input="x"),
-        line("unknown", completion, prompt="x", best_of=3),
-        line("two", completion, prompt="x", n=2),
-        line("wrong key", chat, prompt="x"),
-        {"id": "own unknown", "prompt": "x", "extra": 1},
-    ])
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            line(
+                "chat",
+                chat,
+                model="tiny",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=5,
+                temperature=0,
+                n=1,
+            ),
+            line(
+                "completion",
+                completion,
+                prompt=prompt,
+                max_completion_tokens=6,
+                temperature=0,
+                repetition_penalty=1.0,
+                top_k=0,
+            ),
+            {"id": "own", "prompt": prompt, "max_tokens": 6, "temperature": 0},
+            line("embeddings", "/v1/embeddings", input="x"),
+            line("unknown", completion, prompt="x", best_of=3),
+            line("two", completion, prompt="x", n=2),
+            line("wrong key", chat, prompt="x"),
+            {"id": "own unknown", "prompt": "x", "extra": 1},
+        ],
+    )
     out = tmp_path / "out.jsonl"
     jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "-b", "2", check=5)
     records = {r.get("custom_id", r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
     body = records["chat"]["response"]["body"]
     assert records["chat"]["response"]["status_code"] == 200 and records["chat"]["error"] is None
-    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["choices"][0]["message"]["role"] == "assistant"
-    assert body["usage"]["completion_tokens"] <= 5 and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert (
+        body["object"] == "chat.completion"
+        and body["model"] == "tiny"
+        and body["choices"][0]["message"]["role"] == "assistant"
+    )
+    assert (
+        body["usage"]["completion_tokens"] <= 5
+        and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    )
     text = records["completion"]["response"]["body"]["choices"][0]
-    assert text["text"] == records["own"]["text"] and text["finish_reason"] in ("stop", "length")  # the same request, either shape
+    # the same request, either shape
+    assert text["text"] == records["own"]["text"] and text["finish_reason"] in (
+        "stop",
+        "length",
+    )
     errors = {key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key")}
-    assert "/v1/completions" in errors["embeddings"] and "'best_of'" in errors["unknown"] and '"n"' in errors["two"] and '"messages"' in errors["wrong key"]
+    assert (
+        "/v1/completions" in errors["embeddings"]
+        and "'best_of'" in errors["unknown"]
+        and '"n"' in errors["two"]
+        and '"messages"' in errors["wrong key"]
+    )
     assert all(records[key]["response"] is None and records[key]["id"].startswith("batch_req_") for key in errors)
     assert "'extra'" in records["own unknown"]["error"]
     first = out.read_text()
@@ -252,7 +302,9 @@ def test_a_job_killed_at_a_random_moment_resumes_to_the_same_results(tiny, tmp_p
     print(f"uninterrupted job: {time.perf_counter() - start:.1f} s")
 
     killed = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(["jaxinfer", "batch", inp, "-o", killed, "-m", slow, "-b", "4", "-c", "512"], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["jaxinfer", "batch", inp, "-o", killed, "-m", slow, "-b", "4", "-c", "512"], stderr=subprocess.DEVNULL
+    )
     while not killed.exists() or killed.stat().st_size == 0:  # some results are out
         time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be killed"

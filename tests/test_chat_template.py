@@ -44,7 +44,9 @@ def test_rendering_matches_transformers(tokenizers, name, conversation, add_gene
     ours, hf = tokenizers
     messages = CONVERSATIONS[conversation]
     try:
-        expected = hf.apply_chat_template(messages, chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=add_generation_prompt)
+        expected = hf.apply_chat_template(
+            messages, chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as e:  # the template refuses this conversation (mistral: no system role)
         with pytest.raises(JaxinferError, match="chat template: .*" + str(e)[:30].replace("(", r"\(")):
             ChatTemplate(TEMPLATES[name], ours.special_tokens).render(messages, add_generation_prompt)
@@ -55,7 +57,12 @@ def test_rendering_matches_transformers(tokenizers, name, conversation, add_gene
 def test_template_sources_and_the_fallback(tmp_path, tokenizers):
     assert read_template(tmp_path, {}) is None
     assert read_template(tmp_path, {"chat_template": "A"}) == "A"
-    assert read_template(tmp_path, {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}) == "D"
+    assert (
+        read_template(
+            tmp_path, {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
+        )
+        == "D"
+    )
     (tmp_path / "chat_template.jinja").write_text("J")
     assert read_template(tmp_path, {"chat_template": "A"}) == "J"  # transformers 5 writes this file
 

@@ -9,27 +9,39 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import xla_dot
+from reference import alone, assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 
 from jaxinfer import kernel
 from jaxinfer import model as M
-
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.cli import options
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
+from jaxinfer.model import KEY_BLOCK
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import PREFILL_CHUNK, PREFILL_CHUNK_KERNEL, STALL, Admission, Slots, chunk_size, kv_bucket, prompt_bucket
-from jaxinfer.model import KEY_BLOCK
-from kernel_helpers import xla_dot
-from reference import alone, assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
+from jaxinfer.slots import (
+    PREFILL_CHUNK,
+    PREFILL_CHUNK_KERNEL,
+    STALL,
+    Admission,
+    Slots,
+    chunk_size,
+    kv_bucket,
+    prompt_bucket,
+)
 
 S = 512
-TEXT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+TEXT = (
+    "The capital of France is Paris. 東京 🙂 "
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a sliding window of 24, shorter than most chunks' reach
+# mistral: a sliding window of 24, shorter than most chunks' reach
+@pytest.fixture(scope="module", params=["llama", "mistral"])
 def models(tiny, request):
     path = tiny(request.param, max_position_embeddings=S)
     return dataclasses.replace(load_model(path), eos_ids=()), reference(path)
@@ -37,7 +49,11 @@ def models(tiny, request):
 
 def test_chunk_size_is_a_power_of_two_and_the_flag_states_the_default():
     assert [chunk_size(n) for n in (0, -1, 1, 16, 100, 256, 300)] == [0, 0, 16, 16, 64, 256, 256]
-    assert f"[default: {PREFILL_CHUNK_KERNEL} where the CPU attention kernel runs, else {PREFILL_CHUNK}]" in options.PREFILL_CHUNK.help  # the CLI keeps jax out of its imports
+    # the CLI keeps jax out of its imports
+    assert (
+        f"[default: {PREFILL_CHUNK_KERNEL} where the CPU attention kernel runs, else {PREFILL_CHUNK}]"
+        in options.PREFILL_CHUNK.help
+    )
 
 
 def test_the_default_chunk_is_the_attention_paths(models):
@@ -45,10 +61,13 @@ def test_the_default_chunk_is_the_attention_paths(models):
     them cheap) and of 128 where XLA does: an int8 cache, a CPU without AVX-512, a GPU."""
     model, _ = models
     kernel_attends = kernel.vectorised() and model.config.head_dim in kernel.ATTENTION_HEAD_DIMS
-    assert Slots(model.config, model.params, 1, S, ()).prefill_chunk == (PREFILL_CHUNK_KERNEL if kernel_attends else PREFILL_CHUNK)
+    assert Slots(model.config, model.params, 1, S, ()).prefill_chunk == (
+        PREFILL_CHUNK_KERNEL if kernel_attends else PREFILL_CHUNK
+    )
     int8 = dataclasses.replace(model.config, kv_dtype="int8")
     assert Slots(int8, model.params, 1, S, ()).prefill_chunk == PREFILL_CHUNK
-    assert Slots(model.config, model.params, 1, S, (), prefill_chunk=100).prefill_chunk == 64  # asked: as asked, a power of two
+    # asked: as asked, a power of two
+    assert Slots(model.config, model.params, 1, S, (), prefill_chunk=100).prefill_chunk == 64
 
 
 @pytest.mark.parametrize("chunk", [16, 48])  # 48 → 32: chunks that do not divide the prompt
@@ -83,7 +102,14 @@ def test_chunked_and_whole_prefill_agree(models):
     ids = model.tokenizer.encode(TEXT * 3)
     outputs = []
     for chunk in (0, 16, 64):
-        gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=chunk), ids, Sampling(temperature=0.8), 32, seed=7)
+        gen = Generation(
+            model,
+            Engine(model.config, model.params, S, (), prefill_chunk=chunk),
+            ids,
+            Sampling(temperature=0.8),
+            32,
+            seed=7,
+        )
         list(gen)
         outputs.append(gen.token_ids)
     assert outputs[0] == outputs[1] == outputs[2]  # sampling keys come from positions, not calls
@@ -110,7 +136,8 @@ def test_a_long_admission_runs_a_chunk_per_decode_step(models):
         assert int(length[0]) == running + rounds  # one token of the running row per chunk
         assert slots.prefilling[1] == (prefilled < len(long_ids)) and bool(done[1]) == (prefilled < len(long_ids))
     assert rounds > 2
-    assert int(length[1]) == len(long_ids) + 1  # its first token, back on the host at once (it steps from the next round)
+    # its first token, back on the host at once (it steps from the next round)
+    assert int(length[1]) == len(long_ids) + 1
     # After the first round, which times a plain step, each round's step rode in the chunk's pass
     fused = [key for key in slots._programs._compiled if key[0] == "prefill" and key[-1]]
     decodes = [key for key in slots._programs._compiled if key[0] == "decode"]
@@ -127,7 +154,9 @@ def test_the_chunk_beside_decoding_rows_follows_the_clock(models):
     slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=64)
     step, seen = 0.05, []
     fits, over, between = (STALL * step * f for f in (0.4, 1.5, 0.7))
-    for chunks_s, compiled in [(fits, False)] * 3 + [(over, True), (over, False), (between, False)] + [(20 * over, False)] * 3:
+    for chunks_s, compiled in (
+        [(fits, False)] * 3 + [(over, True), (over, False), (between, False)] + [(20 * over, False)] * 3
+    ):
         slots._pace(chunks_s, step, compiled)
         seen.append(slots.beside_chunk)
     assert seen == [32, 64, 64, 64, 32, 32, 16, 16, 16]
@@ -190,7 +219,8 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
 
 
 @pytest.mark.parametrize("attention", ["kernel", "xla"])
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])  # sliding windows (blocks skipped below them); soft-capped scores
+# sliding windows (blocks skipped below them); soft-capped scores
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, attention):
     """Past KEY_BLOCK keys a prompt's queries attend a block at a time, over the blocks they can see
     (the CPU kernel's blocks, or XLA's `_blockwise`): every position's logits are transformers' (one
@@ -211,7 +241,9 @@ def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, atte
         assert gen.token_ids == greedy_reference(hf, ids, 8)
         if attention == "xla":
             int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
-            whole, _ = M.forward(model.params, int8.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
+            whole, _ = M.forward(
+                model.params, int8.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids)
+            )
             # The two paths' projections round differently, so a key can land one int8 step apart: 1e-3
             # (measured 1.6e-4 on gemma2) still fails a block skipped or attended twice by orders of magnitude.
             ours, theirs = our_prompt_logits(int8, ids, S)[0], M.logits(model.params, whole, int8.config)[0]

@@ -23,7 +23,20 @@ def model(tiny):
 
 
 def test_json_output_and_stdin_prompt(model):
-    proc = jaxinfer("run", "-m", model, "-", "--json", "-n", "12", "--seed", str(2**32 + 5), "--temp", "0.8", stdin="The capital of France is")
+    proc = jaxinfer(
+        "run",
+        "-m",
+        model,
+        "-",
+        "--json",
+        "-n",
+        "12",
+        "--seed",
+        str(2**32 + 5),
+        "--temp",
+        "0.8",
+        stdin="The capital of France is",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result) == {"text", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "seed", "timings"}
@@ -32,7 +45,8 @@ def test_json_output_and_stdin_prompt(model):
     roofline = result["timings"]["roofline"]
     assert roofline["prefill"]["mfu"] > 0 and roofline["decode"]["mbu"] > 0 and roofline["decode"]["bound"] == "memory"
     assert "TTFT" in proc.stderr and "MFU" in proc.stderr and "MBU" in proc.stderr
-    ran = kernel.isa() if kernel.vectorised() else "XLA"  # float matrices: packed for a vectorised path, else XLA's layouts
+    # float matrices: packed for a vectorised path, else XLA's layouts
+    ran = kernel.isa() if kernel.vectorised() else "XLA"
     assert result["timings"]["kernels"] == ran and f"matrices on {ran}" in proc.stderr
 
 
@@ -49,8 +63,16 @@ def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp
 def test_a_home_that_cannot_be_written_only_costs_the_caches(model, tmp_path):
     home = tmp_path / "home"
     home.write_text("a file: no directory can be made under it, even by root")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAXINFER_CACHE_DIR", "XDG_CACHE_HOME")} | {"HOME": str(home)}
-    proc = subprocess.run(["jaxinfer", "run", "-m", model, "Hello", "-n", "4", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXINFER_CACHE_DIR", "XDG_CACHE_HOME")} | {
+        "HOME": str(home)
+    }
+    proc = subprocess.run(
+        ["jaxinfer", "run", "-m", model, "Hello", "-n", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["generated_tokens"] >= 1  # the roofs measured, not stored
     assert proc.stderr.count("warning: no compile cache") == 1 and "Traceback" not in proc.stderr
@@ -67,14 +89,19 @@ def test_the_wheel_installs_the_front_end_inside_jaxinfer(tmp_path):
     build = [sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     wheel = zipfile.ZipFile(next(tmp_path.glob("jaxinfer-*.whl")))
-    assert {name.split("/")[0] for name in wheel.namelist()} == {"jaxinfer", wheel.filename.split("/")[-1].split("-py3")[0] + ".dist-info"}
+    assert {name.split("/")[0] for name in wheel.namelist()} == {
+        "jaxinfer",
+        wheel.filename.split("/")[-1].split("-py3")[0] + ".dist-info",
+    }
     assert "jaxinfer/cli/main.py" in wheel.namelist() and "jaxinfer/__main__.py" in wheel.namelist()
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "jaxinfer = jaxinfer.cli.main:main" in wheel.read(entry_points).decode()
 
 
 def test_version_python_dash_m_and_a_bare_command_showing_help():
-    version = subprocess.run([sys.executable, "-m", "jaxinfer", "--version"], capture_output=True, text=True, timeout=300)
+    version = subprocess.run(
+        [sys.executable, "-m", "jaxinfer", "--version"], capture_output=True, text=True, timeout=300
+    )
     assert version.returncode == 0 and version.stdout.startswith("jaxinfer ")
     bare = jaxinfer()
     assert bare.returncode == 0 and "Commands:" in bare.stdout and "run" in bare.stdout and not bare.stderr
@@ -136,7 +163,9 @@ def test_hub_ids_from_the_local_hub_cache_offline(model, tmp_path):
         proc = jaxinfer("run", "-m", name, "Hello", "-n", "4", "--temp", "0", "--json", env=offline)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
-    assert_one_line_error(jaxinfer("run", "-m", "acme/missing", "Hello", env=offline), "acme/missing", str(cache), "HF_HUB_OFFLINE")
+    assert_one_line_error(
+        jaxinfer("run", "-m", "acme/missing", "Hello", env=offline), "acme/missing", str(cache), "HF_HUB_OFFLINE"
+    )
     assert jaxinfer("convert", "acme/tiny-llama", tmp_path / "converted", env=offline).returncode == 0
     proc = jaxinfer("run", "-m", tmp_path / "converted", "Hello", "-n", "4", "--temp", "0", "--json")
     assert json.loads(proc.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
@@ -175,11 +204,15 @@ def test_unknown_architecture_lists_the_supported_ones(broken):
     path = broken()
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+    assert_one_line_error(
+        jaxinfer("run", "-m", path, "hi"), "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"
+    )
 
 
 def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
-    assert_one_line_error(jaxinfer("run", "-m", model, "The capital of France is", "-n", "100", "-c", "64"), "exceeds the context")
+    assert_one_line_error(
+        jaxinfer("run", "-m", model, "The capital of France is", "-n", "100", "-c", "64"), "exceeds the context"
+    )
     assert_one_line_error(jaxinfer("run", "-m", model, "   "), "empty")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--temp", "-1"), "--temp")
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--top-p", "0"), "--top-p")
@@ -204,8 +237,11 @@ def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
         )
     ]
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
-    assert len({(json.loads(r.stdout)["prompt_tokens"], json.loads(r.stdout)["text"]) for r in results}) == 1  # one prompt, four ways
-    verbatim = jaxinfer("run", "-m", model, "The capital\\tof France is", "--no-escape", "-n", "6", "--temp", "0", "--json")
+    # one prompt, four ways
+    assert len({(json.loads(r.stdout)["prompt_tokens"], json.loads(r.stdout)["text"]) for r in results}) == 1
+    verbatim = jaxinfer(
+        "run", "-m", model, "The capital\\tof France is", "--no-escape", "-n", "6", "--temp", "0", "--json"
+    )
     assert json.loads(verbatim.stdout)["prompt_tokens"] != json.loads(results[0].stdout)["prompt_tokens"]
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-p", "hi"), "give the prompt once")
     assert_one_line_error(jaxinfer("run", "-m", model, "-f", tmp_path / "missing.txt"), "cannot read")
@@ -219,23 +255,36 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
     assert jaxinfer("run", "-m", model, "hi", "-n", "2", "--compile-cache", cache).returncode == 0
     assert any(cache.iterdir())
     assert_one_line_error(jaxinfer("run", model), "is a directory", f"-m {model}")
-    assert jaxinfer("run", "-m", model, "hi", "-n", "2", "-t", "1").returncode == 0  # XLA's pool sized by the cores pinned
+    # XLA's pool sized by the cores pinned
+    assert jaxinfer("run", "-m", model, "hi", "-n", "2", "-t", "1").returncode == 0
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-t", str(os.cpu_count() + 1)), "-t/--threads")
 
 
 def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(model, tmp_path):
-    proc = subprocess.run(["jaxinfer", "run", "-m", str(model), "-"], input=b"caf\xe9 \xff", capture_output=True, timeout=300)
-    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode()), "not valid UTF-8")
+    proc = subprocess.run(
+        ["jaxinfer", "run", "-m", str(model), "-"], input=b"caf\xe9 \xff", capture_output=True, timeout=300
+    )
+    assert_one_line_error(
+        subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode()),
+        "not valid UTF-8",
+    )
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", env={"JAX_PLATFORMS": "cuda"}), "JAX_PLATFORMS", "cpu")
     proc = jaxinfer("run", "-m", model, "hi", "-c", "1000000000")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     warning, error = proc.stderr.strip().splitlines()  # nothing allocated: XLA would have tried terabytes
-    assert "beyond the 256 positions" in warning and error.startswith("error: a 1000000000-position cache") and "longest context that fits" in error
+    assert (
+        "beyond the 256 positions" in warning
+        and error.startswith("error: a 1000000000-position cache")
+        and "longest context that fits" in error
+    )
 
 
 def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model, tmp_path):
     inp = tmp_path / "in.jsonl"
-    inp.write_bytes(b'{"id": 1, "prompt": "caf\xe9"}\n{"id": 2, "prompt": "Hello", "max_tokens": 3}\n{"id": "\\udcff", "prompt": "x", "max_tokens": 2}\n')
+    inp.write_bytes(
+        b'{"id": 1, "prompt": "caf\xe9"}\n{"id": 2, "prompt": "Hello", "max_tokens": 3}\n'
+        b'{"id": "\\udcff", "prompt": "x", "max_tokens": 2}\n'
+    )
     assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path, "-m", model), "is a directory")
     assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path / "missing" / "out.jsonl", "-m", model), "cannot write")
     proc = jaxinfer("batch", inp, "-m", model, "-b", "10000000", "-c", "256")  # slots capped by the 3 requests
@@ -249,7 +298,9 @@ def test_a_terminal_sees_a_spinner_until_the_first_token(model):
     import pexpect
 
     env = {**os.environ, "JAXINFER_CACHE_DIR": "", "TERM": "xterm", "COLUMNS": "120"}
-    child = pexpect.spawn("jaxinfer", ["run", "-m", str(model), "Hello", "-n", "4", "--no-stats"], encoding="utf-8", timeout=300, env=env)
+    child = pexpect.spawn(
+        "jaxinfer", ["run", "-m", str(model), "Hello", "-n", "4", "--no-stats"], encoding="utf-8", timeout=300, env=env
+    )
     child.expect_exact("compiling and prefilling")  # while the first compile runs
     child.expect(pexpect.EOF)
     child.close()

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import transformers
+from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 from safetensors import safe_open
 
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import bundled_model_dir, load_model
-from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 
 PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):")
 

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from cli_helpers import assert_one_line_error, jaxinfer
+from reference import greedy_reference, reference
+
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
@@ -20,7 +21,6 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import check_draft, load_model
 from jaxinfer.sampling import Sampling
-from reference import greedy_reference, reference
 
 S = 256  # two kv buckets
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
@@ -56,7 +56,15 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
     expected = greedy_reference(reference(tiny("llama", init_std=0.05)), ids, 120)  # past the first kv bucket
     # The near draft (the small model's drafts are checked by the sampled test, a draft of itself by
     # every test below): some drafts kept, some not.
-    engine = Engine(target.config, target.params, S, (), prefill_chunk=16, speculation=Speculation(4, model=near.config), draft_params=near.params)
+    engine = Engine(
+        target.config,
+        target.params,
+        S,
+        (),
+        prefill_chunk=16,
+        speculation=Speculation(4, model=near.config),
+        draft_params=near.params,
+    )
     gen = generate(target, ids, n=120, engine=engine)
     assert gen.token_ids == expected
     spec = gen.timings.speculation
@@ -98,10 +106,19 @@ def test_batch_rows_draft_independently_of_their_mates(models):
     target, near, _ = models
     prompts = [PROMPT, "x", "def f(a):", PROMPT * 4]  # the last comes in 16-token chunks beside the running rows
     reqs = [
-        Request(i, target.tokenizer.encode(p), SAMPLED if i % 2 else Sampling(), max_tokens=(40, 60, 30, 50)[i], seed=i, speculate=i != 2)
+        Request(
+            i,
+            target.tokenizer.encode(p),
+            SAMPLED if i % 2 else Sampling(),
+            max_tokens=(40, 60, 30, 50)[i],
+            seed=i,
+            speculate=i != 2,
+        )
         for i, p in enumerate(prompts)
     ]
-    expected = {r.id: generate(target, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs}
+    expected = {
+        r.id: generate(target, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs
+    }
     out = []
     spec = dict(speculation=Speculation(draft=3, model=near.config), draft_params=near.params)
     BatchRunner(target, 3, S, prefill_chunk=16, **spec).run(reqs, out.append)
@@ -121,9 +138,26 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, models):
 
 def test_the_cli_drafts_with_a_model(tiny, models):
     target, draft = tiny("llama", init_std=0.05), tiny("llama", init_std=0.05, num_hidden_layers=1)
-    proc = jaxinfer("run", "-m", target, PROMPT, "-n", "40", "--temp", "0", "--ignore-eos", "--json", "--draft-model", draft, "--num-draft", "3")
+    proc = jaxinfer(
+        "run",
+        "-m",
+        target,
+        PROMPT,
+        "-n",
+        "40",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--json",
+        "--draft-model",
+        draft,
+        "--num-draft",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["text"] == generate(models[0], PROMPT, n=40).text and result["timings"]["speculation"]["drafted"] > 0
-    assert_one_line_error(jaxinfer("run", "-m", target, "x", "--draft-model", tiny("llama", tokenizer="sentencepiece")), "vocabulary")
+    assert_one_line_error(
+        jaxinfer("run", "-m", target, "x", "--draft-model", tiny("llama", tokenizer="sentencepiece")), "vocabulary"
+    )
     assert_one_line_error(jaxinfer("run", "x", "--speculate", "ngram", "--draft-model", target), "--draft-model")

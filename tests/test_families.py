@@ -14,26 +14,43 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 CONFIGS = {
     # gemma-2b's config.json as the hub has it: "gelu" for the tanh approximation, no head_dim
     # default needed (given), tie left out (transformers ties Gemma by default)
-    "gemma, legacy gelu": dict(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu", head_dim=16, **SHAPE),
+    "gemma, legacy gelu": dict(
+        model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu", head_dim=16, **SHAPE
+    ),
     "gemma, hidden_activation": dict(
-        model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu", hidden_activation="gelu_pytorch_tanh", **SHAPE
+        model_type="gemma",
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu",
+        hidden_activation="gelu_pytorch_tanh",
+        **SHAPE,
     ),
     "gemma, defaults": dict(model_type="gemma", architectures=["GemmaForCausalLM"], **SHAPE),
     "llama, defaults": dict(model_type="llama", architectures=["LlamaForCausalLM"], **SHAPE),
     "mistral, defaults": dict(model_type="mistral", architectures=["MistralForCausalLM"], **SHAPE),
     "qwen2, defaults": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **SHAPE),
     "qwen3, defaults": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **SHAPE),
-    "gemma2, defaults": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], **{**SHAPE, "num_hidden_layers": 4}),
+    "gemma2, defaults": dict(
+        model_type="gemma2", architectures=["Gemma2ForCausalLM"], **{**SHAPE, "num_hidden_layers": 4}
+    ),
     # gemma-3-4b's text config as the hub has it: the older rope keys, the pattern, torch_dtype
     "gemma3, older keys": dict(
-        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], **{**SHAPE, "num_hidden_layers": 7},
-        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=1024, sliding_window_pattern=6,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256, torch_dtype="bfloat16",
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        **{**SHAPE, "num_hidden_layers": 7},
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        query_pre_attn_scalar=256,
+        torch_dtype="bfloat16",
     ),
     "gemma3, defaults": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], **SHAPE),
     "phi3, defaults": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], **SHAPE),
     # Phi-4-mini's config.json writes the factor at the top level
-    "phi4-mini, partial rotary": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, **SHAPE),
+    "phi4-mini, partial rotary": dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, **SHAPE
+    ),
 }
 
 
@@ -46,7 +63,9 @@ def test_config_reads_as_transformers_reads_it(name):
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     assert ours.max_position_embeddings == theirs.max_position_embeddings
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[getattr(theirs, "hidden_activation", None) or theirs.hidden_act]
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[
+        getattr(theirs, "hidden_activation", None) or theirs.hidden_act
+    ]
     assert ours.activation == act
     window = getattr(theirs, "sliding_window", None) if getattr(theirs, "use_sliding_window", True) else None
     types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
@@ -65,7 +84,12 @@ def test_config_reads_as_transformers_reads_it(name):
 
 def test_gemma_flags():
     cfg = config_from_hf(CONFIGS["gemma, legacy gelu"])
-    assert (cfg.activation, cfg.norm_plus_one, cfg.embed_scale, cfg.tie_word_embeddings) == ("gelu_tanh", True, True, True)
+    assert (cfg.activation, cfg.norm_plus_one, cfg.embed_scale, cfg.tie_word_embeddings) == (
+        "gelu_tanh",
+        True,
+        True,
+        True,
+    )
 
 
 def test_gemma3_older_keys_mean_what_the_newer_say():
@@ -85,18 +109,28 @@ def test_longrope_factors_are_transformers(attention_factor):
     set, against transformers' own longrope function."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0], "long_factor": [1.0, 2.0, 5.0, 9.0, 20.0, 40.0]}
+    scaling = {
+        "type": "longrope",
+        "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+        "long_factor": [1.0, 2.0, 5.0, 9.0, 20.0, 40.0],
+    }
     if attention_factor:
         scaling["attention_factor"] = attention_factor
     d = dict(
-        model_type="phi3", architectures=["Phi3ForCausalLM"], **SHAPE, partial_rotary_factor=0.75,
-        max_position_embeddings=131072, original_max_position_embeddings=4096, rope_scaling=scaling,
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        **SHAPE,
+        partial_rotary_factor=0.75,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling=scaling,
     )
     cfg = config_from_hf(d)
     theirs = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
     for long in (False, True):
         inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](theirs, None, seq_len=4097 if long else None)
-        np.testing.assert_allclose(rope_inv_freq(cfg, long=long), inv_freq.numpy(), rtol=1e-6)  # float32 pow: numpy vs torch, to the ulp
+        # float32 pow: numpy vs torch, to the ulp
+        np.testing.assert_allclose(rope_inv_freq(cfg, long=long), inv_freq.numpy(), rtol=1e-6)
         assert cfg.rope_scaling[4] == pytest.approx(attention, rel=1e-12)
     assert longrope_switch(cfg) == 4096
 
@@ -110,11 +144,22 @@ def test_errors_name_what_is_wrong():
         config_from_hf({**CONFIGS["llama, defaults"], "hidden_act": "gelu_pytorch_tanh"})
     with pytest.raises(JaxinferError, match="activation 'relu'"):
         config_from_hf({**CONFIGS["gemma, defaults"], "hidden_act": "relu"})
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 5, "long_factor": [2.0] * 5, "original_max_position_embeddings": 64}
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 5,
+        "long_factor": [2.0] * 5,
+        "original_max_position_embeddings": 64,
+    }
     with pytest.raises(JaxinferError, match="longrope needs 8 short and long factors"):
         config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": longrope})
     with pytest.raises(JaxinferError, match="rope scaling type 'yarn' is not supported"):
         config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(JaxinferError, match="hidden_size"):
         config_from_hf({k: v for k, v in CONFIGS["gemma, defaults"].items() if k != "hidden_size"})
-    assert set(SUPPORTED_ARCHITECTURES) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) >= {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GemmaForCausalLM",
+    }

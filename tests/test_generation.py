@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.engine import Engine
-from jaxinfer.slots import prompt_bucket
 from jaxinfer.generate import Generation, StopStrings
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import SamplerArrays, Sampling, sample
+from jaxinfer.slots import prompt_bucket
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,14 @@ def test_one_prefill_program_per_bucket_and_sampling_never_recompiles(model):
     assert first.programs == 2  # one prefill, one decode
     with watch_compiles() as later:
         generate(model, engine, longer, sampling=Sampling(), max_tokens=8)
-        generate(model, engine, longer, sampling=Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.3), max_tokens=12, seed=1)
+        generate(
+            model,
+            engine,
+            longer,
+            sampling=Sampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.3),
+            max_tokens=12,
+            seed=1,
+        )
         generate(model, engine, longer, sampling=Sampling(temperature=1.3), max_tokens=20, seed=2)
     assert later.programs == 0
     with watch_compiles() as new_bucket:
@@ -55,7 +62,11 @@ def test_seeded_sampling_is_reproducible_and_seed_matters(model):
 def test_sampling_filters_restrict_the_choice(model):
     engine = Engine(model.config, model.params, 128, ())
     greedy, _ = generate(model, engine, "The capital", sampling=Sampling(), max_tokens=16)
-    for strict in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6), Sampling(temperature=1.5, min_p=0.999)):
+    for strict in (
+        Sampling(temperature=1.5, top_k=1),
+        Sampling(temperature=1.5, top_p=1e-6),
+        Sampling(temperature=1.5, min_p=0.999),
+    ):
         gen, _ = generate(model, engine, "The capital", sampling=strict, max_tokens=16, seed=3)
         assert gen.token_ids == greedy.token_ids, strict
 
@@ -68,7 +79,9 @@ def test_top_k_holds_whatever_the_rounding_of_the_kept_mass():
     keys = jax.random.split(jax.random.key(1), 64)
     top20 = jax.lax.top_k(logits, 20)[1]
     for draw in range(8):
-        drawn = sample(logits, jnp.zeros(logits.shape, bool), jax.vmap(jax.random.fold_in, (0, None))(keys, draw), settings)
+        drawn = sample(
+            logits, jnp.zeros(logits.shape, bool), jax.vmap(jax.random.fold_in, (0, None))(keys, draw), settings
+        )
         assert bool(jnp.all(jnp.any(top20 == drawn[:, None], axis=1)))
 
 
@@ -139,16 +152,22 @@ def test_cache_full_is_a_length_finish(model):
 
 def test_a_prompt_extending_the_cached_sequence_prefills_only_its_new_tokens(model):
     engine = Engine(model.config, model.params, 256, ())
-    first, _ = generate(model, engine, "The capital of France is Paris, and the capital of Italy is", sampling=Sampling(), max_tokens=8)
+    first, _ = generate(
+        model, engine, "The capital of France is Paris, and the capital of Italy is", sampling=Sampling(), max_tokens=8
+    )
     follow_up = first.prompt_ids + first.token_ids + model.tokenizer.encode(" and Spain?", add_special_tokens=False)
     second, _ = generate(model, engine, follow_up, sampling=Sampling(), max_tokens=12)
     # every token but the last generated one has its K/V in the cache (the last was never fed back)
     assert second.timings.cached_tokens == len(first.prompt_ids) + len(first.token_ids) - 1
     assert second.result()["timings"]["prefilled_tokens"] == len(follow_up) - second.timings.cached_tokens
-    fresh, _ = generate(model, Engine(model.config, model.params, 256, ()), follow_up, sampling=Sampling(), max_tokens=12)
+    fresh, _ = generate(
+        model, Engine(model.config, model.params, 256, ()), follow_up, sampling=Sampling(), max_tokens=12
+    )
     assert fresh.timings.cached_tokens == 0
     assert second.token_ids == fresh.token_ids
-    other, _ = generate(model, engine, "Something else entirely, from its first token on.", sampling=Sampling(), max_tokens=4)
+    other, _ = generate(
+        model, engine, "Something else entirely, from its first token on.", sampling=Sampling(), max_tokens=4
+    )
     assert other.timings.cached_tokens == 0  # only the BOS in common: prefilled from scratch
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import pytest
+from reference import alone, greedy_reference, reference
 
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.engine import Engine
@@ -14,7 +15,6 @@ from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import MIN_KV_BUCKET, kv_bucket
-from reference import alone, greedy_reference, reference
 
 S = 4 * MIN_KV_BUCKET  # three kv buckets: 128, 256, 512
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
@@ -49,7 +49,8 @@ def test_crossing_buckets_mid_generation_matches_transformers(models):
         whole = Generation(model, engine, ids, Sampling(), new, stream=False)
         list(whole)
     assert whole.token_ids == expected
-    assert whole.timings.cached_tokens == len(ids) - 1 and again.programs == 1  # a continuation prefill; every decode program reused
+    # a continuation prefill; every decode program reused
+    assert whole.timings.cached_tokens == len(ids) - 1 and again.programs == 1
     assert whole.timings.kv_read == expected_kv_read(len(ids), new)
 
 
@@ -71,7 +72,11 @@ def test_chat_continuation_crossing_a_bucket_equals_a_fresh_prefill(models):
     engine = Engine(model.config, model.params, S, ())
     first = Generation(model, engine, model.tokenizer.encode(PROMPT * 3), Sampling(), 60)
     list(first)
-    follow_up = first.prompt_ids + first.token_ids + model.tokenizer.encode(" and the capital of Italy?" * 4, add_special_tokens=False)
+    follow_up = (
+        first.prompt_ids
+        + first.token_ids
+        + model.tokenizer.encode(" and the capital of Italy?" * 4, add_special_tokens=False)
+    )
     assert len(first.prompt_ids) + len(first.token_ids) < MIN_KV_BUCKET < len(follow_up)
     second = Generation(model, engine, follow_up, Sampling(), 150)
     list(second)
@@ -83,7 +88,10 @@ def test_batch_rows_crossing_buckets_equal_run(models):
     model, _ = models
     model = dataclasses.replace(model, eos_ids=())  # lengths exactly as asked
     prompts = [PROMPT, "x", PROMPT * 4, "Def fibonacci(n):"]
-    reqs = [Request(i, model.tokenizer.encode(p), Sampling(), max_tokens=(20, 300, 150, 60)[i], seed=i) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(i, model.tokenizer.encode(p), Sampling(), max_tokens=(20, 300, 150, 60)[i], seed=i)
+        for i, p in enumerate(prompts)
+    ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
     BatchRunner(model, 2, S).run(reqs, out.append)

@@ -45,11 +45,11 @@ def test_auto_dtype_never_stores_half_precision_on_cpu():
 
 
 def test_an_embedding_padded_past_the_tokenizer_never_samples_a_padding_id(tiny, tmp_path):
+    from reference import greedy_reference, reference
     from safetensors.numpy import load_file, save_file
 
     from jaxinfer.engine import Engine
     from jaxinfer.generate import Generation
-    from reference import greedy_reference, reference
 
     path = shutil.copytree(tiny("llama", tokenizer="sp", vocab_size=512), tmp_path / "padded")  # 400 pieces
     tensors = load_file(path / "model.safetensors")

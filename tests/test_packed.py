@@ -23,8 +23,22 @@ from jaxinfer import kernel, packed
 # packing (32 blocks of 16); and 3–32 rows over blocks of 16 KiB of weights (64, 128 or 256 in by the
 # tile's groups), a last one short, with the tile that fetches ahead a whole one and a short one
 SHAPES = [
-    (16, 37, 1), (48, 96, 3), (80, 64, 6), (160, 33, 7), (64, 160, 13), (16, 8, 130), (80, 100, 40), (48, 37, 33), (160, 576, 64),
-    (48, 2100, 40), (32, 64, 512), (80, 300, 11), (32, 200, 32), (64, 600, 16), (64, 300, 3), (80, 70, 2),
+    (16, 37, 1),
+    (48, 96, 3),
+    (80, 64, 6),
+    (160, 33, 7),
+    (64, 160, 13),
+    (16, 8, 130),
+    (80, 100, 40),
+    (48, 37, 33),
+    (160, 576, 64),
+    (48, 2100, 40),
+    (32, 64, 512),
+    (80, 300, 11),
+    (32, 200, 32),
+    (64, 600, 16),
+    (64, 300, 3),
+    (80, 70, 2),
 ]
 
 
@@ -37,7 +51,13 @@ def problem(n, k, m, dtype, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize(  # bfloat16 matrices of odd in are not packed (test_what_is_packed)
-    "dtype,n,k,m", [(dtype, *shape) for dtype in (jnp.float32, jnp.bfloat16) for shape in SHAPES if dtype == jnp.float32 or shape[1] % 2 == 0]
+    "dtype,n,k,m",
+    [
+        (dtype, *shape)
+        for dtype in (jnp.float32, jnp.bfloat16)
+        for shape in SHAPES
+        if dtype == jnp.float32 or shape[1] % 2 == 0
+    ],
 )
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_kernel_is_the_float32_product(isa, dtype, n, k, m, bf16_inputs):

@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
+from tiny_models import ARCHITECTURES
 
-from jaxinfer import model as M
 from jaxinfer import kernel, packed
+from jaxinfer import model as M
 from jaxinfer.checkpoint import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.kvcache import KVCache
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
-from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
-from tiny_models import ARCHITECTURES
 
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
 
@@ -93,8 +93,10 @@ def test_gemma3_config_in_the_hubs_older_keys_matches_transformers(tiny, tmp_pat
     config["torch_dtype"] = config.pop("dtype", "float32")
     full = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
     config.update(
-        rope_theta=rope["full_attention"]["rope_theta"], rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
-        sliding_window_pattern=2, rope_scaling=full,
+        rope_theta=rope["full_attention"]["rope_theta"],
+        rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+        sliding_window_pattern=2,
+        rope_scaling=full,
     )
     (older / "config.json").write_text(json.dumps(config))
     ours = load_model(older)
@@ -180,6 +182,8 @@ def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     sliding window of 24 is shorter than the sequence)."""
     model = load_model(tiny(arch))
     ids = model.tokenizer.encode(PROMPT * 2)
-    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids))
+    hidden, cache = M.forward(
+        model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], None, len(ids)
+    )
     assert cache is None
     assert_close(np.asarray(M.logits(model.params, hidden, model.config))[0], our_prompt_logits(model, ids)[0])

@@ -18,7 +18,15 @@ from jaxinfer import kernel, quant
 from jaxinfer.loading import load_model
 from jaxinfer.perplexity import perplexity, windows
 
-SHAPES = [(16, 32, 1), (48, 96, 3), (160, 64, 9), (64, 160, 17), (32, 32, 8), (32, 64, 2)]  # (out, in, rows): tiles of 8 and 2 rows and their remainders
+# (out, in, rows): tiles of 8 and 2 rows and their remainders
+SHAPES = [
+    (16, 32, 1),
+    (48, 96, 3),
+    (160, 64, 9),
+    (64, 160, 17),
+    (32, 32, 8),
+    (32, 64, 2),
+]
 
 
 def blocks_of(w: np.ndarray) -> np.ndarray:
@@ -33,7 +41,13 @@ def test_quantize_error_is_within_the_block_step(method):
     w[5, 40] = 50.0  # an outlier widens only its own block
     leaf = quant.quantize(jnp.asarray(w), method)
     back = np.asarray(quant.dequantize(leaf))
-    step = np.abs(np.asarray(quant.dequantize({"q": jnp.ones_like(leaf["q"]) * (1 if method == "int8" else 0x99), "scale": leaf["scale"]})))
+    step = np.abs(
+        np.asarray(
+            quant.dequantize(
+                {"q": jnp.ones_like(leaf["q"]) * (1 if method == "int8" else 0x99), "scale": leaf["scale"]}
+            )
+        )
+    )
     step = blocks_of(step)[..., :1]  # |d| of each block (int4: (9 - 8) · d)
     error = np.abs(blocks_of(back - w))
     # int8 rounds to the nearest step (the bf16 scale may clip the largest value by under half a
@@ -141,7 +155,9 @@ def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
         agreed, tokens = agreed + result["top1_agreement"] * result["tokens"], tokens + result["tokens"]
     bundled = load_model()
     ids = bundled.tokenizer.encode(Path(quant.__file__).read_text())[:2000]  # code it never trained on
-    result = perplexity(bundled.config, load_model(quantize="int8").params, ids, context=256, reference=(bundled.config, bundled.params))
+    result = perplexity(
+        bundled.config, load_model(quantize="int8").params, ids, context=256, reference=(bundled.config, bundled.params)
+    )
     print("bundled", result)
     agreed, tokens = agreed + result["top1_agreement"] * result["tokens"], tokens + result["tokens"]
     assert agreed / tokens >= 0.95
@@ -149,7 +165,8 @@ def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
 
 def test_bundled_model_quality_int8_and_int4():
     """The issue's bar on held-out Python text: perplexity ratio ≤ 1.01 (int8 weights, int8 KV
-    cache), ≤ 1.10 (int4); greedy agreement ≥ 95% for the int8 ones. (Text the model never trained on: this repository's own code.)"""
+    cache), ≤ 1.10 (int4); greedy agreement ≥ 95% for the int8 ones. (Text the model never trained on:
+    this repository's own code.)"""
     full = load_model()
     text = "\n".join(p.read_text() for p in sorted(Path(quant.__file__).parent.glob("*.py"))[:6])
     ids = full.tokenizer.encode(text)[:4000]
@@ -178,12 +195,18 @@ def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_p
 
 def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     path = tiny("llama")
-    assert_one_line_error(jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4")
+    assert_one_line_error(
+        jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4"
+    )
     assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "q4_0"), "--quantize must be one of")
     assert not (tmp_path / "x").exists()
     assert_one_line_error(jaxinfer("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
-    assert_one_line_error(jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize, --kv-dtype or a 16-bit --dtype too")
-    assert_one_line_error(jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, int8")
+    assert_one_line_error(
+        jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize, --kv-dtype or a 16-bit --dtype too"
+    )
+    assert_one_line_error(
+        jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, int8"
+    )
 
 
 def test_perplexity_command(tiny, tmp_path):
@@ -195,8 +218,11 @@ def test_perplexity_command(tiny, tmp_path):
     result = json.loads(proc.stdout)
     assert result["quantize"] == "int8" and result["context"] == 64 and result["perplexity"] > 1
     assert 0 <= result["kl_divergence"] < 0.1 and 0.9 <= result["top1_agreement"] <= 1
-    half = json.loads(jaxinfer("perplexity", "-m", path, text, "-c", "64", "--dtype", "bfloat16", "--kl", "--json").stdout)
-    assert half["dtype"] == "bfloat16" and 0 < half["kl_divergence"] < 0.01 and half["top1_agreement"] >= 0.9  # against float32
+    half = json.loads(
+        jaxinfer("perplexity", "-m", path, text, "-c", "64", "--dtype", "bfloat16", "--kl", "--json").stdout
+    )
+    # against float32
+    assert half["dtype"] == "bfloat16" and 0 < half["kl_divergence"] < 0.01 and half["top1_agreement"] >= 0.9
     line = jaxinfer("perplexity", "-m", path, text, "-c", "64")
     assert line.returncode == 0 and line.stdout.startswith("perplexity ") and len(line.stdout.splitlines()) == 1
 
@@ -238,7 +264,9 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     out = gen.token_ids
     assert len(out) == 24
     ids = prompt + out
-    hidden, _ = M.forward(loaded.params, loaded.config, jnp.asarray([ids[:-1]]), jnp.arange(len(ids) - 1)[None], None, len(ids) - 1)
+    hidden, _ = M.forward(
+        loaded.params, loaded.config, jnp.asarray([ids[:-1]]), jnp.arange(len(ids) - 1)[None], None, len(ids) - 1
+    )
     argmax = np.asarray(jnp.argmax(M.logits(loaded.params, hidden, loaded.config)[0], -1))
     assert list(argmax[len(prompt) - 1 :]) == out
 
@@ -254,7 +282,10 @@ def test_quantized_batch_rows_equal_run_alone(tiny, arch):
 
     model = load_model(tiny(arch), quantize="int8", kv_dtype="int8")
     prompts = ["The capital of France is", "def fibonacci(n):", "x", "a b c d e f g h i j k l", "Hello"]
-    reqs = [Request(i, model.tokenizer.encode(p), Sampling(temperature=0.0), 6 + 3 * i, 100 + i, ()) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(i, model.tokenizer.encode(p), Sampling(temperature=0.0), 6 + 3 * i, 100 + i, ())
+        for i, p in enumerate(prompts)
+    ]
     out = []
     BatchRunner(model, 3, 128).run(reqs, out.append, True)
     assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r).text for r in reqs}

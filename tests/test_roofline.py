@@ -3,13 +3,13 @@ programs; the machine ceilings; MFU/MBU in the run output."""
 
 import jax
 import pytest
+from kernel_helpers import xla_dot
 
 from jaxinfer import ceilings, kernel
 from jaxinfer.decode import admission, decode_step, initial_state, prefill
 from jaxinfer.loading import load_model
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, prefill_cost
 from jaxinfer.sampling import Sampling
-from kernel_helpers import xla_dot
 
 S = 256
 
@@ -37,7 +37,9 @@ def xla_cost(compiled) -> tuple[float, float]:
 def test_prefill_flops_match_xla_within_5_percent(model, tokens):
     state = xla_state(model)
     admit = admission([0], [[1] * tokens], [0], [tokens], [S], [0], [Sampling()], [False], [False], tokens)
-    flops, bytes_accessed = xla_cost(prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile())
+    flops, bytes_accessed = xla_cost(
+        prefill.lower(model.params, state, *admit, cfg=model.config, kv_len=tokens).compile()
+    )
     ours = prefill_cost(model.config, Storage(4), tokens)
     assert ours.flops == pytest.approx(flops, rel=0.05)
     # XLA also counts every intermediate (attention scores, activations): ours is the floor
@@ -46,7 +48,11 @@ def test_prefill_flops_match_xla_within_5_percent(model, tokens):
 
 def test_decode_step_flops_and_bytes_match_xla(model):
     state = xla_state(model)
-    step = jax.jit(decode_step, static_argnames=("cfg", "kv_len")).lower(model.params, state, cfg=model.config, kv_len=S).compile()
+    step = (
+        jax.jit(decode_step, static_argnames=("cfg", "kv_len"))
+        .lower(model.params, state, cfg=model.config, kv_len=S)
+        .compile()
+    )
     flops, bytes_accessed = xla_cost(step)
     ours = decode_step_cost(model.config, Storage(4), kv_len=S)  # a step attending over the whole cache
     assert ours.flops == pytest.approx(flops, rel=0.05)
@@ -55,7 +61,11 @@ def test_decode_step_flops_and_bytes_match_xla(model):
 
 def test_intensity_decides_the_bound_and_batch_raises_it(model):
     cfg = model.config
-    one, eight = decode_step_cost(cfg, Storage(4), 64), decode_step_cost(cfg, Storage(4), 64, batch=8)  # weights shared by the rows
+    # weights shared by the rows
+    one, eight = (
+        decode_step_cost(cfg, Storage(4), 64),
+        decode_step_cost(cfg, Storage(4), 64, batch=8),
+    )
     assert eight.intensity > 4 * one.intensity
     assert prefill_cost(cfg, Storage(4), 512).intensity > 50 * one.intensity
     roofs = dict(peak_flops=100e9, peak_bandwidth=10e9)  # balance: 10 FLOP/byte
@@ -79,7 +89,11 @@ def test_ceilings_are_measured_once_per_machine_and_overrides_win(tmp_path, monk
     monkeypatch.setattr(ceilings, "measure_peak_flops", lambda dtype: calls.append(dtype) or 5e10)
     monkeypatch.setattr(ceilings, "measure_bandwidth", lambda: (1e10, 1e10, 3e10))
     again = ceilings.machine_ceilings("float32", remeasure=True)
-    assert calls == ["float32"] * 2 and (again.peak_flops, again.peak_bandwidth) == (1e11, 3e10) and "best of 2 probes" in again.method
+    assert (
+        calls == ["float32"] * 2
+        and (again.peak_flops, again.peak_bandwidth) == (1e11, 3e10)
+        and "best of 2 probes" in again.method
+    )
     assert ceilings.machine_ceilings("float32") == again  # kept
 
 
@@ -97,7 +111,9 @@ def test_info_counts_what_transformers_counts(tiny, arch):
     import transformers
 
     path = tiny(arch)
-    proc = subprocess.run(["jaxinfer", "info", "-m", path, "--json", "-c", "128", "-b", "2"], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["jaxinfer", "info", "-m", path, "--json", "-c", "128", "-b", "2"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     facts = json.loads(proc.stdout)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)
@@ -125,23 +141,42 @@ def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
         assert p["prefill"]["mfu"] > 0 and p["decode"]["mbu"] > 0 and p["compile_s"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each batch size on its fastest layout: the kernel's wherever it is built
-    assert [p["layout"] for p in points] == (["packed"] * 4 if kernel.vectorised() else ["out_in", "out_in", "in_out", "in_out"])
+    assert [p["layout"] for p in points] == (
+        ["packed"] * 4 if kernel.vectorised() else ["out_in", "out_in", "in_out", "in_out"]
+    )
     assert all(p["kv_buckets"] == [p["prompt_tokens"] + 6] for p in points)  # the cache is just prompt + new tokens
     bad = subprocess.run([*args[:4], "-p", "16,x"], capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == ["error: --prompt-tokens takes positive whole numbers separated by commas, not '16,x'"]
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "error: --prompt-tokens takes positive whole numbers separated by commas, not '16,x'"
+    ]
 
 
 def test_bench_with_a_large_cache_reads_only_the_buckets_reached(tiny):
     import json
     import subprocess
 
-    args = ["jaxinfer", "bench", "-m", tiny("llama", max_position_embeddings=1024), "-p", "16", "-n", "6", "-b", "1", "-r", "1"]
+    args = [
+        "jaxinfer",
+        "bench",
+        "-m",
+        tiny("llama", max_position_embeddings=1024),
+        "-p",
+        "16",
+        "-n",
+        "6",
+        "-b",
+        "1",
+        "-r",
+        "1",
+    ]
     proc = subprocess.run([*args, "-c", "1024", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     (point,) = json.loads(proc.stdout)["points"]
     assert point["max_context"] == 1024 and point["kv_buckets"] == [128]
     small = subprocess.run([*args, "-c", "20"], capture_output=True, text=True)
-    assert small.returncode == 1 and small.stderr.strip().splitlines() == ["error: prompt 16 + 6 new tokens exceed --max-context 20"]
+    assert small.returncode == 1 and small.stderr.strip().splitlines() == [
+        "error: prompt 16 + 6 new tokens exceed --max-context 20"
+    ]
 
 
 def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
@@ -153,10 +188,16 @@ def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
 
     def row(scale, devices):  # the README's B=16 point; scaled up, figures wider than any column allows
         return {
-            "prompt_tokens": 448, "batch": 16, "prefill_tok_s": 13950.4 * scale, "prefill": {"mfu": 0.763}, "decode": {"mbu": 0.203},
+            "prompt_tokens": 448,
+            "batch": 16,
+            "prefill_tok_s": 13950.4 * scale,
+            "prefill": {"mfu": 0.763},
+            "decode": {"mbu": 0.203},
             "ttft_s": {"median": 0.5138 * scale, "min": 0.5071 * scale, "max": 0.5302 * scale},
             "decode_tok_s": {"median": 2261.3 * scale, "min": 2210.4 * scale, "max": 2290.9 * scale},
-            "itl_ms": {"p50": 7.01, "p99": 9.29}, "compile_s": 4.96, "devices": devices,
+            "itl_ms": {"p50": 7.01, "p99": 9.29},
+            "compile_s": 4.96,
+            "devices": devices,
         }
 
     for scale, folded, devices in ((1, False, 1), (1, False, 4), (10_000, True, 1)):  # 4 devices: a column more
@@ -165,7 +206,19 @@ def test_the_bench_table_fits_80_columns_and_never_cuts_a_figure(monkeypatch):
         text = render.out.file.getvalue()
         assert "…" not in text and max(map(len, text.splitlines())) <= 80  # folded onto more lines, never cut
         if not folded:
-            for figure in ("448", "514", "(507–530)", "13950", "76.3%", "2261", "(2210–2291)", "7.01", "9.29", "20.3%", "4.96"):
+            for figure in (
+                "448",
+                "514",
+                "(507–530)",
+                "13950",
+                "76.3%",
+                "2261",
+                "(2210–2291)",
+                "7.01",
+                "9.29",
+                "20.3%",
+                "4.96",
+            ):
                 assert figure in text, figure
 
 
@@ -187,7 +240,9 @@ def test_no_home_at_all_costs_only_the_caches(monkeypatch):
     assert ceilings.machine_ceilings("float32").peak_bandwidth == 2e10  # measured, not stored
 
 
-@pytest.mark.parametrize("method,dtype", [(None, "float32"), ("int8", "float32"), ("int4", "float32"), (None, "bfloat16")])
+@pytest.mark.parametrize(
+    "method,dtype", [(None, "float32"), ("int8", "float32"), ("int4", "float32"), (None, "bfloat16")]
+)
 def test_weight_bytes_are_what_the_loaded_tree_holds(tiny, method, dtype):
     """The roofline and `info` count the bytes as stored: quantized blocks and their scales;
     bfloat16 matrices beside the float32 norms of the kernel's layout."""

@@ -86,13 +86,23 @@ def test_cases_take_both_paths():
 
 def test_a_rows_token_does_not_depend_on_its_batch_mates():
     # A fast-path row beside rows that make the batch sort and draw from the whole vocabulary.
-    settings = [Sampling(temperature=0.8, top_k=40), Sampling(temperature=1.0, top_p=0.9), Sampling(), Sampling(temperature=1.2)]
+    settings = [
+        Sampling(temperature=0.8, top_k=40),
+        Sampling(temperature=1.0, top_p=0.9),
+        Sampling(),
+        Sampling(temperature=1.2),
+    ]
     logits = jnp.asarray(np.stack([PEAKED, FLAT, FLAT, FLAT]), jnp.float32)
     for draw in range(16):
         keys = jax.random.split(jax.random.key(draw), 4)
         together = sample(logits, jnp.zeros((4, V), bool), keys, SamplerArrays.from_settings(settings))
         for row in range(4):
-            alone = sample(logits[row : row + 1], jnp.zeros((1, V), bool), keys[row : row + 1], SamplerArrays.from_settings(settings[row : row + 1]))
+            alone = sample(
+                logits[row : row + 1],
+                jnp.zeros((1, V), bool),
+                keys[row : row + 1],
+                SamplerArrays.from_settings(settings[row : row + 1]),
+            )
             assert int(alone[0]) == int(together[row]), (draw, row)
 
 
@@ -103,7 +113,9 @@ def test_greedy_is_the_first_most_likely_token():
     assert got.tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("s", [Sampling(temperature=0.8, top_p=0.95), Sampling(temperature=1.0)], ids=["candidates", "whole vocabulary"])
+@pytest.mark.parametrize(
+    "s", [Sampling(temperature=0.8, top_p=0.95), Sampling(temperature=1.0)], ids=["candidates", "whole vocabulary"]
+)
 def test_two_near_distributions_drawn_with_the_same_keys_mostly_agree(s):
     # What a draft model's tokens rest on: drawn with the key the target's token at that position
     # is drawn with, they equal it with probability ≥ (1 - TV) / (1 + TV) (Gumbel-max coupling;

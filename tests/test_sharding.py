@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import assert_one_line_error, jaxinfer
 from sharded import BATCH, LONG
 
@@ -22,7 +21,14 @@ from sharded import BATCH, LONG
 # the sentencepiece tokenizer's 400 ids divide 4, so the head and the seen-token mask split too); and
 # MQA (one kv head: the cache stays whole on each device) with Phi-3's fused q/k/v and gate/up rows.
 MODELS = {
-    "llama": dict(tokenizer="sp", num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "llama": dict(
+        tokenizer="sp",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     "phi3": dict(num_key_value_heads=1),
 }
 
@@ -30,7 +36,12 @@ MODELS = {
 @pytest.fixture(scope="module")
 def sharded(tiny):
     paths = {arch: str(tiny(arch, **overrides)) for arch, overrides in MODELS.items()}
-    proc = subprocess.run([sys.executable, Path(__file__).with_name("sharded.py"), *paths.values()], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, Path(__file__).with_name("sharded.py"), *paths.values()],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
     return {arch: results[path] for arch, path in paths.items()}, paths
@@ -53,7 +64,8 @@ def test_weights_and_cache_are_split(sharded):
     for devices in (2, 4):  # all but the norms split
         held = results["llama"][str(devices)]["bytes"]
         assert len(held) == devices and max(held) < 1.05 * everything / devices, held
-    assert results["llama"]["4"]["converted"] and results["phi3"]["4"]["converted"]  # orbax restores into the same shards
+    # orbax restores into the same shards
+    assert results["llama"]["4"]["converted"] and results["phi3"]["4"]["converted"]
     quantized = {n: results["llama"][n]["int8"] for n in ("1", "2")}
     assert quantized["2"]["run"] == quantized["1"]["run"]
     # Every matrix splits but down (80 inputs a device: not whole blocks of 32) and the embedding
@@ -73,13 +85,36 @@ def test_cli_devices(sharded):
     """The draft model goes onto the target's devices; info's figures are the arrays'. (That the flag
     reaches JAX before it starts, batch's layout choice included, the processes' test shows.)"""
     results, paths = sharded
-    proc = jaxinfer("run", "-m", paths["llama"], "-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", "16",
-                    "--draft-model", paths["llama"], "--devices", "4", "--json", LONG)
+    proc = jaxinfer(
+        "run",
+        "-m",
+        paths["llama"],
+        "-c",
+        "256",
+        "-n",
+        "60",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--prefill-chunk",
+        "16",
+        "--draft-model",
+        paths["llama"],
+        "--devices",
+        "4",
+        "--json",
+        LONG,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == results["llama"]["1"]["run"]
     assert_one_line_error(jaxinfer("run", "-m", paths["llama"], "--devices", "0", "x"), "--devices")
-    facts = json.loads(jaxinfer("info", "-m", paths["llama"], "--devices", "4", "--json", "--peak-flops", "1e11", "--peak-bandwidth", "1e10").stdout)
-    assert facts["weight_bytes_per_device"] == max(results["llama"]["4"]["bytes"])  # info's sums, from the config alone, match the arrays'
+    facts = json.loads(
+        jaxinfer(
+            "info", "-m", paths["llama"], "--devices", "4", "--json", "--peak-flops", "1e11", "--peak-bandwidth", "1e10"
+        ).stdout
+    )
+    # info's sums, from the config alone, match the arrays'
+    assert facts["weight_bytes_per_device"] == max(results["llama"]["4"]["bytes"])
     assert facts["kv_bytes_per_token_per_device"] == facts["kv_bytes_per_token"] / 4
 
 
@@ -99,10 +134,31 @@ def test_processes_join_one_mesh(sharded, tmp_path):
 
     def start(i, *args, stdin=subprocess.DEVNULL):
         flags = ("--devices", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i))
-        return subprocess.Popen(["jaxinfer", *map(str, args), *flags], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "JAXINFER_CACHE_DIR": ""})
+        return subprocess.Popen(
+            ["jaxinfer", *map(str, args), *flags],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "JAXINFER_CACHE_DIR": ""},
+        )
 
-    run = ("run", "-m", paths["llama"], "-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", "16", "--json", "-")
+    run = (
+        "run",
+        "-m",
+        paths["llama"],
+        "-c",
+        "256",
+        "-n",
+        "60",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--prefill-chunk",
+        "16",
+        "--json",
+        "-",
+    )
     first, other = start(0, *run, stdin=subprocess.PIPE), start(1, *run)
     out, err = first.communicate(LONG, timeout=300)
     assert first.returncode == 0, err
@@ -111,7 +167,12 @@ def test_processes_join_one_mesh(sharded, tmp_path):
     assert other.returncode == 0 and out == "" and err == "", err
 
     requests = tmp_path / "in.jsonl"
-    requests.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) + "\n" for i, (p, n) in BATCH.items()))
+    requests.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}) + "\n"
+            for i, (p, n) in BATCH.items()
+        )
+    )
     coordinator = f"127.0.0.1:{_free_port()}"
     batch = ("-m", paths["phi3"], "-b", "2", "-c", "256", "-o", tmp_path / "out.jsonl")
     first, other = start(0, "batch", requests, *batch), start(1, "batch", tmp_path / "absent.jsonl", *batch)
@@ -134,6 +195,18 @@ def test_processes_join_one_mesh(sharded, tmp_path):
 
 def test_missing_process(tiny):
     """A process whose peers never come says so and stops (JAX itself would abort with a stack trace)."""
-    proc = jaxinfer("run", "-m", tiny(), "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",
-                    "--join-timeout", "2", "x")
+    proc = jaxinfer(
+        "run",
+        "-m",
+        tiny(),
+        "--coordinator",
+        f"127.0.0.1:{_free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "1",
+        "--join-timeout",
+        "2",
+        "x",
+    )
     assert_one_line_error(proc, "not every process joined", "within 2 s")

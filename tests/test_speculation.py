@@ -6,8 +6,9 @@ import dataclasses
 
 import jax
 import pytest
-
 from cli_helpers import assert_one_line_error, jaxinfer
+from reference import greedy_reference, reference
+
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
@@ -15,7 +16,6 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
-from reference import greedy_reference, reference
 
 S = 256  # two kv buckets
 COPY = "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"  # repeats itself
@@ -37,7 +37,9 @@ def check_counts(gen) -> None:
 
 
 # one of each family and of each attention variant: the verifying pass is the shared forward
-@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3-longrope"]
+)
 def test_greedy_is_transformers_greedy_on_every_architecture(tiny, arch):
     path = tiny(arch, init_std=0.05)  # a model whose greedy text soon cycles: drafts are accepted
     model = dataclasses.replace(load_model(path), eos_ids=())
@@ -106,10 +108,19 @@ def test_batch_rows_speculate_independently_of_their_mates(model):
     model = dataclasses.replace(model, eos_ids=())
     prompts = [COPY, OPEN, "x", COPY * 2]  # the last comes in 16-token chunks beside the running rows
     reqs = [
-        Request(i, model.tokenizer.encode(p), Sampling(temperature=0.8 * (i % 2)), max_tokens=(40, 60, 30, 50)[i], seed=i, speculate=i != 2)
+        Request(
+            i,
+            model.tokenizer.encode(p),
+            Sampling(temperature=0.8 * (i % 2)),
+            max_tokens=(40, 60, 30, 50)[i],
+            seed=i,
+            speculate=i != 2,
+        )
         for i, p in enumerate(prompts)
     ]
-    expected = {r.id: generate(model, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs}
+    expected = {
+        r.id: generate(model, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs
+    }
     out = []
     BatchRunner(model, 3, S, prefill_chunk=16, speculation=SPEC).run(reqs, out.append)
     assert {r["id"]: r["text"] for r in out} == expected
@@ -128,7 +139,22 @@ def test_bundled_model_copies_exactly(tmp_path):
 def test_bench_speculates_and_reports_what_it_kept(tiny):
     import json
 
-    proc = jaxinfer("bench", "-m", tiny("llama", init_std=0.05), "-p", "16", "-n", "24", "-b", "1,2", "-r", "1", "--speculate", "ngram", "--json")
+    proc = jaxinfer(
+        "bench",
+        "-m",
+        tiny("llama", init_std=0.05),
+        "-p",
+        "16",
+        "-n",
+        "24",
+        "-b",
+        "1,2",
+        "-r",
+        "1",
+        "--speculate",
+        "ngram",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     for point in json.loads(proc.stdout)["points"]:
         spec = point["speculation"]

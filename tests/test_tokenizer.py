@@ -22,7 +22,9 @@ def test_stream_concatenation_equals_full_decode(tokenizer, data):
     assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids)
 
 
-@pytest.mark.parametrize("text", ["東京は日本の首都です。", "Emoji 🙂🚀 and ünïcödé", "The capital of France is Paris."])
+@pytest.mark.parametrize(
+    "text", ["東京は日本の首都です。", "Emoji 🙂🚀 and ünïcödé", "The capital of France is Paris."]
+)
 def test_stream_of_real_text_one_token_at_a_time(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoder = StreamDecoder(tokenizer)

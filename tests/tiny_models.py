@@ -42,25 +42,52 @@ ARCHITECTURES = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
     # "gelu" is what Gemma's first hub releases wrote for the tanh approximation
     # pad_token_id: Gemma's default 0 is our BOS, which transformers' generate would then mask out
-    "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=32, hidden_act="gelu", pad_token_id=None),
+    "gemma": dict(
+        model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=32, hidden_act="gelu", pad_token_id=None
+    ),
     # capping low enough to bite on these weights; a window the tests' sequences pass; a scalar ≠ head_dim
     "gemma2": dict(
-        model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,
-        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+        model_type="gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        head_dim=32,
+        pad_token_id=None,
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
     ),
     # half of each head rotated (Phi-4-mini rotates 3/4); a window the tests' sequences pass
-    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5, sliding_window=24, pad_token_id=None),
+    "phi3": dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        partial_rotary_factor=0.5,
+        sliding_window=24,
+        pad_token_id=None,
+    ),
     # Phi-4-mini's kind: 3/4 of each head rotated, longrope with an original context of 48, which the
     # tests' prompts stay under and their decoding passes (max_position_embeddings 256: factor 16/3)
     "phi3-longrope": dict(
-        model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, pad_token_id=None,
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        partial_rotary_factor=0.75,
+        pad_token_id=None,
         original_max_position_embeddings=48,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+        },
     ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
-        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, pad_token_id=None, sliding_window=24,
-        sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=24,
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        head_dim=32,
+        pad_token_id=None,
+        sliding_window=24,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        query_pre_attn_scalar=24,
     ),
 }
 
@@ -106,12 +133,19 @@ def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
     )
     (directory / "tokenizer.model").write_bytes(model.getvalue())
     (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"})
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}
+        )
     )
 
 
 def make_model(
-    directory: Path, arch: str = "llama", tokenizer: str = "bpe", dtype: str = "float32", init_std: float = 0.2, **overrides
+    directory: Path,
+    arch: str = "llama",
+    tokenizer: str = "bpe",
+    dtype: str = "float32",
+    init_std: float = 0.2,
+    **overrides,
 ) -> Path:
     """Save a random-weight model of `arch` with a tokenizer into `directory`; returns it. A small
     `init_std` makes a model whose next token depends mostly on the last one: its greedy text soon

@@ -17,11 +17,18 @@ _COMMON = {"head_dim": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "
 DEFAULTS = {
     "GemmaForCausalLM": {**_COMMON, "max_position_embeddings": 8192, "hidden_act": "gelu_pytorch_tanh"},
     "Gemma2ForCausalLM": {
-        **_COMMON, "max_position_embeddings": 8192, "sliding_window": 4096, "query_pre_attn_scalar": 256,
-        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        **_COMMON,
+        "max_position_embeddings": 8192,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
     },
     "Gemma3ForCausalLM": {
-        **_COMMON, "max_position_embeddings": 131072, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        **_COMMON,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
     },
 }
 # Gemma 3's bases when config.json names none (transformers' `default_theta`).
@@ -31,7 +38,9 @@ GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS[arch], **d}
     if d.get("use_bidirectional_attention"):
-        raise JaxinferError(f"config.json: use_bidirectional_attention (an embedding model) is not supported for {arch}")
+        raise JaxinferError(
+            f"config.json: use_bidirectional_attention (an embedding model) is not supported for {arch}"
+        )
     layers = int(d["num_hidden_layers"])
     if arch != "GemmaForCausalLM" and d.get("layer_types") is None:
         # Gemma 2 alternates, sliding first; Gemma 3 makes every `sliding_window_pattern`-th layer global

@@ -20,7 +20,9 @@ DEFAULTS = {
 def check_silu(d: dict, arch: str) -> None:
     """Llama's blocks (and Phi-3's) run SwiGLU only."""
     if activation(d.get("hidden_act") or "silu") != "silu":
-        raise JaxinferError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')")
+        raise JaxinferError(
+            f"config.json: hidden_act {d.get('hidden_act')!r} is not supported for {arch} (only 'silu')"
+        )
 
 
 def config(d: dict, arch: str) -> ModelConfig:
@@ -66,7 +68,11 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         if cfg.qk_norm:
             add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
             add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
-        for proj, shape, axes in (("gate", (F, D), ("mlp", "embed")), ("up", (F, D), ("mlp", "embed")), ("down", (D, F), ("embed", "mlp"))):
+        for proj, shape, axes in (
+            ("gate", (F, D), ("mlp", "embed")),
+            ("up", (F, D), ("mlp", "embed")),
+            ("down", (D, F), ("embed", "mlp")),
+        ):
             add(f"mlp.{proj}_proj.weight", f"w{proj}", shape, axes)
             if cfg.mlp_bias:
                 add(f"mlp.{proj}_proj.bias", f"b{proj}", (shape[0],), axes[:1])

@@ -1,7 +1,8 @@
-"""Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): Llama's blocks with q/k/v fused into one
-`qkv_proj` and gate/up into one `gate_up_proj`, kept fused (one table entry per tensor; on the CPU
-kernel at Phi-3-mini's shapes, 1 and 5 rows, f32 and bf16, fused and split measured within ±4%), rope over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75), and longrope
-(Phi-3.5, Phi-4-mini, the 128k Phi-3s: `jaxinfer.model.rope_factors`)."""
+"""Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): Llama's blocks with q/k/v fused into one `qkv_proj`
+and gate/up into one `gate_up_proj`, kept fused (one table entry per tensor; on the CPU kernel at
+Phi-3-mini's shapes, 1 and 5 rows, f32 and bf16, fused and split measured within ±4%), rope over the
+first `partial_rotary_factor` of each head (Phi-4-mini: 0.75), and longrope (Phi-3.5, Phi-4-mini, the
+128k Phi-3s: `jaxinfer.model.rope_factors`)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ def config(d: dict, arch: str) -> ModelConfig:
     factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
     rotary = int(fields["head_dim"] * factor)
     if rotary % 2 or not 0 < rotary <= fields["head_dim"]:
-        raise JaxinferError(f"config.json: partial_rotary_factor {factor} leaves {rotary} of {fields['head_dim']} dims to rotate")
+        raise JaxinferError(
+            f"config.json: partial_rotary_factor {factor} leaves {rotary} of {fields['head_dim']} dims to rotate"
+        )
     scaling = fields["rope_scaling"]
     if scaling[0] == "longrope" and not len(scaling[1]) == len(scaling[2]) == rotary // 2:
-        raise JaxinferError(f"config.json: longrope needs {rotary // 2} short and long factors, one per rotated pair of dims")
+        raise JaxinferError(
+            f"config.json: longrope needs {rotary // 2} short and long factors, one per rotated pair of dims"
+        )
     return ModelConfig(architecture=arch, **fields, fused_projections=True, rotary_dim=rotary)
 
 
@@ -40,6 +45,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         pre = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             del table[f"{pre}{name}.weight"]
-        table[f"{pre}self_attn.qkv_proj.weight"] = Weight(("layers", i, "wqkv"), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D), ("fused", "embed"))
+        table[f"{pre}self_attn.qkv_proj.weight"] = Weight(
+            ("layers", i, "wqkv"), ((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, D), ("fused", "embed")
+        )
         table[f"{pre}mlp.gate_up_proj.weight"] = Weight(("layers", i, "wgate_up"), (2 * F, D), ("fused", "embed"))
     return table
