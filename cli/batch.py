@@ -66,7 +66,7 @@ def batch(
 
     lines = share(read)
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
-    from jaxinfer.model import layout_for_batch
+    from jaxinfer.forms import layout_for_batch
 
     layout = layout_for_batch(batch_size, mesh is not None)
     loaded = options.load(model, dtype, layout, quantize, kv_dtype, mesh)

@@ -256,7 +256,7 @@ def convert(
     """Convert a Hugging Face checkpoint to an orbax checkpoint (with its config and tokenizer)."""
     import time
 
-    from jaxinfer.checkpoint import convert as convert_model
+    from jaxinfer.convert import convert as convert_model
 
     start = time.perf_counter()
     with render.progress("converting") as progress:
@@ -337,9 +337,10 @@ def info(
     from dataclasses import replace
 
     from jaxinfer.ceilings import device_memory_bytes
+    from jaxinfer.forms import layout_for_batch
     from jaxinfer.kvcache import check_kv_dtype
-    from jaxinfer.loading import compute_dtype, load_config, resolve_dtype, roof_dtype, stored_quantization
-    from jaxinfer.model import layout_for_batch
+    from jaxinfer.loading import compute_dtype, resolve_dtype, roof_dtype, stored_quantization
+    from jaxinfer.modeldir import load_config
     from jaxinfer.roofline import Storage, model_facts
     from jaxinfer.runtime import check_backend
 

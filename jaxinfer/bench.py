@@ -21,7 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
-from jaxinfer.model import in_out_layout, layout_for_batch
+from jaxinfer.forms import lay_out, layout_for_batch
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -155,7 +155,7 @@ def sweep(
             progress(done, len(points))
         layout = layout_for_batch(b, sharded)
         if layout not in layouts:
-            layouts[layout] = in_out_layout(params)
+            layouts[layout] = lay_out(params, "in_out")
         point = bench_point(
             cfg,
             layouts[layout],

@@ -2,31 +2,25 @@
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import kernel, weights
+from jaxinfer import forms, kernel, weights
+from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import config_from_hf
 from jaxinfer.kvcache import check_kv_dtype
-from jaxinfer.models import DEFAULT as DEFAULT_MODEL
-from jaxinfer.packed import is_packed, pack_params
-from jaxinfer.quant import is_quantized
+from jaxinfer.modeldir import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
+from jaxinfer.quant import check_method
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
-QUANTIZED_KEY = "jaxinfer_quantize"  # config.json of a converted model stored quantized: "int8" / "int4"
 
 
 @dataclass
@@ -61,37 +55,17 @@ class LoadedModel:
     @property
     def roofed_in(self) -> str:
         """The matmul whose peak bounds this model's products (`roof_dtype`)."""
-        layout = "packed" if any(is_packed(leaf) for leaf in self.params["layers"][0].values()) else "unpacked"
-        return roof_dtype(self.dtype, layout)
+        return roof_dtype(self.dtype, forms.layout_of(self.params))
 
     @property
     def kernels(self) -> str:
         """The path its matrices run on: the CPU kernels' (`kernel.isa()`, as "avx2" or
         "avx512-vnni-bf16") where they are held in one of the kernels' forms, else "XLA"."""
-        held = self.params["layers"][0].values()
-        return (
-            kernel.isa()
-            if kernel.available() and any(is_packed(leaf) or is_quantized(leaf) for leaf in held)
-            else "XLA"
-        )
+        return kernel.isa() if kernel.available() and forms.on_kernel(self.params) else "XLA"
 
     @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
-
-
-def read_json(path: Path, required: bool = True) -> dict:
-    if not path.is_file():
-        if required:
-            raise JaxinferError(f"{path} not found: is {path.parent} a model directory?")
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise JaxinferError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise JaxinferError(f"{path}: expected a JSON object")
-    return data
 
 
 def resolve_dtype(requested: str, config_json: dict, layout: str = "out_in") -> str:
@@ -112,7 +86,7 @@ def resolve_dtype(requested: str, config_json: dict, layout: str = "out_in") -> 
 
 def compute_dtype(dtype: str, layout: str) -> str:
     """What activations and the KV cache are computed in: the storage dtype, except that the packed
-    layout computes in float32 (`packed.pack_params`)."""
+    layout computes in float32 (`forms.lay_out`)."""
     return "float32" if layout == "packed" else dtype
 
 
@@ -130,87 +104,8 @@ def _eos_ids(config_json: dict, generation: dict, tokenizer: Tokenizer) -> tuple
     return ()
 
 
-def is_converted(model_dir: Path) -> bool:
-    return (model_dir / ORBAX_DIR).is_dir()
-
-
-def bundled_model_dir() -> Path:
-    """The default model's directory, wherever jaxinfer is installed (it is package data)."""
-    return Path(str(resources.files("jaxinfer.models") / DEFAULT_MODEL))
-
-
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")  # "org/name", or "org/name@revision"
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what loading reads: no .bin, .gguf, ...
-
-
-def model_directory(path: str | Path | None) -> Path:
-    """A local directory as given; else a Hugging Face hub id, from the local hub cache (HF_HOME,
-    HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow; none: the bundled model."""
-    if path is None:
-        return bundled_model_dir()
-    local = Path(path).expanduser()
-    if local.exists() or not HUB_ID.fullmatch(str(path)):
-        return local
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    repo_id, _, revision = str(path).partition("@")
-    where = dict(revision=revision or None, allow_patterns=HUB_FILES)
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True, **where))
-    except LocalEntryNotFoundError:
-        if constants.HF_HUB_OFFLINE:
-            raise JaxinferError(
-                f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE} "
-                "(HF_HUB_OFFLINE is set)"
-            ) from None
-    try:
-        return Path(snapshot_download(repo_id, **where))  # with huggingface_hub's progress bars
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
-        raise JaxinferError(
-            f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and downloading "
-            "it failed "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
-        ) from None
-
-
-def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict]:
-    """(directory, config, config.json as read) of a model directory or hub id; no path: the bundled model."""
-    model_dir = model_directory(path)
-    if not model_dir.is_dir():
-        raise JaxinferError(f"model directory {model_dir} does not exist")
-    config_json = read_json(model_dir / "config.json")
-    return model_dir, config_from_hf(config_json), config_json
-
-
-LAYOUTS = ("out_in", "in_out", "packed")
-
-
-def check_layout(layout: str | None, sharded: bool = False) -> str:
-    """`layout`, or by default the fastest here for one row (`model.layout_for_batch`)."""
-    from jaxinfer.model import layout_for_batch
-
-    layout = layout or layout_for_batch(1, sharded)
-    if layout not in LAYOUTS:
-        raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    return layout
-
-
-def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
-    """A tree as the checkpoint lays it out ("out_in") in `layout`; `consume` frees what it replaces."""
-    from jaxinfer.model import in_out_layout
-
-    if layout == "in_out":
-        return in_out_layout(params, consume)
-    if layout == "packed":
-        return pack_params(params, consume)
-    return params
-
-
 def stored_quantization(config_json: dict, quantize: str | None) -> str | None:
     """The quantization a model runs with: a converted model's own, else `quantize`."""
-    from jaxinfer.quant import check_method
-
     stored = config_json.get(QUANTIZED_KEY)
     if stored and quantize:
         raise JaxinferError(f"this model is already stored quantized ({stored}); run it without --quantize")
@@ -227,14 +122,14 @@ def load_model(
     mesh: Mesh | None = None,
 ) -> LoadedModel:
     """Load a model directory; with no path, the bundled default model. `layout`: "packed" for the
-    CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed (`model.in_out_layout`),
-    "out_in" as the checkpoint stores them; by default the fastest here (`model.layout_for_batch(1)`);
+    CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in" as the
+    checkpoint stores them (`jaxinfer.forms`); by default the fastest here (`forms.layout_for_batch(1)`);
     `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
     the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`); `mesh`
     spreads the weights over its devices as they are read (`jaxinfer.sharding`). `dtype` "bfloat16"
     (asked for, not auto's choice) also rounds every product's inputs to bfloat16
     (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's prefill in one pass instead of two."""
-    layout = check_layout(layout, mesh is not None)
+    layout = forms.check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
@@ -252,14 +147,12 @@ def load_model(
     if dtype == "bfloat16":  # asked for, not auto's choice: products as transformers' bfloat16 runs them
         cfg = replace(cfg, matmul_inputs="bfloat16")
     if is_converted(model_dir):
-        from jaxinfer.checkpoint import restore_params
-
         abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh)
         params = restore_params(model_dir / ORBAX_DIR, abstract)
     else:
         files = weights.safetensors_files(model_dir)
         params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
-    params = lay_out(params, layout, consume=True)
+    params = forms.lay_out(params, layout, consume=True)
     return LoadedModel(
         path=model_dir,
         config=cfg,

@@ -2,10 +2,9 @@
 
 Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma 1/2/3 (GeGLU, (1 + w) norms,
 scaled embeddings, soft-capping, norms around each block, a rope base per layer type) differ only in
-flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of four forms: Hugging Face's
-[out, in] (`x @ w.T`), packed for the CPU kernel (`jaxinfer.packed`, what the CPU runs on where the
-kernel is built), quantized (`jaxinfer.quant`), or [in, out] (`in_out_layout`, XLA's faster form for
-batched decode).
+flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of the forms of
+`jaxinfer.forms` (Hugging Face's [out, in], [in, out], packed for the CPU kernel, quantized), which
+does its products and row lookups.
 
 Attention over a float cache runs on the CPU kernel where it is built (`KVCache.attend`: each key
 read once per block of queries, the softmax never leaving the cache); elsewhere (GPUs, an int8
@@ -23,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import kernel, packed, quant
+from jaxinfer import forms
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
 
@@ -46,55 +45,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def product_input(x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """x as XLA's dot takes it: rounded to bfloat16 values where `cfg.matmul_inputs` says so (the
-    packed matrices round in `packed.matmul`; quantized ones take int8 activations either way)."""
-    return packed.bf16_values(x) if cfg.matmul_inputs == "bfloat16" and x.dtype == jnp.float32 else x
-
-
 def linear(x: jax.Array, layer: dict, name: str, cfg: ModelConfig) -> jax.Array:
-    """x [..., in] @ w (+ bias, when the checkpoint has one); w is `w{name}` [out, in] (or its
-    `packed` or `quant` form), or `w{name}_io` [in, out] in a tree made by `in_out_layout`."""
-    w = layer.get(f"w{name}")
-    if quant.is_quantized(w):
-        y = quant.matmul(x, w).astype(x.dtype)
-    elif packed.is_packed(w):
-        y = packed.matmul(x, w, cfg.matmul_inputs == "bfloat16").astype(x.dtype)
-    elif w is not None:
-        y = jnp.einsum("...i,oi->...o", product_input(x, cfg), w)
-    else:
-        y = jnp.einsum("...i,io->...o", product_input(x, cfg), layer[f"w{name}_io"])
+    """x [..., in] @ the matrix `w{name}` (in any form, `jaxinfer.forms`) + the bias `b{name}`, when the
+    checkpoint has one."""
+    y = forms.matmul(x, layer[f"w{name}"], cfg.matmul_inputs == "bfloat16")
     bias = layer.get(f"b{name}")
     return y if bias is None else y + bias
-
-
-def layout_for_batch(batch: int, sharded: bool = False) -> str:
-    """The weight layout (`loading.LAYOUTS`) decode runs fastest on at this batch size: packed for
-    the kernel wherever it takes a vectorised path (AVX2 or AVX-512), except over a mesh (`sharded`:
-    the kernel's custom call takes whole matrices, XLA's dot takes each device's shard); on XLA's
-    dot, [in, out] for batches and [out, in] for one row."""
-    if kernel.vectorised() and not sharded:
-        return "packed"
-    return "in_out" if batch > 1 else "out_in"
-
-
-def in_out_layout(params: Params, consume: bool = False) -> Params:
-    """The layers' matrices stored [in, out]. XLA CPU's GEMM at 2–32 rows is faster on them
-    (SmolLM-135M shape, decode step at B=16: 41 vs 49 ms) while its batch-1 mat-vec is a little
-    slower (17–20 vs 16–17 ms), so batched decode gets this layout and batch 1 keeps Hugging
-    Face's. `consume` frees each original matrix once it is copied (peak memory: one matrix more)."""
-    layers = []
-    for layer in params["layers"]:
-        moved = {}
-        for key, value in layer.items():
-            if key.startswith("w") and isinstance(value, jax.Array) and value.ndim == 2:
-                moved[f"{key}_io"] = jnp.asarray(value.T)
-                if consume:
-                    value.delete()
-            else:
-                moved[key] = value
-        layers.append(moved)
-    return {**params, "layers": layers}
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -297,14 +253,6 @@ def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down", cfg)
 
 
-def embedding(embed, tokens: jax.Array, dtype) -> jax.Array:
-    if quant.is_quantized(embed):
-        return quant.take_rows(embed, tokens, dtype)
-    if packed.is_packed(embed):
-        return packed.take_rows(embed, tokens, dtype)
-    return embed[tokens]
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -338,7 +286,7 @@ def forward_blocks(
     # once, not per layer
     blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]
     # [N, D]
-    x = embedding(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))
+    x = forms.take_rows(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):
@@ -357,10 +305,5 @@ def forward_blocks(
 def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """hidden [..., D] → float32 logits [..., V] (tied embeddings when there is no lm_head)."""
     head = params.get("lm_head", params["embed"])
-    if quant.is_quantized(head):
-        out = quant.matmul(hidden, head)
-    elif packed.is_packed(head):
-        out = packed.matmul(hidden, head, cfg.matmul_inputs == "bfloat16")
-    else:
-        out = jnp.einsum("...d,vd->...v", product_input(hidden, cfg), head, preferred_element_type=jnp.float32)
+    out = forms.matmul(hidden, head, cfg.matmul_inputs == "bfloat16", jnp.float32)
     return soft_cap(out, cfg.final_softcap) if cfg.final_softcap else out

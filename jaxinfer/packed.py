@@ -1,6 +1,6 @@
 """Float weight matrices packed for the CPU kernel (`kernels/matmul.cc`, `jaxinfer_fmatmul`): an
-[out, in] matrix is stored with 16 outputs side by side, float32 as `{"packed": [out/16, in, 16]}`
-and bfloat16 as `{"packed": [out/16, in/2, 16, 2]}`, each output's pair of consecutive inputs
+[out, in] matrix is stored with 16 outputs side by side (`forms.Packed`), float32 as [out/16, in, 16]
+and bfloat16 as [out/16, in/2, 16, 2], each output's pair of consecutive inputs
 together: the layout of AMX's bfloat16 tiles, which prefill chunks run on where the CPU has them
 (repacking per call cost about half of a 128-row chunk's matmul time).
 
@@ -12,7 +12,7 @@ float32 1 row 3.95 → 3.88, 5 rows 6.6 → 4.0, 16 rows 11.0 → 5.9, 128 rows 
 1 row 45 → 2.5.
 
 The load packs every float32 or bfloat16 matrix whose out dimension divides by 16, and a bfloat16 one's
-in dimension by 2 (`pack_params`); the rest stay [out, in]. Where the kernel is not built, the packed
+in dimension by 2 (`forms.lay_out`); the rest stay [out, in]. Where the kernel is not built, the packed
 form still works, on XLA's dot.
 """
 
@@ -26,24 +26,20 @@ from jaxinfer import kernel
 GROUP = 16
 
 
-def packable(leaf) -> bool:
+def packable(w: jax.Array) -> bool:
     """A float32 matrix of whole groups, or a bfloat16 one of whole groups and pairs (float16 stays
     on XLA's dot)."""
-    if not (isinstance(leaf, jax.Array) and leaf.ndim == 2 and leaf.shape[0] % GROUP == 0):
+    if not (w.ndim == 2 and w.shape[0] % GROUP == 0):
         return False
-    return leaf.dtype == jnp.float32 or (leaf.dtype == jnp.bfloat16 and leaf.shape[1] % 2 == 0)
+    return w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0)
 
 
-def pack(w: jax.Array) -> dict:
-    """[out, in] → {"packed": [out/16, in, 16]} (float32) or [out/16, in/2, 16, 2] (bfloat16)."""
+def pack(w: jax.Array) -> jax.Array:
+    """[out, in] → [out/16, in, 16] (float32) or [out/16, in/2, 16, 2] (bfloat16)."""
     n, k = w.shape
     if w.dtype == jnp.bfloat16:
-        return {"packed": w.reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)}
-    return {"packed": w.reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)}
-
-
-def is_packed(leaf) -> bool:
-    return isinstance(leaf, dict) and "packed" in leaf
+        return w.reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+    return w.reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)
 
 
 def _paired(w: jax.Array) -> jax.Array:
@@ -51,9 +47,9 @@ def _paired(w: jax.Array) -> jax.Array:
     return w if w.ndim == 4 else w[..., None]
 
 
-def unpack(leaf: dict) -> jax.Array:
+def unpack(w: jax.Array) -> jax.Array:
     """The [out, in] matrix again."""
-    w = _paired(leaf["packed"])
+    w = _paired(w)
     groups, steps, _, pair = w.shape
     return w.transpose(0, 2, 1, 3).reshape(groups * GROUP, steps * pair)
 
@@ -63,12 +59,11 @@ def bf16_values(x: jax.Array) -> jax.Array:
     return x.astype(jnp.bfloat16).astype(x.dtype)
 
 
-def matmul(x: jax.Array, leaf: dict, bf16_inputs: bool = False) -> jax.Array:
-    """x [..., in] @ W.T → float32 [..., out]: on the kernel where it is built for this backend.
-    `bf16_inputs`: x rounded to bfloat16 first (`ModelConfig.matmul_inputs`; in the kernel, where it
-    costs nothing: in the graph, XLA CPU ran the rounding as 91 fusions of their own, 18 ms of a
-    190 ms SmolLM-135M prompt of 512 tokens)."""
-    w = leaf["packed"]
+def matmul(x: jax.Array, w: jax.Array, bf16_inputs: bool = False) -> jax.Array:
+    """x [..., in] @ W.T → float32 [..., out] for packed w: on the kernel where it is built for this
+    backend. `bf16_inputs`: x rounded to bfloat16 first (`ModelConfig.matmul_inputs`; in the kernel,
+    where it costs nothing: in the graph, XLA CPU ran the rounding as 91 fusions of their own, 18 ms
+    of a 190 ms SmolLM-135M prompt of 512 tokens)."""
     if kernel.available():
         return kernel.call("jaxinfer_fmatmul", x, w.shape[0] * GROUP, w, bf16_inputs=bf16_inputs)
     if bf16_inputs:
@@ -79,9 +74,9 @@ def matmul(x: jax.Array, leaf: dict, bf16_inputs: bool = False) -> jax.Array:
     return y.reshape(*x.shape[:-1], w.shape[0] * GROUP)
 
 
-def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
-    """Rows `ids` of the [out, in] matrix (the embedding lookup): [..., in]."""
-    w = _paired(leaf["packed"])
+def take_rows(w: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of the packed [out, in] matrix (the embedding lookup): [..., in]."""
+    w = _paired(w)
     if w.dtype != jnp.bfloat16:
         rows = w[ids // GROUP, :, ids % GROUP]  # [..., in/pairs, pair]
         return rows.reshape(*rows.shape[:-2], -1).astype(dtype)
@@ -91,27 +86,3 @@ def take_rows(leaf: dict, ids: jax.Array, dtype) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16)[ids // GROUP, :, ids % GROUP]
     bits = bits.reshape(*bits.shape[:-2], -1).astype(jnp.uint32) << 16
     return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
-
-
-def pack_params(params: dict, consume: bool = False) -> dict:
-    """The tree the kernel runs: every packable matrix packed (the layers', the embedding, the LM
-    head), and every other float leaf (norms, biases, a matrix the packing does not fit) in float32.
-    The kernel sums in float32 whatever width its weights are stored in (on AMX, prefill's activations
-    carried to 16 significant bits), so the rest of the model computes in float32 too: bfloat16
-    weights read half the bytes, and the model computes as a float32 one.
-    `consume` frees each original once replaced (peak memory: one matrix more)."""
-
-    def one(value):
-        if packable(value):
-            replacement = pack(value)
-        elif isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype != jnp.float32:
-            replacement = value.astype(jnp.float32)
-        else:
-            return value  # float32 already, or a quantized matrix
-        if consume:
-            value.delete()
-        return replacement
-
-    tree = {key: one(value) for key, value in params.items() if key != "layers"}
-    tree["layers"] = [{key: one(value) for key, value in layer.items()} for layer in params["layers"]]
-    return tree

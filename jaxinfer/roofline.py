@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxinfer import forms
 from jaxinfer.config import ModelConfig, Weight
+from jaxinfer.families import weight_table
+from jaxinfer.quant import METHODS
 from jaxinfer.sharding import held_axes, splits
-from jaxinfer.weights import quantized_here, weight_table
-
-# Bytes per weight of a packed matrix: 32 values and a bfloat16 scale per block.
-PACKED_BYTES = {"int8": 34 / 32, "int4": 18 / 32}
+from jaxinfer.weights import quantized_here
 
 
 @dataclass(frozen=True)
@@ -54,19 +54,12 @@ class Storage:
     @classmethod
     def of_params(cls, params: dict) -> Storage:
         """As a loaded parameter tree stores its weights (the cache is in the compute dtype, the final norm's)."""
-        from jaxinfer import packed, quant
-
-        leaves = (*params["layers"][0].values(), params["embed"])
-        quantized = [leaf for leaf in leaves if quant.is_quantized(leaf)]
-        floats = [leaf["packed"] if packed.is_packed(leaf) else leaf for leaf in leaves if not quant.is_quantized(leaf)]
-        matrix = next((leaf for leaf in floats if leaf.ndim >= 2), params["norm"])
-        return cls(
-            matrix.dtype.itemsize, quant.method_of(quantized[0]) if quantized else None, params["norm"].dtype.itemsize
-        )
+        itemsize = np.dtype(forms.stored_dtype(params)).itemsize
+        return cls(itemsize, forms.quantized_by(params), params["norm"].dtype.itemsize)
 
     def bytes_per_value(self, path: tuple, shape: tuple[int, ...]) -> float:
         if self.quantize and quantized_here(path, shape):
-            return PACKED_BYTES[self.quantize]
+            return METHODS[self.quantize].bytes_per_value
         return self.itemsize if len(shape) == 2 else (self.cache_itemsize or self.itemsize)
 
 

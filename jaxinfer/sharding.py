@@ -30,6 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer import kernel
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
+from jaxinfer.families import weight_table
+from jaxinfer.forms import is_form
 from jaxinfer.quant import BLOCK, GROUP
 from jaxinfer.runtime import check_backend
 
@@ -115,23 +117,21 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
 
 
 def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
-    """A NamedSharding for every leaf of a parameter tree (concrete or abstract) in any layout: the
-    weight table's axes for the matrices as stored ([out, in], reversed for `_io`, by blocks where
-    quantized: `held_axes`), whole for the CPU kernel's packed float form."""
-    from jaxinfer.weights import weight_table
-
+    """A NamedSharding for every leaf of a parameter tree (concrete or abstract) in any layout: each
+    matrix's as its form stores the weight table's axes (`forms.Form.axes`: reversed when transposed,
+    by blocks when quantized (`held_axes`), whole in the CPU kernel's packed form); norms and biases
+    by the table's axes."""
     table = {w.path: w for w in weight_table(cfg).values()}
 
-    def one(keys, leaf) -> NamedSharding:
+    def one(keys, leaf):
         path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
-        named = table[path].axes if path in table else None
-        if named is None and isinstance(path[-1], str) and path[-1].endswith("_io"):
-            named = table.get((*path[:-1], path[-1][: -len("_io")]), Weight(path, (), ())).axes[::-1]
-        if named is None and path[-1] in ("q", "scale") and path[:-1] in table:  # [out/16, in/32, ...] blocks
-            named = held_axes(cfg, table[path[:-1]], True, mesh.size) + (None,) * (leaf.ndim - 2)
-        return weight_sharding(cfg, named or (), mesh)
+        weight = table[path]
+        if not is_form(leaf):
+            return weight_sharding(cfg, weight.axes, mesh)
+        axes = leaf.axes(weight.axes, held_axes(cfg, weight, True, mesh.size))
+        return jax.tree.map(lambda a: weight_sharding(cfg, a, mesh), axes, is_leaf=lambda a: isinstance(a, tuple))
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_form)
 
 
 def place(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxinfer import quant
-from jaxinfer.config import ModelConfig, Weight
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import family
+from jaxinfer.families import weight_table
+from jaxinfer.forms import Plain, Quantized, is_matrix
 from jaxinfer.sharding import param_shardings, weight_sharding
 
 TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
@@ -29,16 +30,10 @@ ProgressFn = Callable[[int, int], None]  # (tensors done, tensors total)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
-    """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's
-    family lays it out."""
-    return family(cfg.architecture).weight_table(cfg)
-
-
 def quantized_here(path: TreePath, shape: tuple[int, ...]) -> bool:
     """Whether `--quantize` packs this leaf: the embedding, the head and the layers' matrices,
     where their dimensions fit the packing (else they stay float)."""
-    return (path[-1] in ("embed", "lm_head") or path[-1].startswith("w")) and quant.quantizable(shape)
+    return is_matrix(path, shape) and quant.quantizable(shape)
 
 
 def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
@@ -52,22 +47,22 @@ def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
 
 
 def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None, mesh: Mesh | None = None) -> dict:
-    """The parameter tree as ShapeDtypeStructs: the restore target (no random initialisation), each
-    leaf with its place on `mesh` where there is one (orbax reads each device's shard only)."""
+    """The parameter tree as ShapeDtypeStructs in their forms: the restore target (no random
+    initialisation), each leaf with its place on `mesh` where there is one (orbax reads each device's
+    shard only)."""
 
     def leaf(path: TreePath, shape: tuple[int, ...]):
         if quantize and quantized_here(path, shape):
-            return {
-                name: jax.ShapeDtypeStruct(*packed) for name, packed in quant.packed_shapes(shape, quantize).items()
-            }
-        return jax.ShapeDtypeStruct(shape, dtype)
+            shapes = quant.METHODS[quantize].packed_shapes(shape)
+            return Quantized(jax.ShapeDtypeStruct(*shapes["q"]), jax.ShapeDtypeStruct(*shapes["scale"]), quantize)
+        array = jax.ShapeDtypeStruct(shape, dtype)
+        return Plain(array) if is_matrix(path, shape) else array
 
     tree = tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape, _ in weight_table(cfg).values()})
     if mesh is None:
         return tree
-    return jax.tree.map(
-        lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree, param_shardings(cfg, tree, mesh)
-    )
+    placed = lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)  # noqa: E731
+    return jax.tree.map(placed, tree, param_shardings(cfg, tree, mesh))
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -98,8 +93,8 @@ def read_safetensors(
     quantize: str | None = None,
     mesh: Mesh | None = None,
 ) -> dict:
-    """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices
-    packed by `quantize` as they are read (peak memory: the quantized model and one float matrix).
+    """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices as
+    `forms.Plain`, or quantized by `quantize` as they are read (peak memory: the quantized model and one float matrix).
     With a `mesh`, each tensor goes from the file straight into its shards (`jaxinfer.sharding`);
     those to be quantized whole onto every device (the kernel's custom call takes a whole matrix)."""
     from safetensors import SafetensorError, safe_open
@@ -135,10 +130,11 @@ def read_safetensors(
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
         packs = quantize and quantized_here(path, shape)
-        leaves[path] = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
+        value = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
         del array
         if packs:
-            leaves[path] = quant.quantize(leaves[path], quantize)
+            value = Quantized.of(value, quantize)
+        leaves[path] = Plain(value) if is_matrix(path, shape) and not packs else value
         if progress:
             progress(done, len(names))
     missing = sorted(set(table) - seen)

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES, loaded  # noqa: E402
 
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
+from jaxinfer.forms import layout_for_batch  # noqa: E402
 from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
-from jaxinfer.model import layout_for_batch  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 
 

@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES  # noqa: E402
 
-from jaxinfer.loading import bundled_model_dir  # noqa: E402
+from jaxinfer.modeldir import bundled_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

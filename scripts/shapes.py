@@ -7,9 +7,8 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import quant
 from jaxinfer.config import ModelConfig
-from jaxinfer.loading import check_layout, lay_out
+from jaxinfer.forms import Plain, Quantized, check_layout, is_form, lay_out
 from jaxinfer.weights import abstract_params, quantized_here
 
 SHAPES = {
@@ -59,14 +58,12 @@ def loaded(cfg: ModelConfig, quantize: str | None = None, dtype=jnp.float32, lay
     if quantize:
 
         def pack(path, leaf):
-            name = getattr(path[-1], "key", None)
-            return (
-                quant.quantize(leaf, quantize)
-                if isinstance(name, str) and quantized_here((name,), leaf.shape)
-                else leaf
-            )
+            keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+            if isinstance(leaf, Plain) and quantized_here(keys, leaf.w.shape):
+                return Quantized.of(leaf.w, quantize)
+            return leaf
 
-        params = jax.tree_util.tree_map_with_path(pack, params)
+        params = jax.tree_util.tree_map_with_path(pack, params, is_leaf=is_form)
     return lay_out(params, check_layout(layout), consume=True)
 
 
@@ -77,6 +74,6 @@ def deepened(cfg: ModelConfig, params: dict, layers: int, scale: float) -> tuple
     its tokens are the small model's; above 0 they move its distribution away from the draft's.
     Returned in the fastest layout here."""
     extra = [params["layers"][i % cfg.num_layers] for i in range(cfg.num_layers, layers)]
-    extra = [{k: v * scale if k in ("wo", "wdown") else v for k, v in layer.items()} for layer in extra]
+    extra = [{k: Plain(v.w * scale) if k in ("wo", "wdown") else v for k, v in layer.items()} for layer in extra]
     deep = replace(cfg, num_layers=layers, sliding_windows=(None,) * layers)
     return deep, lay_out({**params, "layers": params["layers"] + extra}, check_layout(None))

@@ -32,6 +32,7 @@ import sentencepiece as spm
 
 from jaxinfer import model, weights
 from jaxinfer.families import config_from_hf
+from jaxinfer.forms import Plain, is_form
 
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"}
 
@@ -120,7 +121,7 @@ def init_params(cfg, key: jax.Array) -> dict:
             leaves[path] = jnp.ones(shape, jnp.float32)
         else:
             std = 0.02 / math.sqrt(2 * cfg.num_layers) if path[-1] in ("wo", "wdown") else 0.02
-            leaves[path] = std * jax.random.normal(k, shape, jnp.float32)
+            leaves[path] = Plain(std * jax.random.normal(k, shape, jnp.float32))
     return weights.tree_from_leaves(cfg, leaves)
 
 
@@ -140,7 +141,7 @@ def save_safetensors(params: dict, cfg, path: Path) -> None:
         leaf = params
         for key in tree_path:
             leaf = leaf[key]
-        tensors[name] = np.asarray(jnp.asarray(leaf, jnp.bfloat16))
+        tensors[name] = np.asarray(jnp.asarray(leaf.dense() if is_form(leaf) else leaf, jnp.bfloat16))
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 

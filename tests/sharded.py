@@ -16,7 +16,7 @@ if __name__ == "__main__":  # not when the test imports its prompts: that proces
 
 from jaxinfer import kernel  # noqa: E402
 from jaxinfer.batch import BatchRunner, Request  # noqa: E402
-from jaxinfer.checkpoint import convert  # noqa: E402
+from jaxinfer.convert import convert  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402

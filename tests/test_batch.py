@@ -14,9 +14,9 @@ from reference import alone
 
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.errors import JaxinferError
+from jaxinfer.forms import lay_out
 from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
-from jaxinfer.model import in_out_layout
 from jaxinfer.sampling import Sampling
 
 PROMPTS = [
@@ -58,7 +58,8 @@ def test_greedy_results_equal_run_whatever_the_batch(model):
     for r in reqs:
         gen = alone(model, r)
         expected[r.id] = (gen.text, len(gen.token_ids), gen.finish_reason)
-    batched = dataclasses.replace(model, params=in_out_layout(model.params))  # what `jaxinfer batch` loads for B > 1
+    # what `jaxinfer batch` loads for B > 1
+    batched = dataclasses.replace(model, params=lay_out(model.params, "in_out"))
     for batch_size in (1, 3, 8):
         assert by_id(run_batch(model, reqs, batch_size)) == expected
         assert by_id(run_batch(batched, reqs, batch_size)) == expected

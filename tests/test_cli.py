@@ -119,7 +119,7 @@ def test_every_command_help_ends_with_examples_that_parse():
 
 
 def test_bundled_model_is_the_default_from_any_directory(tmp_path):
-    from jaxinfer.loading import bundled_model_dir
+    from jaxinfer.modeldir import bundled_model_dir
 
     prompt = "def fibonacci(n):" + " " * 300  # longer than a file name may be: not taken for a model directory
     args = ("run", prompt, "-n", "16", "--temp", "0", "--json")

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
-from jaxinfer.loading import bundled_model_dir, load_model
+from jaxinfer.loading import load_model
+from jaxinfer.modeldir import bundled_model_dir
 
 PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):")
 

@@ -14,6 +14,7 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 from reference import greedy_reference, reference
 
+from jaxinfer import forms
 from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
@@ -44,8 +45,9 @@ def models(tiny):
     path = tiny("llama", init_std=0.05)
     target = dataclasses.replace(load_model(path), eos_ids=())
     near = dataclasses.replace(load_model(path, layout="out_in"), eos_ids=())
-    head = near.params["lm_head"]
-    near.params["lm_head"] = head + 0.6 * jnp.std(head) * jax.random.normal(jax.random.key(0), head.shape)
+    head = near.params["lm_head"].w
+    noise = 0.6 * jnp.std(head) * jax.random.normal(jax.random.key(0), head.shape)
+    near.params["lm_head"] = forms.Plain(head + noise)
     small = dataclasses.replace(load_model(tiny("llama", init_std=0.05, num_hidden_layers=1)), eos_ids=())
     return target, near, small
 

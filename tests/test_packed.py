@@ -100,8 +100,8 @@ def test_kernel_and_xla_agree_on_a_batch_of_rows():
 def test_packing_round_trips_and_looks_rows_up(dtype, shape):
     w = jnp.arange(48 * 8, dtype=jnp.float32).reshape(48, 8).astype(dtype)
     leaf = packed.pack(w)
-    assert leaf["packed"].shape == shape
-    at = leaf["packed"][1, 2, 3]  # output 16 + 3, input 2 (float32) or inputs 4 and 5 (bfloat16)
+    assert leaf.shape == shape
+    at = leaf[1, 2, 3]  # output 16 + 3, input 2 (float32) or inputs 4 and 5 (bfloat16)
     np.testing.assert_array_equal(at, w[19, 2] if dtype == jnp.float32 else w[19, 4:6])
     np.testing.assert_array_equal(packed.unpack(leaf), w)
     ids = jnp.asarray([[0, 17, 47], [5, 5, 32]])
@@ -122,7 +122,7 @@ def test_on_the_portable_path_float_matrices_stay_on_xlas_dot(isa):
     """The portable C++ path (a CPU with neither AVX2 nor AVX-512, forced here) rereads the weights
     for every row: loading then picks XLA's layouts, [out, in] for one row and [in, out] for batches."""
     from jaxinfer import kernel
-    from jaxinfer.model import layout_for_batch
+    from jaxinfer.forms import layout_for_batch
 
     if kernel.isa() == "generic":
         assert (layout_for_batch(1), layout_for_batch(8)) == ("out_in", "in_out")

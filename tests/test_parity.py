@@ -9,9 +9,9 @@ import transformers
 from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 from tiny_models import ARCHITECTURES
 
-from jaxinfer import kernel, packed
+from jaxinfer import forms, kernel
 from jaxinfer import model as M
-from jaxinfer.checkpoint import convert
+from jaxinfer.convert import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.kvcache import KVCache
@@ -168,10 +168,11 @@ def test_every_layout_gives_the_same_logits(tiny, arch, layout):
     plain, other = load_model(path, layout="out_in"), load_model(path, layout=layout)
     layer = other.params["layers"][0]
     if layout == "in_out":
-        assert "wq_io" in layer and "wq" not in layer
+        assert isinstance(layer["wq"], forms.Transposed) and isinstance(other.params["embed"], forms.Plain)
     else:
-        assert packed.is_packed(layer["wq"])
-        assert packed.is_packed(other.params["embed"]) == (other.config.vocab_size % 16 == 0) == (arch == "qwen3")
+        assert isinstance(layer["wq"], forms.Packed)
+        packed_embed = isinstance(other.params["embed"], forms.Packed)
+        assert packed_embed == (other.config.vocab_size % 16 == 0) == (arch == "qwen3")
     ids = plain.tokenizer.encode(PROMPT)
     assert_close(our_prompt_logits(other, ids)[0], our_prompt_logits(plain, ids)[0])
 

@@ -14,7 +14,8 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 from kernel_helpers import needs_kernel, xla_dot
 
-from jaxinfer import kernel, quant
+from jaxinfer import forms, kernel, quant
+from jaxinfer.forms import Quantized
 from jaxinfer.loading import load_model
 from jaxinfer.perplexity import perplexity, windows
 
@@ -39,15 +40,10 @@ def test_quantize_error_is_within_the_block_step(method):
     w = rng.standard_normal((64, 128)).astype(np.float32)
     w[3, :32] = 0  # an all-zero block
     w[5, 40] = 50.0  # an outlier widens only its own block
-    leaf = quant.quantize(jnp.asarray(w), method)
-    back = np.asarray(quant.dequantize(leaf))
-    step = np.abs(
-        np.asarray(
-            quant.dequantize(
-                {"q": jnp.ones_like(leaf["q"]) * (1 if method == "int8" else 0x99), "scale": leaf["scale"]}
-            )
-        )
-    )
+    leaf = Quantized.of(jnp.asarray(w), method)
+    back = np.asarray(leaf.dense())
+    ones = Quantized(jnp.ones_like(leaf.q) * (1 if method == "int8" else 0x99), leaf.scale, method)
+    step = np.abs(np.asarray(ones.dense()))
     step = blocks_of(step)[..., :1]  # |d| of each block (int4: (9 - 8) · d)
     error = np.abs(blocks_of(back - w))
     # int8 rounds to the nearest step (the bf16 scale may clip the largest value by under half a
@@ -70,7 +66,7 @@ def problem(n, k, m, method, seed=0):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero activation block
     w[:16, -32:] = 0  # an all-zero weight block of a whole group
-    return jnp.asarray(x), quant.quantize(jnp.asarray(w), method)
+    return jnp.asarray(x), Quantized.of(jnp.asarray(w), method)
 
 
 @needs_kernel
@@ -80,9 +76,9 @@ def test_kernel_computes_w8a8_as_stated(isa, method, n, k, m):
     """The kernel against the same arithmetic in jnp (integer block dots exact; the float sums
     differ only in order)."""
     x, leaf = problem(n, k, m, method)
-    ours = np.asarray(jax.jit(quant.matmul)(x, leaf))
-    oracle = np.asarray(quant.w8a8_reference(x, leaf))
-    magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(quant.dequantize(leaf))).T
+    ours = np.asarray(jax.jit(forms.matmul)(x, leaf))
+    oracle = np.asarray(quant.w8a8_reference(x, leaf.q, leaf.scale, method))
+    magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(leaf.dense())).T
     np.testing.assert_array_less(np.abs(ours - oracle), 1e-6 * magnitude + 1e-6)
 
 
@@ -92,12 +88,12 @@ def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
     """Against the pure-JAX path (float activations): each activation moves by at most half its
     block's step, max|x_block| / 254, so |error| ≤ Σ_blocks step/2 · Σ |w| over the block."""
     x, leaf = problem(160, 96, 5, method, seed=1)
-    ours = np.asarray(quant.matmul(x, leaf))
+    ours = np.asarray(forms.matmul(x, leaf))
     with xla_dot():
-        plain = np.asarray(jax.jit(quant.matmul)(x, leaf))
-    np.testing.assert_allclose(plain, np.asarray(x) @ np.asarray(quant.dequantize(leaf)).T, rtol=1e-5, atol=1e-5)
+        plain = np.asarray(jax.jit(forms.matmul)(x, leaf))
+    np.testing.assert_allclose(plain, np.asarray(x) @ np.asarray(leaf.dense()).T, rtol=1e-5, atol=1e-5)
     half_step = np.abs(blocks_of(np.asarray(x))).max(-1) / 254  # [m, blocks]
-    w_mass = np.abs(blocks_of(np.asarray(quant.dequantize(leaf)))).sum(-1)  # [n, blocks]
+    w_mass = np.abs(blocks_of(np.asarray(leaf.dense()))).sum(-1)  # [n, blocks]
     bound = half_step @ w_mass.T
     assert np.all(np.abs(ours - plain) <= bound * 1.001 + 1e-5)
     assert np.abs(ours - plain).max() > 0  # the kernel did quantize the activations
@@ -107,8 +103,8 @@ def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
 def test_embedding_rows_come_out_of_the_packing(method):
     x, leaf = problem(64, 96, 1, method)
     ids = jnp.asarray([[0, 17, 63], [5, 5, 40]])
-    rows = quant.take_rows(leaf, ids, jnp.float32)
-    np.testing.assert_array_equal(rows, quant.dequantize(leaf)[ids])
+    rows = forms.take_rows(leaf, ids, jnp.float32)
+    np.testing.assert_array_equal(rows, leaf.dense()[ids])
 
 
 def test_sliding_windows_score_every_token_once():

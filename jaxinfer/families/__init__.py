@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import gemma, llama, phi3
 
@@ -35,3 +35,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         return translate(d, arch)
     except (KeyError, TypeError, ValueError) as e:
         raise JaxinferError(f"config.json is missing or has a bad value for {e}") from None
+
+
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
+    """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's
+    family lays it out."""
+    return family(cfg.architecture).weight_table(cfg)

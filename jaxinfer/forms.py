@@ -1,0 +1,256 @@
+"""What a weight matrix is held as, and the one place that knows: each form is a registered pytree
+class (so jit, device_put, orbax's abstract trees and optax see its arrays), and the matmul, the row
+gather, the bytes and the shard axes dispatch on it. Every matrix of the parameter tree (the layers'
+`w*`, `embed`, `lm_head`: `is_matrix`) holds one; norms and biases are plain arrays.
+
+- `Plain` [out, in]: as Hugging Face stores it (`x @ w.T`); what checkpoints hold.
+- `Transposed` [in, out]: XLA CPU's faster form for batched decode (`LAYOUTS`' "in_out").
+- `Packed`: float32 or bfloat16 with 16 outputs side by side, for the CPU kernel (`jaxinfer.packed`).
+- `Quantized`: block-quantized by a method of `quant.METHODS` (static metadata), packed as the kernel
+  reads it.
+
+A loaded tree's matrices are in one layout (`lay_out`): "out_in" (Plain), "in_out" (the layers'
+matrices Transposed), "packed"; Quantized ones stay as they are in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import kernel, packed, quant
+from jaxinfer.errors import JaxinferError
+
+
+def _form(cls):
+    """A frozen dataclass registered as a pytree: its array fields are children, the rest static."""
+    cls = dataclass(frozen=True)(cls)
+    names = [f.name for f in cls.__dataclass_fields__.values()]
+    static = [name for name in names if cls.__dataclass_fields__[name].metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, [n for n in names if n not in static], static)
+
+
+def _rounded(x: jax.Array, bf16_inputs: bool) -> jax.Array:
+    """x as XLA's dot takes it: rounded to bfloat16 values where the model's products take bfloat16
+    inputs (`ModelConfig.matmul_inputs`; the kernel forms round, or quantize, inside)."""
+    return packed.bf16_values(x) if bf16_inputs and x.dtype == jnp.float32 else x
+
+
+@_form
+class Plain:
+    """[out, in], as Hugging Face stores it."""
+
+    w: jax.Array
+
+    def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", _rounded(x, bf16_inputs), self.w, preferred_element_type=dtype)
+
+    def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
+        return self.w[ids].astype(dtype)
+
+    def dense(self) -> jax.Array:
+        return self.w
+
+    def axes(self, axes: tuple, blocks: tuple) -> Plain:
+        return Plain(axes)
+
+
+@_form
+class Transposed:
+    """[in, out]: XLA CPU's GEMM at 2–32 rows is faster on it (SmolLM-135M shape, decode step at
+    B=16: 41 vs 49 ms) while its batch-1 mat-vec is a little slower (17–20 vs 16–17 ms), so batched
+    decode on XLA's dot gets this form and batch 1 keeps Hugging Face's."""
+
+    w: jax.Array
+
+    def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        return jnp.einsum("...i,io->...o", _rounded(x, bf16_inputs), self.w, preferred_element_type=dtype)
+
+    def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
+        return jnp.moveaxis(self.w[:, ids], 0, -1).astype(dtype)
+
+    def dense(self) -> jax.Array:
+        return self.w.T
+
+    def axes(self, axes: tuple, blocks: tuple) -> Transposed:
+        return Transposed(axes[::-1])
+
+
+@_form
+class Packed:
+    """16 outputs side by side for the CPU kernel (`jaxinfer.packed`): float32 [out/16, in, 16],
+    bfloat16 [out/16, in/2, 16, 2]."""
+
+    w: jax.Array
+
+    @classmethod
+    def of(cls, w: jax.Array) -> Packed:
+        return cls(packed.pack(w))
+
+    def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        return packed.matmul(x, self.w, bf16_inputs).astype(dtype)
+
+    def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
+        return packed.take_rows(self.w, ids, dtype)
+
+    def dense(self) -> jax.Array:
+        return packed.unpack(self.w)
+
+    def axes(self, axes: tuple, blocks: tuple) -> Packed:
+        return Packed(())  # whole on every device: the kernel's custom call takes whole matrices
+
+
+@_form
+class Quantized:
+    """Block-quantized by `method` (`quant.METHODS`), packed as the kernel reads it."""
+
+    q: jax.Array
+    scale: jax.Array
+    method: str = field(metadata={"static": True})
+
+    @classmethod
+    def of(cls, w: jax.Array, method: str) -> Quantized:
+        return cls(*quant.quantize(w, method), method)
+
+    def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        return quant.matmul(x, self.q, self.scale, self.method).astype(dtype)
+
+    def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
+        return quant.take_rows(self.q, self.scale, self.method, ids, dtype)
+
+    def dense(self, dtype=jnp.float32) -> jax.Array:
+        return quant.dequantize(self.q, self.scale, self.method, dtype)
+
+    def axes(self, axes: tuple, blocks: tuple) -> Quantized:
+        """`blocks`: the axes of [out/16, in/32] (`sharding.held_axes`), which lead q's and scale's."""
+        return Quantized(*(blocks + (None,) * (len(a.shape) - 2) for a in (self.q, self.scale)), self.method)
+
+
+FORMS = (Plain, Transposed, Packed, Quantized)
+Form = Plain | Transposed | Packed | Quantized
+
+
+def is_form(leaf) -> bool:
+    return isinstance(leaf, FORMS)
+
+
+def is_matrix(path: tuple, shape: tuple[int, ...]) -> bool:
+    """Whether the tree holds a form at `path` (a weight table's path): the embedding, the head and
+    the layers' 2-D `w*`."""
+    return len(shape) == 2 and (path[-1] in ("embed", "lm_head") or path[-1].startswith("w"))
+
+
+def matmul(x: jax.Array, w: Form, bf16_inputs: bool = False, dtype=None) -> jax.Array:
+    """x [..., in] @ the matrix's [out, in]ᵀ → [..., out] in `dtype` (default: x's)."""
+    return w.matmul(x, bf16_inputs, dtype or x.dtype)
+
+
+def take_rows(w: Form, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of the [out, in] matrix (the embedding lookup): [..., in] in `dtype`."""
+    return w.take_rows(ids, dtype)
+
+
+def nbytes(tree) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+
+
+# ------------------------------------------------------------------------------------------- layouts
+LAYOUTS = ("out_in", "in_out", "packed")
+
+
+def layout_for_batch(batch: int, sharded: bool = False) -> str:
+    """The layout decode runs fastest in at this batch size: packed for the kernel wherever it takes
+    a vectorised path, except over a mesh (`sharded`: the kernel's custom call takes whole matrices,
+    XLA's dot takes each device's shard); on XLA's dot, [in, out] for batches and [out, in] for one row."""
+    if kernel.vectorised() and not sharded:
+        return "packed"
+    return "in_out" if batch > 1 else "out_in"
+
+
+def check_layout(layout: str | None, sharded: bool = False) -> str:
+    """`layout`, or by default the fastest here for one row."""
+    layout = layout or layout_for_batch(1, sharded)
+    if layout not in LAYOUTS:
+        raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    return layout
+
+
+def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
+    """A tree as the checkpoint lays it out ("out_in": Plain) in `layout`; `consume` frees each
+    matrix it replaces (peak memory: one matrix more).
+
+    "packed" packs every packable matrix (the layers', the embedding, the LM head) and makes every
+    other float leaf (norms, biases, a matrix the packing does not fit) float32: the kernel sums in
+    float32 whatever width its weights are stored in (on AMX, prefill's activations carried to 16
+    significant bits), so the rest of the model computes in float32 too: bfloat16 weights read half
+    the bytes, and the model computes as a float32 one. "in_out" transposes the layers' matrices."""
+
+    def one(value, layer: bool):
+        if layout == "packed" and isinstance(value, Plain) and packed.packable(value.w):
+            replacement = Packed.of(value.w)
+        elif layout == "packed" and not isinstance(value, Quantized):
+            array = value.w if isinstance(value, Plain) else value
+            if array.dtype == jnp.float32 or not jnp.issubdtype(array.dtype, jnp.floating):
+                return value
+            replacement = Plain(array.astype(jnp.float32)) if isinstance(value, Plain) else array.astype(jnp.float32)
+        elif layout == "in_out" and layer and isinstance(value, Plain):
+            replacement = Transposed(jnp.asarray(value.w.T))
+        else:
+            return value
+        if consume:
+            for array in jax.tree.leaves(value):
+                array.delete()
+        return replacement
+
+    if layout == "out_in":
+        return params
+    tree = {key: one(value, False) for key, value in params.items() if key != "layers"}
+    tree["layers"] = [{key: one(value, True) for key, value in layer.items()} for layer in params["layers"]]
+    return tree
+
+
+def layout_of(params: dict) -> str:
+    """The layout a tree's layers are in (`LAYOUTS`), as `lay_out` left them."""
+    held = params["layers"][0].values()
+    if any(isinstance(leaf, Packed) for leaf in held):
+        return "packed"
+    return "in_out" if any(isinstance(leaf, Transposed) for leaf in held) else "out_in"
+
+
+def quantized_by(params: dict) -> str | None:
+    """The method the tree's matrices are quantized by, if any."""
+    leaves = (*params["layers"][0].values(), params["embed"])
+    return next((leaf.method for leaf in leaves if isinstance(leaf, Quantized)), None)
+
+
+def stored_dtype(params: dict):
+    """The dtype the float matrices are stored in (the final norm's where every matrix is quantized)."""
+    leaves = (*params["layers"][0].values(), params["embed"])
+    return next(
+        (leaf.w.dtype for leaf in leaves if isinstance(leaf, (Plain, Transposed, Packed))), params["norm"].dtype
+    )
+
+
+def on_kernel(params: dict) -> bool:
+    """Whether the tree holds matrices in the CPU kernels' forms."""
+    return any(isinstance(leaf, (Packed, Quantized)) for leaf in params["layers"][0].values())
+
+
+# ------------------------------------------------------------------------------ the stored form
+def to_stored(params: dict) -> dict:
+    """The tree as checkpoints hold it (orbax, as converted by every version so far): a Plain matrix
+    as its array, a Quantized one as {"q", "scale"} (its method in config.json). The leaves come in
+    the same order as the forms', so `jax.tree.unflatten` with a forms tree's structure undoes it."""
+
+    def one(leaf):
+        if isinstance(leaf, Quantized):
+            return {"q": leaf.q, "scale": leaf.scale}
+        if isinstance(leaf, Plain):
+            return leaf.w
+        if is_form(leaf):
+            raise ValueError(f"only Plain and Quantized matrices are stored, not {type(leaf).__name__}")
+        return leaf
+
+    return jax.tree.map(one, params, is_leaf=is_form)

@@ -1,0 +1,94 @@
+"""A model directory: where it is (a path, a Hugging Face hub id, the bundled model), its JSON files,
+and whether it is our converted form."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.families import config_from_hf
+from jaxinfer.models import DEFAULT as DEFAULT_MODEL
+
+ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
+QUANTIZED_KEY = "jaxinfer_quantize"  # config.json of a converted model stored quantized: "int8" / "int4"
+# Everything a run needs besides the weights.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise JaxinferError(f"{path} not found: is {path.parent} a model directory?")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JaxinferError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise JaxinferError(f"{path}: expected a JSON object")
+    return data
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / ORBAX_DIR).is_dir()
+
+
+def bundled_model_dir() -> Path:
+    """The default model's directory, wherever jaxinfer is installed (it is package data)."""
+    return Path(str(resources.files("jaxinfer.models") / DEFAULT_MODEL))
+
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")  # "org/name", or "org/name@revision"
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what loading reads: no .bin, .gguf, ...
+
+
+def model_directory(path: str | Path | None) -> Path:
+    """A local directory as given; else a Hugging Face hub id, from the local hub cache (HF_HOME,
+    HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow; none: the bundled model."""
+    if path is None:
+        return bundled_model_dir()
+    local = Path(path).expanduser()
+    if local.exists() or not HUB_ID.fullmatch(str(path)):
+        return local
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, _, revision = str(path).partition("@")
+    where = dict(revision=revision or None, allow_patterns=HUB_FILES)
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, **where))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise JaxinferError(
+                f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                "(HF_HUB_OFFLINE is set)"
+            ) from None
+    try:
+        return Path(snapshot_download(repo_id, **where))  # with huggingface_hub's progress bars
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise JaxinferError(
+            f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and downloading "
+            "it failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
+        ) from None
+
+
+def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict]:
+    """(directory, config, config.json as read) of a model directory or hub id; no path: the bundled model."""
+    model_dir = model_directory(path)
+    if not model_dir.is_dir():
+        raise JaxinferError(f"model directory {model_dir} does not exist")
+    config_json = read_json(model_dir / "config.json")
+    return model_dir, config_from_hf(config_json), config_json

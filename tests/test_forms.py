@@ -1,0 +1,94 @@
+"""The weight forms (`jaxinfer.forms`): each one's product and row lookup against its dense matrix, the
+stored form, and checkpoints converted before the forms existed."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import forms, model
+from jaxinfer.checkpoint import restore_params, save_params
+from jaxinfer.forms import Packed, Plain, Quantized, Transposed
+from jaxinfer.loading import load_model
+from jaxinfer.modeldir import ORBAX_DIR
+from jaxinfer.weights import abstract_params
+
+DATA = Path(__file__).parent / "data"
+
+
+def every_form(w: jax.Array) -> list:
+    return [
+        Plain(w),
+        Transposed(w.T),
+        Packed.of(w),
+        Packed.of(w.astype(jnp.bfloat16)),
+        Quantized.of(w, "int8"),
+        Quantized.of(w, "int4"),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["plain", "transposed", "packed", "packed-bf16", "int8", "int4"])
+def test_each_form_multiplies_and_looks_up_rows_as_its_dense_matrix(kind):
+    """Within float32 rounding of x @ dense.T (int8/int4 on the kernel quantize x per block of 32 too:
+    each activation within half its block's step, under 1% of Σ|x·w|), on rows with leading axes;
+    the rows of ids exactly."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)
+    form = every_form(w)[["plain", "transposed", "packed", "packed-bf16", "int8", "int4"].index(kind)]
+    dense = np.asarray(form.dense(), np.float64)
+    assert dense.shape == (48, 64)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    ours = np.asarray(jax.jit(forms.matmul)(x, form))
+    exact = np.asarray(x, np.float64) @ dense.T
+    magnitude = np.abs(np.asarray(x, np.float64)) @ np.abs(dense).T
+    share = 0.01 if kind in ("int8", "int4") else 64 * np.finfo(np.float32).eps
+    assert ours.shape == (2, 3, 48) and ours.dtype == np.float32
+    np.testing.assert_array_less(np.abs(ours - exact), share * magnitude + 1e-6)
+    ids = jnp.asarray([[0, 17, 47], [5, 5, 32]])
+    np.testing.assert_array_equal(forms.take_rows(form, ids, jnp.float32), dense[np.asarray(ids)].astype(np.float32))
+
+
+def test_the_stored_form_round_trips_through_orbax(tmp_path):
+    """A tree of Plain and Quantized matrices saves as arrays and {"q", "scale"} and comes back as the
+    same forms, bit for bit."""
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((32, 64)), jnp.float32)
+    tree = {"embed": Plain(w), "layers": [{"wq": Quantized.of(w, "int4"), "attn_norm": jnp.ones(64)}], "norm": w[0]}
+    stored = forms.to_stored(tree)
+    assert set(stored["layers"][0]["wq"]) == {"q", "scale"} and isinstance(stored["embed"], jax.Array)
+    save_params(tree, tmp_path / "params")
+    back = restore_params(tmp_path / "params", jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree))
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="Packed"):
+        forms.to_stored({"embed": Packed.of(w)})
+
+
+@pytest.mark.parametrize("method", ["float32", "int8", "int4"])
+def test_checkpoints_converted_before_the_forms_still_load(tmp_path, method):
+    """tests/data/converted-*: a tiny random llama converted by `jaxinfer convert --dtype float32
+    [--quantize M]` on d257d5e (dict-shaped matrices, the method guessed from q's dtype), with the
+    logits that version computed for a prompt (AMD EPYC, XLA and the AVX-512 kernels). Today's load
+    gives the same logits in every layout, and saves the same tree again."""
+    path = tmp_path / method
+    shutil.copytree(DATA / f"converted-{method}", path)
+    tokens = jnp.asarray(np.load(DATA / f"converted-{method}.tokens.npy"))
+    expected = np.load(DATA / f"converted-{method}.logits.npy")
+    positions = jnp.arange(tokens.shape[1])[None]
+    for layout in forms.LAYOUTS:
+        loaded = load_model(path, "float32", layout=layout)
+        assert loaded.quantize == (None if method == "float32" else method)
+        assert forms.quantized_by(loaded.params) == loaded.quantize
+        hidden, _ = model.forward(loaded.params, loaded.config, tokens, positions, None, tokens.shape[1])
+        np.testing.assert_allclose(model.logits(loaded.params, hidden, loaded.config), expected, rtol=1e-4, atol=1e-4)
+    stored = load_model(path, "float32", layout="out_in")
+    save_params(stored.params, tmp_path / "again")
+    abstract = abstract_params(stored.config, jnp.float32, stored.quantize)
+    before = restore_params(path / ORBAX_DIR, abstract)
+    for a, b in zip(jax.tree.leaves(restore_params(tmp_path / "again", abstract)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+    assert json.loads((path / "config.json").read_text()).get("jaxinfer_quantize") == stored.quantize
