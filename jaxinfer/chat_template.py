@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
 
-# For models without a template: plain role-prefixed turns, documented in the README. Generation
+# For models without a template: plain role-prefixed turns, documented in docs/usage.md. Generation
 # stops at FALLBACK_STOP, where such a model would start writing the user's next turn.
 FALLBACK_TEMPLATE = (
     "{{ bos_token or '' }}"

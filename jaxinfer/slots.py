@@ -49,7 +49,7 @@ from jaxinfer.sharding import mesh_of, state_shardings
 
 MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
-PREFILL_CHUNK = 128  # prompt tokens per prefill call where XLA attends (measured: see README, "Chunked prefill")
+PREFILL_CHUNK = 128  # prompt tokens per prefill call where XLA attends (measured: docs/design.md, "Chunked prefill")
 PREFILL_CHUNK_KERNEL = 512  # where the CPU attention kernel does: 15–19% faster alone than 128, 1024 no faster
 # Beside decoding rows, a round's chunks may add this many of their decode steps' time: a gap of
 # about 3 steps (bench_admission.py, one sitting: ×3.1 of the median at 2, ×4.3 at 3, whose
