@@ -115,6 +115,24 @@ void fgroups_in_tiles(const FProblem& p, int64_t g0, int64_t g1, Tile&& tile) {
   if constexpr (kCols > 1) wide(std::integral_constant<int, 1>{});
 }
 
+// The float tiles of the families whose registers hold 128 or 256 bits (AVX2: 16 of 8 floats; NEON:
+// 32 of 4): one row by 4 groups (decode), two rows by 2, from four rows on 6 rows by one group (AVX2:
+// 8, 8 and 12 sums, 2 weight vectors and 6 broadcasts per 12 FMAs; NEON: 16, 16 and 24), so that the
+// FMAs' latency is covered without spilling.
+template <class V, bool kBf16>
+void fgroups_narrow(const FProblem& p, int64_t g0, int64_t g1) {
+  auto tile = [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+    ftile<V, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, ahead);
+  };
+  if (p.m == 1) {
+    fgroups_in_tiles<1, 4>(p, g0, g1, tile);
+  } else if (p.m <= 3) {
+    fgroups_in_tiles<2, 2>(p, g0, g1, tile);
+  } else {
+    fgroups_in_tiles<6, 1>(p, g0, g1, tile);
+  }
+}
+
 // Cephes' expf polynomial: e^r for r = x - n ln 2 (ln 2 in two parts) where n = round(x / ln 2),
 // within 2 ulp; the caller scales by 2^n.
 template <class V>

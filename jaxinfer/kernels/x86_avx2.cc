@@ -189,23 +189,6 @@ void round_values(const float* x, float* out, int64_t n) {  // as round_to_bf16
   for (; i < n; ++i) out[i] = round_to_bf16(x[i]);
 }
 
-// Tiles of at most 12 sums (of 16 registers), and at least 8 where the rows allow, so that FMAs'
-// latency is covered: one row by 4 groups (decode), two rows by 2, from four rows on 6 rows by one
-// group (2 weight vectors and 6 broadcasts per 12 FMAs).
-template <bool kBf16>
-void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
-  auto tile = [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
-    simd::ftile<Avx2, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, ahead);
-  };
-  if (p.m == 1) {
-    simd::fgroups_in_tiles<1, 4>(p, g0, g1, tile);
-  } else if (p.m <= 3) {
-    simd::fgroups_in_tiles<2, 2>(p, g0, g1, tile);
-  } else {
-    simd::fgroups_in_tiles<6, 1>(p, g0, g1, tile);
-  }
-}
-
 }  // namespace
 
 void add_avx2(Paths& t) {
@@ -214,8 +197,8 @@ void add_avx2(Paths& t) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
-  t.fgroups[0] = fgroups<false>;
-  t.fgroups[1] = fgroups<true>;
+  t.fgroups[0] = simd::fgroups_narrow<Avx2, false>;
+  t.fgroups[1] = simd::fgroups_narrow<Avx2, true>;
   t.round = round_values;
   simd::add_attention<Avx2>(t);
 }
