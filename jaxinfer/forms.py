@@ -1,7 +1,8 @@
-"""What a weight matrix is held as, and the one place that knows: each form is a registered pytree
-class (so jit, device_put, orbax's abstract trees and optax see its arrays), and the matmul, the row
-gather, the bytes and the shard axes dispatch on it. Every matrix of the parameter tree (the layers'
-`w*`, `embed`, `lm_head`: `is_matrix`) holds one; norms and biases are plain arrays.
+"""What a weight matrix is held as, and the one place that knows: each form is a registered pytree class
+(so jit, device_put, orbax's abstract trees and optax see its arrays), and the matmul, the row gather
+and the shard axes dispatch on it (the bytes per value of a method: `quant.METHODS`). Every matrix of
+the parameter tree (the layers' `w*`, `embed`, `lm_head`: `is_matrix`) holds one; norms and biases are
+plain arrays.
 
 - `Plain` [out, in]: as Hugging Face stores it (`x @ w.T`); what checkpoints hold.
 - `Transposed` [in, out]: XLA CPU's faster form for batched decode (`LAYOUTS`' "in_out").
@@ -150,10 +151,6 @@ def matmul(x: jax.Array, w: Form, bf16_inputs: bool = False, dtype=None) -> jax.
 def take_rows(w: Form, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of the [out, in] matrix (the embedding lookup): [..., in] in `dtype`."""
     return w.take_rows(ids, dtype)
-
-
-def nbytes(tree) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
 
 
 # ------------------------------------------------------------------------------------------- layouts
