@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
-from sharded import BATCH, LONG
+from sharded import BATCH, CHUNK, LONG
+
+# the flags of the runs `sharded` made its results with (tests/sharded.py)
+RUN = ("-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", str(CHUNK))
 
 # Between them: GQA whose kv heads divide 4, biases and tied embeddings (everything splits 4 ways;
 # the sentencepiece tokenizer's 400 ids divide 4, so the head and the seen-token mask split too); and
@@ -86,24 +89,7 @@ def test_cli_devices(sharded):
     reaches JAX before it starts, batch's layout choice included, the processes' test shows.)"""
     results, paths = sharded
     proc = jaxinfer(
-        "run",
-        "-m",
-        paths["llama"],
-        "-c",
-        "256",
-        "-n",
-        "60",
-        "--temp",
-        "0",
-        "--ignore-eos",
-        "--prefill-chunk",
-        "16",
-        "--draft-model",
-        paths["llama"],
-        "--devices",
-        "4",
-        "--json",
-        LONG,
+        "run", "-m", paths["llama"], *RUN, "--draft-model", paths["llama"], "--devices", "4", "--json", LONG
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == results["llama"]["1"]["run"]
@@ -143,22 +129,7 @@ def test_processes_join_one_mesh(sharded, tmp_path):
             env={**os.environ, "JAXINFER_CACHE_DIR": ""},
         )
 
-    run = (
-        "run",
-        "-m",
-        paths["llama"],
-        "-c",
-        "256",
-        "-n",
-        "60",
-        "--temp",
-        "0",
-        "--ignore-eos",
-        "--prefill-chunk",
-        "16",
-        "--json",
-        "-",
-    )
+    run = ("run", "-m", paths["llama"], *RUN, "--json", "-")
     first, other = start(0, *run, stdin=subprocess.PIPE), start(1, *run)
     out, err = first.communicate(LONG, timeout=300)
     assert first.returncode == 0, err
