@@ -46,11 +46,11 @@ def batch(
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
     from jaxinfer.batch import BatchRunner
     from jaxinfer.errors import JaxinferError
+    from jaxinfer.forms import layout_for_batch
     from jaxinfer.jobs import Job
     from jaxinfer.processes import share
 
-    options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
+    options.check_positive(batch_size=batch_size, max_tokens=max_tokens)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
@@ -66,12 +66,21 @@ def batch(
 
     lines = share(read)
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
-    from jaxinfer.forms import layout_for_batch
-
     layout = layout_for_batch(batch_size, mesh is not None)
-    loaded = options.load(model, dtype, layout, quantize, kv_dtype, mesh)
-    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize, layout)
-    context = options.context_length(loaded.max_positions, max_context)
+    opened = options.open_model(
+        model,
+        layout=layout,
+        dtype=dtype,
+        quantize=quantize,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        speculate=speculate,
+        num_draft=num_draft,
+        draft_model=draft_model,
+    )
+    loaded, context = opened.model, opened.context
     earlier = None if to_stdout else _open_output(output, resume)
     if earlier and earlier.dropped:
         render.notice(f"resuming: removed a record cut short at the end of {output}: {earlier.dropped[:60]}…")
@@ -81,12 +90,12 @@ def batch(
         max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS,
         earlier.file if earlier else sys.stdout,
         earlier,
-        speculating="speculation" in decoding,
+        speculating=opened.decoding.speculating,
     )
     requests = list(job.requests(lines))
     if job.skipped:
         render.notice(f"resuming: {job.skipped} requests already done in {output}")
-    runner = BatchRunner(loaded, batch_size, context, **decoding)
+    runner = BatchRunner(loaded, batch_size, context, opened.decoding)
     started = time.perf_counter()
     interrupted = False
     with render.job_progress(len(requests)) as update:

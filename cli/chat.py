@@ -62,13 +62,22 @@ def chat(
     from jaxinfer.engine import Engine
     from jaxinfer.processes import share
 
-    options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
+    options.check_positive(max_tokens=max_tokens)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
-    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
-    context = options.context_length(loaded.max_positions, max_context)
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
+    opened = options.open_model(
+        model,
+        dtype=dtype,
+        quantize=quantize,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        speculate=speculate,
+        num_draft=num_draft,
+        draft_model=draft_model,
+    )
+    loaded, context = opened.model, opened.context
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
     sampling = options.sampling(
         loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
     )
@@ -111,7 +120,7 @@ def _turn(session, text: str) -> dict | None:
     try:
         gen, notices = session.ask(text)
     except JaxinferError as e:
-        render.error(str(e))
+        render.error(options.worded(e))
         return None
     for notice in notices:
         render.notice(notice)
@@ -164,5 +173,5 @@ def _command(session, line: str, last: dict | None) -> bool:
         else:
             render.error(f"unknown command {name}; /help lists them")
     except JaxinferError as e:
-        render.error(str(e))
+        render.error(options.worded(e))
     return True

@@ -187,20 +187,29 @@ def run(
             raise JaxinferError("the prompt is empty: give some text to continue")
         return text
 
-    options.check_positive(max_tokens=max_tokens, max_context=max_context)
-    decoding = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
+    options.check_positive(max_tokens=max_tokens)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     text = share(read)  # the first process reads it (its stdin, its files)
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
-    decoding = options.load_draft(draft_model, loaded, decoding, dtype, quantize)
+    opened = options.open_model(
+        model,
+        dtype=dtype,
+        quantize=quantize,
+        kv_dtype=kv_dtype,
+        mesh=mesh,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        speculate=speculate,
+        num_draft=num_draft,
+        draft_model=draft_model,
+    )
+    loaded, context = opened.model, opened.context
     sampling = options.sampling(
         loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
     )
-    context = options.context_length(loaded.max_positions, max_context)
     prompt_ids = loaded.tokenizer.encode(text)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, **decoding)
+    engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
     gen = Generation(
         loaded,
         engine,
@@ -297,8 +306,8 @@ def perplexity(
         raise JaxinferError(
             "--kl compares against the model at full precision: give --quantize, --kv-dtype or a 16-bit --dtype too"
         )
-    loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype)
-    plain = options.load(model, "float32") if kl else None
+    loaded = options.open_model(model, dtype=dtype, quantize=quantize, kv_dtype=kv_dtype).model
+    plain = options.open_model(model, dtype="float32").model if kl else None
     reference = (plain.config, plain.params) if kl else None
     ids = loaded.tokenizer.encode(text)
     with render.progress("scoring") as progress:
@@ -351,7 +360,7 @@ def info(
     chosen = resolve_dtype(dtype, config_json, layout)
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
-    context = options.context_length(cfg.max_position_embeddings, max_context)
+    context = options.context(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
     storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout))
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
@@ -428,14 +437,23 @@ def bench(
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     device_list = _int_list(devices, "--devices") if devices else [None]
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
-    flags = options.chunking(prefill_chunk) | options.speculation(speculate, num_draft, draft_model)
     # on the CPU: all the devices any count needs, before JAX starts
     options.mesh(max(device_list, key=lambda n: n or 0))
     rows = []
     for count in device_list:  # loaded again for each: onto its devices, in its layout, as run would
         mesh = options.mesh(count)
-        loaded = options.load(model, dtype, quantize=quantize, kv_dtype=kv_dtype, mesh=mesh)
-        decoding = options.load_draft(draft_model, loaded, flags, dtype, quantize)
+        opened = options.open_model(
+            model,
+            dtype=dtype,
+            quantize=quantize,
+            kv_dtype=kv_dtype,
+            mesh=mesh,
+            prefill_chunk=prefill_chunk,
+            speculate=speculate,
+            num_draft=num_draft,
+            draft_model=draft_model,
+        )
+        loaded = opened.model
         roofs = options.ceilings(loaded.roofed_in, peak_flops, peak_bandwidth)
         with render.progress(f"benchmarking{f' on {mesh.size} devices' if mesh else ''}") as progress:
             rows += benchmark.sweep(
@@ -448,7 +466,7 @@ def bench(
                 roofs,
                 progress,
                 max_context,
-                **decoding,
+                opened.decoding,
             )
     if plot_file:
         benchmark.plot(rows, plot_file, f"{loaded.path.name}, {loaded.storage}")
@@ -483,7 +501,7 @@ def main() -> None:
     except JaxinferError as e:
         if _debug:
             raise
-        render.error(str(e))
+        render.error(options.worded(e))
         code = 1
     except typer.TyperException as e:  # typer's (vendored click) usage errors: bad flags and values
         render.error(e.format_message())

@@ -9,13 +9,37 @@ from typing import Optional
 
 import typer
 
+from jaxinfer import defaults
 from jaxinfer.cli import render
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_MAX_CONTEXT = 4096
-DEFAULT_NUM_DRAFT = 4
-SPECULATE_METHODS = ("ngram",)
+
+# The library's parameters as this CLI's flags: its errors name parameters (`JaxinferError.names`),
+# and the terminal shows the flag a user typed.
+FLAGS = {
+    "max_tokens": "--max-tokens",
+    "max_context": "--max-context",
+    "prefill_chunk": "--prefill-chunk",
+    "speculate": "--speculate",
+    "num_draft": "--num-draft",
+    "draft_model": "--draft-model",
+    "dtype": "--dtype",
+    "quantize": "--quantize",
+    "kv_dtype": "--kv-dtype",
+    "devices": "--devices",
+    "coordinator": "--coordinator",
+    "num_processes": "--num-processes",
+    "process_id": "--process-id",
+    "temperature": "--temp",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty",
+    "stride": "--stride",
+    "on_full": "--on-full",
+    "reset": "/reset",  # chat's command
+}
 
 MODEL = typer.Option(
     None,
@@ -38,7 +62,7 @@ MAX_CONTEXT = typer.Option(
     "--max-context",
     "--ctx-size",
     "-c",
-    help=f"KV cache length in tokens [default: min(model's max positions, {DEFAULT_MAX_CONTEXT})].",
+    help=f"KV cache length in tokens [default: min(model's max positions, {defaults.MAX_CONTEXT})].",
 )
 PEAK_FLOPS = typer.Option(
     None,
@@ -98,7 +122,7 @@ NUM_DRAFT = typer.Option(
     "--num-draft-tokens",
     metavar="K",
     show_default=False,
-    help=f"Tokens drafted per step with --speculate or --draft-model [default: {DEFAULT_NUM_DRAFT}].",
+    help=f"Tokens drafted per step with --speculate or --draft-model [default: {defaults.NUM_DRAFT}].",
 )
 DRAFT_MODEL = typer.Option(
     None,
@@ -170,6 +194,11 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
+def worded(error) -> str:
+    """A library error's message in the CLI's words (its flags for the parameters it names)."""
+    return error.worded(FLAGS)
+
+
 def check_positive(**flags: Optional[int]) -> None:
     """Before loading weights, so a bad flag fails before a multi-GB load."""
     from jaxinfer.errors import JaxinferError
@@ -177,59 +206,6 @@ def check_positive(**flags: Optional[int]) -> None:
     for name, value in flags.items():
         if value is not None and value < 1:
             raise JaxinferError(f"--{name.replace('_', '-')} must be at least 1")
-
-
-def chunking(prefill_chunk: Optional[int]) -> dict:
-    """`--prefill-chunk` as the keyword Engine, BatchRunner and bench take (none: the library's default)."""
-    from jaxinfer.errors import JaxinferError
-
-    if prefill_chunk is None:
-        return {}
-    if prefill_chunk != 0 and prefill_chunk < 16:
-        raise JaxinferError("--prefill-chunk must be 0 (off) or at least 16")
-    return {"prefill_chunk": prefill_chunk}
-
-
-def speculation(speculate: Optional[str], num_draft: Optional[int], draft_model: Optional[Path] = None) -> dict:
-    """`--speculate`, `--num-draft` and `--draft-model` as the keyword Engine, BatchRunner and bench
-    take (the draft model itself is added by `load_draft`, once the model is loaded)."""
-    from jaxinfer.decode import Speculation
-    from jaxinfer.errors import JaxinferError
-
-    if speculate not in (None, *SPECULATE_METHODS):
-        raise JaxinferError(f"--speculate must be one of {', '.join(SPECULATE_METHODS)}, not {speculate!r}")
-    if speculate and draft_model:
-        raise JaxinferError("--speculate ngram and --draft-model are two ways to draft: give one")
-    if num_draft is not None and not 1 <= num_draft <= 32:
-        raise JaxinferError("--num-draft must be between 1 and 32")
-    if speculate is None and draft_model is None:
-        if num_draft is not None:
-            raise JaxinferError("--num-draft needs --speculate ngram or --draft-model")
-        return {}
-    return {"speculation": Speculation(draft=num_draft or DEFAULT_NUM_DRAFT)}
-
-
-def load_draft(
-    draft_model: Optional[Path],
-    target,
-    decoding: dict,
-    dtype: str,
-    quantize: Optional[str],
-    layout: Optional[str] = None,
-) -> dict:
-    """`--draft-model`, loaded with the target's flags (onto its devices) and checked to share its
-    tokenizer, added to the decoding keywords."""
-    from jaxinfer.loading import check_draft
-    from jaxinfer.sharding import mesh_of
-
-    if draft_model is None:
-        return decoding
-    draft = load(draft_model, dtype, layout, quantize, target.config.kv_dtype, mesh_of(target.params))
-    check_draft(target, draft)
-    return decoding | {
-        "speculation": replace(decoding["speculation"], model=draft.config),
-        "draft_params": draft.params,
-    }
 
 
 def mesh(
@@ -263,36 +239,32 @@ def mesh(
     return mesh
 
 
-def load(
-    model: Optional[Path],
-    dtype: str,
-    layout: Optional[str] = None,
-    quantize: Optional[str] = None,
-    kv_dtype: Optional[str] = None,
-    mesh=None,
-):
-    from jaxinfer.kvcache import check_kv_dtype
-    from jaxinfer.loading import load_model
-    from jaxinfer.quant import check_method
+def open_model(model: Optional[Path], **params):
+    """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `context`'s warning)."""
+    from jaxinfer.loading import open_model
 
-    check_method(quantize)  # bad flags fail before a multi-GB load
-    check_kv_dtype(kv_dtype)
     with render.progress("loading weights") as progress:
-        return load_model(model, dtype, progress, layout, quantize, kv_dtype, mesh)
+        opened = open_model(model, progress=progress, **params)
+    context(opened.model.max_positions, params.get("max_context"))
+    return opened
+
+
+def context(max_positions: int, max_context: Optional[int]) -> int:
+    """`-c` as the cache length (`jaxinfer.loading.context_length`), with a warning where it reaches
+    past the positions the model was trained on."""
+    from jaxinfer.loading import context_length
+
+    if max_context and max_context > max_positions:
+        render.notice(
+            f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect "
+            "worse text past them"
+        )
+    return context_length(max_positions, max_context)
 
 
 def sampling(loaded, **flags):
     """The model's generation_config.json defaults, with the flags that were given on top."""
     return replace(loaded.sampling, **{name: value for name, value in flags.items() if value is not None})
-
-
-def context_length(max_positions: int, max_context: Optional[int]) -> int:
-    if max_context and max_context > max_positions:
-        render.notice(
-            f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect worse "
-            "text past them"
-        )
-    return max_context or min(max_positions, DEFAULT_MAX_CONTEXT)
 
 
 def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[float], remeasure: bool = False):

@@ -17,7 +17,6 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream
@@ -25,7 +24,7 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Slots
+from jaxinfer.slots import Admission, Decoding, Slots
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -68,14 +67,10 @@ class BatchRunner:
         model: LoadedModel,
         batch_size: int,
         max_context: int,
-        prefill_chunk: int | None = None,
-        speculation: Speculation = Speculation(),
-        draft_params: dict | None = None,
+        decoding: Decoding = Decoding(),
     ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
-        self.slots = Slots(
-            model.config, model.params, batch_size, max_context, model.eos_ids, prefill_chunk, speculation, draft_params
-        )
+        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, decoding)
         self.stats = BatchStats()
 
     def run(self, requests: Iterable[Request], on_result: Callable[[dict], None], continuous: bool = True) -> None:

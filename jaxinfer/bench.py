@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out, layout_for_batch
@@ -26,7 +25,7 @@ from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, pre
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of
-from jaxinfer.slots import Admission, Slots
+from jaxinfer.slots import Admission, Decoding, Slots, check_fits
 
 
 def _spread(values: list[float]) -> dict:
@@ -42,31 +41,18 @@ def bench_point(
     repeat: int,
     ceilings,
     max_context: int | None = None,
-    prefill_chunk: int | None = None,
-    speculation: Speculation = Speculation(),
-    draft_params: dict | None = None,
+    decoding: Decoding = Decoding(),
 ) -> dict:
     """One point of the sweep. The cache holds `max_context` positions (default: just the prompt and
     the new tokens); decode reads only the kv buckets the rows reach, whatever its size. Prompts
-    longer than `prefill_chunk` are prefilled in chunks, as run does. With `speculation` a step
+    longer than `decoding.prefill_chunk` are prefilled in chunks, as run does. Speculating, a step
     makes 1 to K+1 tokens per row: the point runs steps until every row has its tokens, and its
     ITL is a step's time over the tokens it made per row."""
     S = max_context or prompt_tokens + new_tokens
-    if prompt_tokens + new_tokens > S:
-        raise JaxinferError(f"prompt {prompt_tokens} + {new_tokens} new tokens exceed --max-context {S}")
-    # no EOS: every row runs all its steps
-    slots = Slots(
-        cfg,
-        params,
-        batch,
-        S,
-        eos_ids=(),
-        prefill_chunk=prefill_chunk,
-        speculation=speculation,
-        draft_params=draft_params,
-    )
+    check_fits(prompt_tokens, new_tokens, S)
+    slots = Slots(cfg, params, batch, S, eos_ids=(), decoding=decoding)  # no EOS: every row runs all its steps
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_tokens)).tolist()
-    speculate = speculation.draft > 0
+    speculate = decoding.speculating
     # each row its own seed
     admit = [
         Admission(r, prompts[r], new_tokens, seed=r, sampling=Sampling(), speculate=speculate) for r in range(batch)
@@ -140,9 +126,7 @@ def sweep(
     ceilings,
     progress: Callable[[int, int], None] | None = None,
     max_context: int | None = None,
-    prefill_chunk: int | None = None,
-    speculation: Speculation = Speculation(),
-    draft_params: dict | None = None,
+    decoding: Decoding = Decoding(),
 ) -> list[dict]:
     points = [(p, b) for b in batches for p in prompts]
     mesh = mesh_of(params)
@@ -165,9 +149,7 @@ def sweep(
             repeat,
             ceilings,
             max_context,
-            prefill_chunk,
-            speculation,
-            draft_params,
+            decoding,
         )
         rows.append({**point, "layout": layout, "devices": mesh.size if sharded else 1})
     if progress:
@@ -181,7 +163,7 @@ def plot(rows: list[dict], path, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise JaxinferError('--plot needs matplotlib: pip install "jaxinfer[plot]"') from None
+        raise JaxinferError('plotting needs matplotlib: pip install "jaxinfer[plot]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker

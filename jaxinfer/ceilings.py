@@ -69,7 +69,7 @@ def measure_bandwidth(nbytes: int = COPY_BYTES) -> tuple[float, float, float]:
 
 
 def machine_key() -> str:
-    """The roofs are one device's: the same whatever `--devices` (on the CPU, the count of its devices) is."""
+    """The roofs are one device's: the same whatever the `devices` (on the CPU, the count of its devices) is."""
     device = jax.devices()[0]
     return f"{device.platform}:{device.device_kind}:{platform.node()}:{os.cpu_count()}"
 

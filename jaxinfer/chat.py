@@ -35,7 +35,7 @@ class ChatSession:
         ignore_eos: bool = False,
     ):
         if on_full not in ON_FULL:
-            raise JaxinferError(f"--on-full must be one of {', '.join(ON_FULL)}, not {on_full!r}")
+            raise JaxinferError(f"on_full must be one of {', '.join(ON_FULL)}, not {on_full!r}", "on_full")
         self.model, self.engine, self.sampling = model, engine, sampling
         self.max_tokens, self.on_full, self.seed = max_tokens, on_full, seed
         self.stop, self.ignore_eos = stop, ignore_eos  # on top of the template's own stop strings
@@ -84,14 +84,17 @@ class ChatSession:
 
     def _fit(self) -> tuple[list[int], list[str]]:
         """Prompt ids leaving room for a reply of max_tokens (or, with nothing left to drop, at
-        least one token), dropping the oldest turns if --on-full allows it."""
+        least one token), dropping the oldest turns if `on_full` allows it."""
         context, notices = self.engine.max_context, []
         ids = self.prompt_ids()
         while len(ids) + self.max_tokens > context and len(self.messages) > 1:
             if self.on_full == "error":
                 raise JaxinferError(
                     f"the conversation ({len(ids)} tokens) and a reply of up to {self.max_tokens} tokens exceed the "
-                    f"context of {context}: /reset, or start with --on-full drop-oldest or a larger --max-context"
+                    f"context of {context}: reset, or start with on_full drop-oldest or a larger max_context",
+                    "reset",
+                    "on_full",
+                    "max_context",
                 )
             dropped = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
             del self.messages[:dropped]

@@ -19,12 +19,10 @@ from typing import Iterator
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import Speculation
-from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import MIN_BUCKET, Admission, Slots
+from jaxinfer.slots import MIN_BUCKET, Admission, Decoding, Slots, check_fits
 
 STREAM_INTERVAL_S = 0.05
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
@@ -125,12 +123,10 @@ class Engine:
         params: dict,
         max_context: int,
         eos_ids: tuple[int, ...],
-        prefill_chunk: int | None = None,
-        speculation: Speculation = Speculation(),
-        draft_params: dict | None = None,
+        decoding: Decoding = Decoding(),
     ):
         self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
-        self.slots = Slots(cfg, params, 1, max_context, eos_ids, prefill_chunk, speculation, draft_params)
+        self.slots = Slots(cfg, params, 1, max_context, eos_ids, decoding)
         self._cached = np.zeros(0, np.int32)  # tokens whose K/V the cache holds, from position 0
 
     def reset(self) -> None:
@@ -147,17 +143,6 @@ class Engine:
         common = int(differ[0]) if len(differ) else max(n, 0)
         return common if common >= MIN_REUSE else 0
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens < 1:
-            raise JaxinferError("the prompt is empty: give some text to continue")
-        if max_tokens < 1:
-            raise JaxinferError("--max-tokens must be at least 1")
-        if prompt_tokens + max_tokens > self.max_context:
-            raise JaxinferError(
-                f"prompt ({prompt_tokens} tokens) + --max-tokens ({max_tokens}) exceeds the context of "
-                f"{self.max_context}; shorten the prompt, lower --max-tokens or raise --max-context"
-            )
-
     def generate(
         self,
         prompt: list[int],
@@ -169,7 +154,7 @@ class Engine:
     ) -> TokenStream:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
         call per kv bucket the sequence passes through)."""
-        self.check_fits(len(prompt), max_tokens)
+        check_fits(len(prompt), max_tokens, self.max_context)
         seed = shared_seed() if seed is None else seed
         result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)))
         result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, result)

@@ -26,6 +26,7 @@ from jaxinfer.chat_template import ChatTemplate, read_template
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
+from jaxinfer.slots import check_fits
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
 FIELDS = {
@@ -251,10 +252,7 @@ class Job:
             ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.default_max_tokens)
         seed = _whole(item, "seed", shared_seed(), minimum=None)
-        if len(ids) + max_tokens > self.context:
-            raise JaxinferError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.context}"
-            )
+        check_fits(len(ids), max_tokens, self.context)
         given = {k: item[k] for k in SAMPLING_FIELDS if k in item}
         for name, value in given.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -272,7 +270,7 @@ class Job:
         if not isinstance(speculate, bool):
             raise JaxinferError('"speculate" must be true or false')
         if speculate and not self.speculating:
-            raise JaxinferError('"speculate": true needs the job to run with --speculate ngram or --draft-model')
+            raise JaxinferError('"speculate": true needs a job that speculates (ngram or a draft model)')
         return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate)
 
 

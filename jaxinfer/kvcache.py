@@ -24,9 +24,9 @@ KV_DTYPES = ("auto", "int8")
 
 
 def check_kv_dtype(name: str | None) -> str | None:
-    """`--kv-dtype` as `ModelConfig.kv_dtype`: auto (or none) is None, the compute dtype."""
+    """The `kv_dtype` parameter as `ModelConfig.kv_dtype`: auto (or none) is None, the compute dtype."""
     if name not in (None, *KV_DTYPES):
-        raise JaxinferError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {name!r}")
+        raise JaxinferError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {name!r}", "kv_dtype")
     return None if name in (None, "auto") else name
 
 

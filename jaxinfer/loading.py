@@ -1,4 +1,6 @@
-"""Open a model directory (Hugging Face safetensors or our orbax-converted form) into a ready model."""
+"""Open a model directory (Hugging Face safetensors or our orbax-converted form) into a ready model:
+`load_model` reads the weights, `open_model` adds what generating needs (how it decodes, its draft
+model, its context); every command that generates opens its model through it."""
 
 from __future__ import annotations
 
@@ -9,18 +11,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import forms, kernel, weights
+from jaxinfer import defaults, forms, kernel, weights
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
+from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import check_method
 from jaxinfer.sampling import Sampling
-from jaxinfer.sharding import place
+from jaxinfer.sharding import mesh_of, place
+from jaxinfer.slots import Decoding
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATE = ("ngram",)  # drafting without a draft model: prompt lookup
 
 
 @dataclass
@@ -73,7 +78,7 @@ def resolve_dtype(requested: str, config_json: dict, layout: str = "out_in") -> 
     converts bf16/fp16 weights to float32 on every call: float32 there, unless the CPU kernel's
     `packed` layout reads bfloat16 as it is stored (same values, computed in float32)."""
     if requested not in DTYPES:
-        raise JaxinferError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
+        raise JaxinferError(f"dtype must be one of {', '.join(DTYPES)}, not {requested!r}", "dtype")
     if requested != "auto":
         return requested
     stored = weights.checkpoint_dtype(config_json) or "float32"
@@ -108,7 +113,7 @@ def stored_quantization(config_json: dict, quantize: str | None) -> str | None:
     """The quantization a model runs with: a converted model's own, else `quantize`."""
     stored = config_json.get(QUANTIZED_KEY)
     if stored and quantize:
-        raise JaxinferError(f"this model is already stored quantized ({stored}); run it without --quantize")
+        raise JaxinferError(f"this model is already stored quantized ({stored}); run it without quantize", "quantize")
     return check_method(stored or quantize)
 
 
@@ -174,3 +179,70 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
             f"({draft.tokenizer.vocab_size} and {target.tokenizer.vocab_size} tokens, not the same pieces): a draft "
             "must share the tokenizer"
         )
+
+
+@dataclass
+class OpenModel:
+    """A model ready to generate: `model` (weights, tokenizer, the checkpoint's defaults), how its rows
+    are prefilled and decoded (`decoding`, with the draft model's weights where one drafts) and the
+    cache length it runs with (`context`)."""
+
+    model: LoadedModel
+    decoding: Decoding
+    context: int
+
+
+def open_model(
+    path: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    quantize: str | None = None,
+    kv_dtype: str | None = None,
+    layout: str | None = None,
+    mesh: Mesh | None = None,
+    max_context: int | None = None,
+    prefill_chunk: int | None = None,
+    speculate: str | None = None,
+    num_draft: int | None = None,
+    draft_model: str | Path | None = None,
+    progress: weights.ProgressFn | None = None,
+) -> OpenModel:
+    """`load_model` and what generating with it needs. `max_context`: the cache length (default the
+    model's trained positions, at most `defaults.MAX_CONTEXT`); `prefill_chunk` as `Decoding`'s;
+    `speculate` "ngram" drafts by prompt lookup, `draft_model` (a directory or hub id) with a small
+    model sharing the tokenizer, loaded with the same dtype, quantize, kv_dtype and layout onto the
+    same mesh; `num_draft` tokens a step (default `defaults.NUM_DRAFT`). Every parameter is checked
+    before any weights are read."""
+    context_length(1, max_context)  # checked before the weights are read
+    decoding = Decoding(prefill_chunk, _speculation(speculate, num_draft, draft_model))
+    model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh)
+    if draft_model is not None:
+        draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh_of(model.params))
+        check_draft(model, draft)
+        decoding = Decoding(prefill_chunk, replace(decoding.speculation, model=draft.config), draft.params)
+    return OpenModel(model, decoding, context_length(model.max_positions, max_context))
+
+
+def context_length(max_positions: int, max_context: int | None = None) -> int:
+    """The cache length: `max_context`, else the model's trained positions up to `defaults.MAX_CONTEXT`."""
+    if max_context is not None and max_context < 1:
+        raise JaxinferError("max_context must be at least 1", "max_context")
+    return max_context or min(max_positions, defaults.MAX_CONTEXT)
+
+
+def _speculation(speculate: str | None, num_draft: int | None, draft_model) -> Speculation:
+    if speculate not in (None, *SPECULATE):
+        raise JaxinferError(f"speculate must be one of {', '.join(SPECULATE)}, not {speculate!r}", "speculate")
+    if speculate and draft_model:
+        raise JaxinferError(
+            "speculate ngram and draft_model are two ways to draft: give one", "speculate", "draft_model"
+        )
+    if num_draft is not None and not 1 <= num_draft <= 32:
+        raise JaxinferError("num_draft must be between 1 and 32", "num_draft")
+    if speculate is None and draft_model is None:
+        if num_draft is not None:
+            raise JaxinferError(
+                "num_draft needs speculate ngram or draft_model", "num_draft", "speculate", "draft_model"
+            )
+        return Speculation()
+    return Speculation(draft=num_draft or defaults.NUM_DRAFT)

@@ -84,7 +84,7 @@ def perplexity(
     context = min(context, len(ids))
     stride = stride or max(1, context // 2)
     if not 1 <= stride <= context:
-        raise JaxinferError(f"--stride must be between 1 and the context ({context})")
+        raise JaxinferError(f"stride must be between 1 and the context ({context})", "stride")
     text = np.asarray(ids, np.int32)
     totals: dict[str, float] = {}
     plan = windows(len(ids), context, stride)

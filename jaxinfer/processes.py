@@ -46,7 +46,10 @@ def join(
         except (ValueError, TypeError) as e:  # what JAX could not find: the flags, or a cluster's variables
             failed.append(
                 JaxinferError(
-                    f"cannot join the processes: {e} (give --coordinator HOST:PORT, --num-processes and --process-id)"
+                    f"cannot join the processes: {e} (give coordinator HOST:PORT, num_processes and process_id)",
+                    "coordinator",
+                    "num_processes",
+                    "process_id",
                 )
             )
         except Exception as e:  # raised in the caller's thread, as it would have been
@@ -62,7 +65,7 @@ def join(
             _leave(
                 1,
                 f"error: {who}not every process joined at {where} within {timeout_s:.0f} s; "
-                "start the others with the same --coordinator and --num-processes and each its own --process-id",
+                "start the others with the same coordinator address and process count, each with its own number",
             )
     except KeyboardInterrupt:
         _leave(130)

@@ -89,7 +89,7 @@ METHODS = {m.name: m for m in (Method("int8", 8, jnp.int8, _int8_codes), Method(
 
 def check_method(method: str | None) -> str | None:
     if method is not None and method not in METHODS:
-        raise JaxinferError(f"--quantize must be one of {', '.join(METHODS)}, not {method!r}")
+        raise JaxinferError(f"quantize must be one of {', '.join(METHODS)}, not {method!r}", "quantize")
     return method
 
 

@@ -29,23 +29,21 @@ class Sampling:
     repeat_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        # Named as a batch line's field and as the flag; NaN fails every comparison.
+        # Named as the field (a batch line's too); NaN fails every comparison.
         checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "must be ≥ 0 (0 is greedy)"),
+            ("top_k", _whole(self.top_k) and self.top_k >= 0, "must be a whole number ≥ 0 (0 turns it off)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
             (
-                math.isfinite(self.temperature) and self.temperature >= 0,
-                "temperature (--temp) must be ≥ 0 (0 is greedy)",
-            ),
-            (_whole(self.top_k) and self.top_k >= 0, "top_k (--top-k) must be a whole number ≥ 0 (0 turns it off)"),
-            (0 < self.top_p <= 1, "top_p (--top-p) must be in (0, 1]"),
-            (0 <= self.min_p < 1, "min_p (--min-p) must be in [0, 1)"),
-            (
+                "repeat_penalty",
                 math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
-                "repeat_penalty (--repeat-penalty) must be > 0 (1 turns it off)",
+                "must be > 0 (1 is off)",
             ),
         )
-        for ok, message in checks:
+        for name, ok, rule in checks:
             if not ok:
-                raise JaxinferError(message)
+                raise JaxinferError(f"{name} {rule}", name)
 
     @classmethod
     def from_generation_config(cls, gc: dict) -> Sampling:

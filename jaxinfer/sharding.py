@@ -47,7 +47,8 @@ def check_share(devices: int | None, processes: int | None) -> None:
     """Every process gives the mesh an equal share of its devices."""
     if devices is not None and processes is not None and devices % processes:
         raise JaxinferError(
-            f"--devices {devices}: not a multiple of the {processes} processes (each gives the mesh an equal share)"
+            f"devices {devices}: not a multiple of the {processes} processes (each gives the mesh an equal share)",
+            "devices",
         )
 
 
@@ -72,7 +73,7 @@ def device_mesh(devices: int | None, processes: int = 1) -> Mesh | None:
         hint = " (the CPU's devices are set when JAX starts: ask before anything else runs)" if backend == "cpu" else ""
         each = " in each process" if processes > 1 else ""
         raise JaxinferError(
-            f"--devices {devices}: JAX has {have} {backend} device{'s' if have > 1 else ''}{each} here{hint}"
+            f"devices {devices}: JAX has {have} {backend} device{'s' if have > 1 else ''}{each} here{hint}", "devices"
         )
     chosen = [d for p in range(processes) for d in local[p][:share]]
     return Mesh(np.array(chosen), (AXIS,)) if devices > 1 else None

@@ -95,6 +95,45 @@ def _check_memory(
         )
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How rows are prefilled and decoded, beyond the model and each row's sampling:
+    - `prefill_chunk`: prompt tokens per prefill call, rounded down to a power of two (`chunk_size`);
+      0 is the whole prompt in one call; None the path's own (`PREFILL_CHUNK_KERNEL` where the CPU
+      attention kernel runs, else `PREFILL_CHUNK`);
+    - `speculation` (`decode.Speculation`; off by default);
+    - `draft_params`: the draft model's parameters, where one drafts (its config is `speculation.model`)."""
+
+    prefill_chunk: int | None = None
+    speculation: Speculation = Speculation()
+    draft_params: dict | None = None
+
+    def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk != 0 and self.prefill_chunk < MIN_BUCKET:
+            raise JaxinferError(f"prefill_chunk must be 0 (off) or at least {MIN_BUCKET}", "prefill_chunk")
+        if (self.speculation.model is None) != (self.draft_params is None):
+            raise ValueError("a draft model needs both its config (Speculation.model) and its parameters")
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculation.draft > 0
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Refuse a sequence the cache cannot hold: every caller's one check, before it admits a row."""
+    if prompt_tokens < 1:
+        raise JaxinferError("the prompt is empty: give some text to continue")
+    if max_tokens < 1:
+        raise JaxinferError("max_tokens must be at least 1", "max_tokens")
+    if prompt_tokens + max_tokens > max_context:
+        raise JaxinferError(
+            f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context of {max_context}; "
+            "shorten the prompt, lower max_tokens or raise max_context",
+            "max_tokens",
+            "max_context",
+        )
+
+
 @dataclass
 class Admission:
     """One sequence to start in a row: its prompt, of which the first `start` tokens' K/V the row
@@ -141,16 +180,10 @@ class Slots:
         batch: int,
         max_context: int,
         eos_ids: tuple[int, ...],
-        prefill_chunk: int | None = None,
-        speculation: Speculation = Speculation(),
-        draft_params: dict | None = None,
+        decoding: Decoding = Decoding(),
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
-        if (speculation.model is None) != (draft_params is None):
-            raise ValueError(
-                "a draft model needs both its config (Speculation.model) and its parameters (draft_params)"
-            )
-        self.speculation, self.draft_params = speculation, draft_params
+        speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
@@ -160,6 +193,7 @@ class Slots:
             None if mesh is None else state_shardings(jax.eval_shape(self._empty), cfg, mesh, speculation.model)
         )
         self.reset()
+        prefill_chunk = decoding.prefill_chunk
         if prefill_chunk is None:  # the path's own: the kernel's flash attention keeps large chunks cheap
             prefill_chunk = PREFILL_CHUNK_KERNEL if self.state.cache.kernel else PREFILL_CHUNK
         self.prefill_chunk = chunk_size(prefill_chunk)
@@ -197,7 +231,7 @@ class Slots:
 
     def admit(self, admissions: list[Admission], report: CompileReport) -> None:
         """Start the given rows (replacing whatever they held); other rows keep their place. Each
-        prompt + max_tokens must fit max_context (callers check, in their own words). With no row
+        prompt + max_tokens must fit max_context (callers check: `check_fits`). With no row
         decoding, every prompt is prefilled now and each row has its first token; otherwise prompts
         longer than a chunk are only queued, and `step` prefills them a chunk at a time."""
         rows = np.zeros(self.batch, bool)

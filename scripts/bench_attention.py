@@ -24,11 +24,12 @@ from shapes import SHAPES  # noqa: E402
 from jaxinfer import kernel  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
+from jaxinfer.slots import Decoding  # noqa: E402
 
 
 def measure(model, prompt: list[int], new: int, context: int) -> tuple[float, float]:
     """(TTFT s, decode tok/s), best of two runs after one that compiles."""
-    engine = Engine(model.config, model.params, context, (), prefill_chunk=128)
+    engine = Engine(model.config, model.params, context, (), Decoding(128))
     runs = []
     for first in (1, 2, 3):  # a different first token each time: nothing reused from the cache
         stream = engine.generate([first] + prompt[1:], Sampling(), new, ignore_eos=True, stream=False)

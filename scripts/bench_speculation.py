@@ -35,6 +35,7 @@ from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Decoding
 
 
 def bundled_prompts(model) -> dict[str, tuple[list[int], Sampling]]:
@@ -94,8 +95,7 @@ def main() -> None:
                     params,
                     512,
                     eos_ids=(),
-                    speculation=Speculation(draft=k, model=draft.config),
-                    draft_params=draft.params,
+                    decoding=Decoding(speculation=Speculation(draft=k, model=draft.config), draft_params=draft.params),
                 )
                 for k in drafts
             }
@@ -109,7 +109,10 @@ def main() -> None:
         cfg = SHAPES[args.model]
         params = loaded(cfg, args.quantize)
         prompts, context = shape_prompts(cfg.vocab_size), 1024
-    engines = {k: Engine(cfg, params, context, eos_ids=(), speculation=Speculation(draft=k)) for k in [0, *drafts]}
+    engines = {
+        k: Engine(cfg, params, context, eos_ids=(), decoding=Decoding(speculation=Speculation(draft=k)))
+        for k in [0, *drafts]
+    }
     report(
         compare(engines, prompts, args.tokens, args.repeat),
         args,

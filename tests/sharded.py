@@ -23,6 +23,7 @@ from jaxinfer.loading import load_model  # noqa: E402
 from jaxinfer.roofline import Storage, weight_bytes  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
 from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E402
+from jaxinfer.slots import Decoding  # noqa: E402
 
 GREEDY = Sampling(temperature=0.0)
 CHUNK = 16  # the long prompt goes in chunks
@@ -46,7 +47,7 @@ def int8(path: str, devices: int) -> dict:
     kernel.enabled = False
     try:
         model = load_model(path, quantize="int8", mesh=device_mesh(devices))
-        engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
+        engine = Engine(model.config, model.params, 256, model.eos_ids, Decoding(CHUNK))
         run = [
             t
             for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True)
@@ -70,7 +71,7 @@ def longest(model) -> int:
 
 def tokens(path: str, devices: int, quantized: bool) -> dict:
     model = load_model(path, mesh=device_mesh(devices))
-    engine = Engine(model.config, model.params, 256, model.eos_ids, prefill_chunk=CHUNK)
+    engine = Engine(model.config, model.params, 256, model.eos_ids, Decoding(CHUNK))
     run = [
         t for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True) for t in chunk
     ]
@@ -89,7 +90,7 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
         Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()
     ]
     records = []
-    BatchRunner(model, 2, 256, prefill_chunk=CHUNK).run(requests, records.append)
+    BatchRunner(model, 2, 256, Decoding(CHUNK)).run(requests, records.append)
     return {
         "run": run,
         "again": again,

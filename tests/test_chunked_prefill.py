@@ -27,6 +27,7 @@ from jaxinfer.slots import (
     PREFILL_CHUNK_KERNEL,
     STALL,
     Admission,
+    Decoding,
     Slots,
     chunk_size,
     kv_bucket,
@@ -67,7 +68,7 @@ def test_the_default_chunk_is_the_attention_paths(models):
     int8 = dataclasses.replace(model.config, kv_dtype="int8")
     assert Slots(int8, model.params, 1, S, ()).prefill_chunk == PREFILL_CHUNK
     # asked: as asked, a power of two
-    assert Slots(model.config, model.params, 1, S, (), prefill_chunk=100).prefill_chunk == 64
+    assert Slots(model.config, model.params, 1, S, (), Decoding(100)).prefill_chunk == 64
 
 
 @pytest.mark.parametrize("chunk", [16, 48])  # 48 → 32: chunks that do not divide the prompt
@@ -76,7 +77,7 @@ def test_a_prompt_in_chunks_matches_transformers(models, chunk):
     ids = model.tokenizer.encode(TEXT * 4)
     assert len(ids) > 4 * chunk_size(chunk) and len(ids) % chunk_size(chunk)
     expected = greedy_reference(hf, ids, 24)
-    engine = Engine(model.config, model.params, S, (), prefill_chunk=chunk)
+    engine = Engine(model.config, model.params, S, (), Decoding(chunk))
     with watch_compiles() as compiles:
         gen = Generation(model, engine, ids, Sampling(), 24)
         list(gen)
@@ -104,7 +105,7 @@ def test_chunked_and_whole_prefill_agree(models):
     for chunk in (0, 16, 64):
         gen = Generation(
             model,
-            Engine(model.config, model.params, S, (), prefill_chunk=chunk),
+            Engine(model.config, model.params, S, (), Decoding(chunk)),
             ids,
             Sampling(temperature=0.8),
             32,
@@ -118,7 +119,7 @@ def test_chunked_and_whole_prefill_agree(models):
 def test_a_long_admission_runs_a_chunk_per_decode_step(models):
     model, _ = models
     long_ids = model.tokenizer.encode(TEXT * 4)
-    slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=32)
+    slots = Slots(model.config, model.params, 2, S, (), Decoding(32))
     report = CompileReport()
     slots.admit([Admission(0, model.tokenizer.encode("x"), 100, 0, Sampling())], report)
     slots.step(3, report)
@@ -151,7 +152,7 @@ def test_the_chunk_beside_decoding_rows_follows_the_clock(models):
     """A round's chunks may add STALL of the running rows' decode steps: the chunk doubles while
     twice it fits, halves when it does not, between 16 and --prefill-chunk; a compile says nothing."""
     model, _ = models
-    slots = Slots(model.config, model.params, 2, S, (), prefill_chunk=64)
+    slots = Slots(model.config, model.params, 2, S, (), Decoding(64))
     step, seen = 0.05, []
     fits, over, between = (STALL * step * f for f in (0.4, 1.5, 0.7))
     for chunks_s, compiled in (
@@ -160,7 +161,7 @@ def test_the_chunk_beside_decoding_rows_follows_the_clock(models):
         slots._pace(chunks_s, step, compiled)
         seen.append(slots.beside_chunk)
     assert seen == [32, 64, 64, 64, 32, 32, 16, 16, 16]
-    assert Slots(model.config, model.params, 2, S, (), prefill_chunk=0).beside_chunk == 0  # off: whole prompts
+    assert Slots(model.config, model.params, 2, S, (), Decoding(0)).beside_chunk == 0  # off: whole prompts
 
 
 def test_batch_rows_with_a_chunked_admission_equal_run(models):
@@ -173,7 +174,7 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
-    BatchRunner(model, 2, S, prefill_chunk=16).run(reqs, out.append)
+    BatchRunner(model, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
     assert all(r["generated_tokens"] == reqs[r["id"]].max_tokens for r in out)
     itl = {r["id"]: r["timings"]["itl_ms"] for r in out}
@@ -192,7 +193,7 @@ def test_the_step_inside_a_chunk_on_an_int8_cache_equals_run(models):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(int8, r, S)]}
     out = []
-    BatchRunner(int8, 2, S, prefill_chunk=16).run(reqs, out.append)
+    BatchRunner(int8, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 
@@ -204,7 +205,7 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     model, hf = dataclasses.replace(load_model(path), eos_ids=()), reference(path)
     ids = model.tokenizer.encode(TEXT * 2)
     assert len(ids) > 48
-    gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=16), ids, Sampling(), 16)
+    gen = Generation(model, Engine(model.config, model.params, S, (), Decoding(16)), ids, Sampling(), 16)
     list(gen)
     assert gen.token_ids == greedy_reference(hf, ids, 16)
     reqs = [
@@ -214,7 +215,7 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
-    BatchRunner(model, 2, S, prefill_chunk=16).run(reqs, out.append)
+    BatchRunner(model, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 
@@ -236,7 +237,7 @@ def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, atte
         ids = model.tokenizer.encode(TEXT * 40)[: 2 * KEY_BLOCK + 100]
         assert len(ids) == 2 * KEY_BLOCK + 100 and prompt_bucket(len(ids), S) == S
         assert_close(our_prompt_logits(model, ids, S)[0], hf_logits(hf, ids))
-        gen = Generation(model, Engine(model.config, model.params, S, (), prefill_chunk=128), ids, Sampling(), 8)
+        gen = Generation(model, Engine(model.config, model.params, S, (), Decoding(128)), ids, Sampling(), 8)
         list(gen)
         assert gen.token_ids == greedy_reference(hf, ids, 8)
         if attention == "xla":

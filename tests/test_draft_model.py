@@ -22,6 +22,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import check_draft, load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Decoding
 
 S = 256  # two kv buckets
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
@@ -31,7 +32,7 @@ SAMPLED = Sampling(temperature=0.8, top_p=0.95)
 def generate(model, prompt, draft=None, n=48, engine=None, **kwargs):
     """`draft`: the LoadedModel drafting for `model`, or None for plain decoding."""
     spec = dict(speculation=Speculation(draft=4, model=draft.config), draft_params=draft.params) if draft else {}
-    engine = engine or Engine(model.config, model.params, S, model.eos_ids, prefill_chunk=16, **spec)
+    engine = engine or Engine(model.config, model.params, S, model.eos_ids, Decoding(16, **spec))
     ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     gen = Generation(model, engine, ids, kwargs.pop("sampling", Sampling()), n, **kwargs)
     list(gen)
@@ -63,9 +64,7 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
         target.params,
         S,
         (),
-        prefill_chunk=16,
-        speculation=Speculation(4, model=near.config),
-        draft_params=near.params,
+        Decoding(16, Speculation(4, model=near.config), near.params),
     )
     gen = generate(target, ids, n=120, engine=engine)
     assert gen.token_ids == expected
@@ -95,7 +94,7 @@ def test_sampled_rows_keep_the_same_tokens_and_a_draft_of_itself_is_always_kept(
 def test_a_chat_turn_reuses_both_caches(models):
     target, _, _ = models
     spec = dict(speculation=Speculation(draft=4, model=target.config), draft_params=target.params)
-    engine = Engine(target.config, target.params, S, (), prefill_chunk=16, **spec)
+    engine = Engine(target.config, target.params, S, (), Decoding(16, **spec))
     first = generate(target, PROMPT, n=40, engine=engine)
     follow_up = first.prompt_ids + first.token_ids + target.tokenizer.encode(" and then")
     second = generate(target, follow_up, n=40, engine=engine)
@@ -123,7 +122,7 @@ def test_batch_rows_draft_independently_of_their_mates(models):
     }
     out = []
     spec = dict(speculation=Speculation(draft=3, model=near.config), draft_params=near.params)
-    BatchRunner(target, 3, S, prefill_chunk=16, **spec).run(reqs, out.append)
+    BatchRunner(target, 3, S, Decoding(16, **spec)).run(reqs, out.append)
     assert {r["id"]: r["text"] for r in out} == expected
     records = {r["id"]: r for r in out}
     assert "speculation" not in records[2]["timings"]

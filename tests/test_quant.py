@@ -251,10 +251,11 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     from jaxinfer.engine import Engine
     from jaxinfer.generate import Generation
     from jaxinfer.sampling import Sampling
+    from jaxinfer.slots import Decoding
 
     loaded = load_model(tiny(arch), kv_dtype="int8")
     prompt = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog, then over the fence " * 2)
-    engine = Engine(loaded.config, loaded.params, 256, (), prefill_chunk=32)
+    engine = Engine(loaded.config, loaded.params, 256, (), Decoding(32))
     gen = Generation(loaded, engine, prompt, Sampling(temperature=0.0), 24, 0, ())
     list(gen)
     out = gen.token_ids

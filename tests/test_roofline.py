@@ -175,7 +175,8 @@ def test_bench_with_a_large_cache_reads_only_the_buckets_reached(tiny):
     assert point["max_context"] == 1024 and point["kv_buckets"] == [128]
     small = subprocess.run([*args, "-c", "20"], capture_output=True, text=True)
     assert small.returncode == 1 and small.stderr.strip().splitlines() == [
-        "error: prompt 16 + 6 new tokens exceed --max-context 20"
+        "error: the prompt (16 tokens) + --max-tokens (6) exceeds the context of 20; shorten the prompt, lower "
+        "--max-tokens or raise --max-context"
     ]
 
 

@@ -16,6 +16,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Decoding
 
 S = 256  # two kv buckets
 COPY = "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"  # repeats itself
@@ -24,7 +25,7 @@ SPEC = Speculation(draft=4)
 
 
 def generate(model, prompt, speculation=Speculation(), n=48, context=S, **kwargs):
-    engine = Engine(model.config, model.params, context, model.eos_ids, speculation=speculation)
+    engine = Engine(model.config, model.params, context, model.eos_ids, Decoding(speculation=speculation))
     gen = Generation(model, engine, prompt, kwargs.pop("sampling", Sampling()), n, **kwargs)
     list(gen)
     return gen
@@ -92,7 +93,7 @@ def test_the_cache_full_through_every_bucket_with_bounded_compiles(model):
     ids = model.tokenizer.encode(COPY)
     new = S - len(ids)  # to the very last position
     plain = generate(model, ids, n=new)
-    engine = Engine(model.config, model.params, S, (), speculation=SPEC)
+    engine = Engine(model.config, model.params, S, (), Decoding(speculation=SPEC))
     jax.clear_caches()  # count this test's compiles, not whether an earlier test built the same programs
     with watch_compiles() as compiles:
         spec = Generation(model, engine, ids, Sampling(), new)
@@ -122,7 +123,7 @@ def test_batch_rows_speculate_independently_of_their_mates(model):
         r.id: generate(model, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs
     }
     out = []
-    BatchRunner(model, 3, S, prefill_chunk=16, speculation=SPEC).run(reqs, out.append)
+    BatchRunner(model, 3, S, Decoding(16, SPEC)).run(reqs, out.append)
     assert {r["id"]: r["text"] for r in out} == expected
     records = {r["id"]: r for r in out}
     assert "speculation" not in records[2]["timings"]  # that request asked for none
