@@ -1,7 +1,17 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# The tests run the installed jaxinfer, as the `jaxinfer` command they start does. `python -m pytest`
+# puts the checkout first on sys.path, and its jaxinfer/ lacks what only installing puts there
+# (jaxinfer.cli and jaxinfer.models, from cli/ and models/; the compiled kernels): after a plain
+# `pip install .` it would shadow the install. An editable install maps jaxinfer to this checkout,
+# cli/ and models/ included, so there nothing changes.
+CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != CHECKOUT]
 
 # Tests must not write to the user's cache, nor read programs compiled by another version. The
 # machine's ceilings (for MFU/MBU) are measured once per test session, in a cache of its own.
@@ -12,7 +22,18 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 import pytest  # noqa: E402 (after the environment above)
 from tiny_models import make_model  # noqa: E402
 
-from jaxinfer import kernel  # noqa: E402
+try:
+    import jaxinfer.cli  # noqa: F401
+    from jaxinfer import kernel
+except ImportError as e:
+    pytest.exit(f"jaxinfer is not installed ({e}): pip install -e '.[test]' (README, Install for development)", 4)
+
+
+def pytest_report_header() -> str:
+    where = Path(jaxinfer.__file__).parent
+    return f"jaxinfer from {where} ({'this checkout' if where.parent == CHECKOUT else 'installed'}), kernels: " + (
+        kernel.isa() or "not built"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -78,17 +78,25 @@ def test_a_home_that_cannot_be_written_only_costs_the_caches(model, tmp_path):
     assert proc.stderr.count("warning: no compile cache") == 1 and "Traceback" not in proc.stderr
 
 
-def test_the_wheel_installs_the_front_end_inside_jaxinfer(tmp_path):
-    """No top-level `cli` package another distribution could shadow, or lose when uninstalled."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of this checkout, as `pip install .` builds it (without the compiled kernels: setup.py
+    is left out, so the build takes seconds)."""
     pytest.importorskip("setuptools")
-    repo, source = Path(__file__).parent.parent, tmp_path / "source"
+    repo, tmp_path = Path(__file__).parent.parent, tmp_path_factory.mktemp("wheel")
+    source = tmp_path / "source"
     for name in ("jaxinfer", "cli", "models"):
-        shutil.copytree(repo / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(repo / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(repo / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
-    wheel = zipfile.ZipFile(next(tmp_path.glob("jaxinfer-*.whl")))
+    return next(tmp_path.glob("jaxinfer-*.whl"))
+
+
+def test_the_wheel_installs_the_front_end_inside_jaxinfer(wheel):
+    """No top-level `cli` package another distribution could shadow, or lose when uninstalled."""
+    wheel = zipfile.ZipFile(wheel)
     assert {name.split("/")[0] for name in wheel.namelist()} == {
         "jaxinfer",
         wheel.filename.split("/")[-1].split("-py3")[0] + ".dist-info",
@@ -96,6 +104,39 @@ def test_the_wheel_installs_the_front_end_inside_jaxinfer(tmp_path):
     assert "jaxinfer/cli/main.py" in wheel.namelist() and "jaxinfer/__main__.py" in wheel.namelist()
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "jaxinfer = jaxinfer.cli.main:main" in wheel.read(entry_points).decode()
+
+
+def test_the_suite_run_in_a_checkout_tests_a_plain_install(wheel, tmp_path):
+    """After `pip install .` (not -e), `python -m pytest` in the checkout puts the checkout's jaxinfer/
+    first on the path, which has no jaxinfer.cli nor jaxinfer.models: conftest takes the install."""
+    import sysconfig
+
+    installed = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", installed, wheel]
+    subprocess.run(pip, check=True, capture_output=True, timeout=300)
+    # -S: no site, so no .pth file maps jaxinfer to this checkout as the editable install does; the
+    # dependencies still come from the environment's site-packages
+    paths = dict.fromkeys([installed, *(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_parameters.py",
+            "-k",
+            "word",
+        ],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"jaxinfer from {installed / 'jaxinfer'} (installed), kernels: not built" in proc.stdout
 
 
 def test_version_python_dash_m_and_a_bare_command_showing_help():
