@@ -19,6 +19,8 @@ from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 PROMPTS = [
     "The capital of France is",
     "Def fibonacci(n):",

@@ -18,6 +18,8 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 # Mistral's: compact enough for the tiny models' 256 positions, and it refuses a system prompt
 TEMPLATE = (Path(__file__).parent / "chat_templates" / "mistral.jinja").read_text()
 FOOTER = re.compile(r"prefill (\d+) tokens(?: \(\+(\d+) cached\))?, TTFT")

@@ -40,6 +40,8 @@ TEXT = (
     "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 )
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 
 # mistral: a sliding window of 24, shorter than most chunks' reach
 @pytest.fixture(scope="module", params=["llama", "mistral"])

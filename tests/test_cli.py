@@ -22,6 +22,7 @@ def model(tiny):
     return tiny("llama")
 
 
+@pytest.mark.slow
 def test_json_output_and_stdin_prompt(model):
     proc = jaxinfer(
         "run",
@@ -50,6 +51,7 @@ def test_json_output_and_stdin_prompt(model):
     assert result["timings"]["kernels"] == ran and f"matrices on {ran}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp_path):
     args = ("run", "-m", model, "The capital of France is", "-n", "24", "--temp", "0")
     streamed = jaxinfer(*args, cache=tmp_path)
@@ -60,6 +62,7 @@ def test_streamed_stdout_equals_json_text_and_compile_cache_is_reused(model, tmp
     assert json.loads(as_json.stdout)["timings"]["compile_cache"] == "hit"
 
 
+@pytest.mark.slow
 def test_a_home_that_cannot_be_written_only_costs_the_caches(model, tmp_path):
     home = tmp_path / "home"
     home.write_text("a file: no directory can be made under it, even by root")
@@ -106,6 +109,7 @@ def test_the_wheel_installs_the_front_end_inside_jaxinfer(wheel):
     assert "jaxinfer = jaxinfer.cli.main:main" in wheel.read(entry_points).decode()
 
 
+@pytest.mark.slow
 def test_the_suite_run_in_a_checkout_tests_a_plain_install(wheel, tmp_path):
     """After `pip install .` (not -e), `python -m pytest` in the checkout puts the checkout's jaxinfer/
     first on the path, which has no jaxinfer.cli nor jaxinfer.models: conftest takes the install."""
@@ -148,6 +152,7 @@ def test_version_python_dash_m_and_a_bare_command_showing_help():
     assert bare.returncode == 0 and "Commands:" in bare.stdout and "run" in bare.stdout and not bare.stderr
 
 
+@pytest.mark.slow
 def test_every_command_help_ends_with_examples_that_parse():
     from jaxinfer.cli.main import EXAMPLES
 
@@ -159,6 +164,7 @@ def test_every_command_help_ends_with_examples_that_parse():
             assert proc.returncode == 0 and not proc.stderr, (line, proc.stderr)
 
 
+@pytest.mark.slow
 def test_bundled_model_is_the_default_from_any_directory(tmp_path):
     from jaxinfer.modeldir import bundled_model_dir
 
@@ -170,6 +176,7 @@ def test_bundled_model_is_the_default_from_any_directory(tmp_path):
     assert json.loads(default.stdout)["token_ids"] == json.loads(explicit.stdout)["token_ids"]
 
 
+@pytest.mark.slow
 def test_convert_then_run_the_converted_model(model, tmp_path):
     out = tmp_path / "converted"
     proc = jaxinfer("convert", model, out)
@@ -192,6 +199,7 @@ def broken(model, tmp_path):
     return copy
 
 
+@pytest.mark.slow
 def test_hub_ids_from_the_local_hub_cache_offline(model, tmp_path):
     cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
     repo = cache / "models--acme--tiny-llama"
@@ -230,6 +238,7 @@ def test_garbage_safetensors(broken):
     assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "corrupt")
 
 
+@pytest.mark.slow
 def test_config_weights_mismatch(broken):
     path = broken()
     config = json.loads((path / "config.json").read_text())
@@ -250,6 +259,7 @@ def test_unknown_architecture_lists_the_supported_ones(broken):
     )
 
 
+@pytest.mark.slow
 def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(
         jaxinfer("run", "-m", model, "The capital of France is", "-n", "100", "-c", "64"), "exceeds the context"
@@ -263,6 +273,7 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
 
 
+@pytest.mark.slow
 def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
     from jaxinfer.cli.options import unescape
 
@@ -288,6 +299,7 @@ def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
     assert_one_line_error(jaxinfer("run", "-m", model, "-f", tmp_path / "missing.txt"), "cannot read")
 
 
+@pytest.mark.slow
 def test_global_flags_after_the_command_and_a_model_directory_given_as_the_prompt(model, tmp_path):
     for args, env in ((("--debug",), {}), ((), {"JAXINFER_DEBUG": "1"})):
         proc = jaxinfer("run", "-m", tmp_path / "missing", "hi", *args, env=env)
@@ -301,6 +313,7 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-t", str(os.cpu_count() + 1)), "-t/--threads")
 
 
+@pytest.mark.slow
 def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(model, tmp_path):
     proc = subprocess.run(
         ["jaxinfer", "run", "-m", str(model), "-"], input=b"caf\xe9 \xff", capture_output=True, timeout=300
@@ -320,6 +333,7 @@ def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(mod
     )
 
 
+@pytest.mark.slow
 def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(
@@ -335,6 +349,7 @@ def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model,
     assert {r["id"] for r in records[1:]} == {2, "\udcff"} and all("text" in r for r in records[1:])
 
 
+@pytest.mark.slow
 def test_a_terminal_sees_a_spinner_until_the_first_token(model):
     import pexpect
 
@@ -348,6 +363,7 @@ def test_a_terminal_sees_a_spinner_until_the_first_token(model):
     assert child.exitstatus == 0 and "Traceback" not in child.before
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
     slow = tiny("llama", hidden_size=256, num_hidden_layers=4, max_position_embeddings=8192)
     args = ["run", "-m", slow, "The capital", "-c", "8192", "--temp", "0", "--ignore-eos"]

@@ -16,6 +16,8 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.modeldir import bundled_model_dir
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef list_files(path):")
 
 

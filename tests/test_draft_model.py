@@ -24,6 +24,8 @@ from jaxinfer.loading import check_draft, load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import Decoding
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 S = 256  # two kv buckets
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
 SAMPLED = Sampling(temperature=0.8, top_p=0.95)

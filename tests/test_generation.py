@@ -25,6 +25,7 @@ def generate(model, engine, prompt, **kw):
     return gen, pieces
 
 
+@pytest.mark.slow
 def test_one_prefill_program_per_bucket_and_sampling_never_recompiles(model):
     # a cache length no other test uses: programs other tests compiled in this process don't count
     engine = Engine(model.config, model.params, 136, model.eos_ids)
@@ -71,6 +72,7 @@ def test_sampling_filters_restrict_the_choice(model):
         assert gen.token_ids == greedy.token_ids, strict
 
 
+@pytest.mark.slow
 def test_top_k_holds_whatever_the_rounding_of_the_kept_mass():
     # The mass of the k kept tokens sums to just under 1 in float32 for most logits; top-p at 1
     # must not then keep the cut ones.
@@ -143,6 +145,7 @@ def test_eos_ends_generation(model):
     assert gen.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
 
 
+@pytest.mark.slow
 def test_cache_full_is_a_length_finish(model):
     engine = Engine(model.config, model.params, 32, ())
     prompt = model.tokenizer.encode("The capital")

@@ -16,6 +16,8 @@ from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import MIN_KV_BUCKET, kv_bucket
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 S = 4 * MIN_KV_BUCKET  # three kv buckets: 128, 256, 512
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
 

@@ -44,6 +44,7 @@ def test_auto_dtype_never_stores_half_precision_on_cpu():
     assert resolve_dtype("bfloat16", {"dtype": "float32"}) == "bfloat16"
 
 
+@pytest.mark.slow
 def test_an_embedding_padded_past_the_tokenizer_never_samples_a_padding_id(tiny, tmp_path):
     from reference import greedy_reference, reference
     from safetensors.numpy import load_file, save_file

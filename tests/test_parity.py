@@ -21,6 +21,7 @@ from jaxinfer.sampling import Sampling
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
     path = tiny(arch)
@@ -38,6 +39,7 @@ def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
         assert_close(np.asarray(M.logits(ours.params, hidden, ours.config))[0, 0], hf_logits(hf, ids)[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_greedy_generation_matches_transformers(tiny, arch, tmp_path):
     path = tiny(arch)
@@ -105,6 +107,7 @@ def test_gemma3_config_in_the_hubs_older_keys_matches_transformers(tiny, tmp_pat
     assert_close(our_prompt_logits(ours, ids)[0], hf_logits(reference(older), ids))
 
 
+@pytest.mark.slow
 def test_sentencepiece_model_matches_transformers(tiny):
     path = tiny("llama", tokenizer="sentencepiece")
     hf, model = reference(path), load_model(path)
@@ -134,6 +137,7 @@ def test_half_precision_checkpoint_loads_and_follows_transformers(tiny, arch, dt
     assert np.abs(our_prompt_logits(stored, ids)[0] - ref).max() < 0.1 * np.abs(ref).max()
 
 
+@pytest.mark.slow
 def test_asked_bfloat16_rounds_every_products_inputs(tiny):
     """`--dtype bfloat16` asked for takes each product's inputs rounded to bfloat16, sums in float32
     (as transformers' bfloat16 and llama.cpp's f16 run; AMX then needs one pass, not two); `auto` on
@@ -177,6 +181,7 @@ def test_every_layout_gives_the_same_logits(tiny, arch, layout):
     assert_close(our_prompt_logits(other, ids)[0], our_prompt_logits(plain, ids)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     """Training runs `forward` with no cache; it must be the model `run` executes (mistral: its

@@ -134,6 +134,7 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size(tiny, tmp_path):
     assert result["tokens"] == 299
 
 
+@pytest.mark.slow
 def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
     """Greedy agreement with the prefix held fixed, over random text, ≥ 95% over the suite. The tiny
     random models' logits are nearly flat (perplexity above the vocabulary size), a far harder
@@ -159,6 +160,7 @@ def test_int8_agrees_with_float32_over_the_tiny_models(tiny):
     assert agreed / tokens >= 0.95
 
 
+@pytest.mark.slow
 def test_bundled_model_quality_int8_and_int4():
     """The issue's bar on held-out Python text: perplexity ratio ≤ 1.01 (int8 weights, int8 KV
     cache), ≤ 1.10 (int4); greedy agreement ≥ 95% for the int8 ones. (Text the model never trained on:
@@ -176,6 +178,7 @@ def test_bundled_model_quality_int8_and_int4():
             assert result["top1_agreement"] >= 0.95
 
 
+@pytest.mark.slow
 def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_path):
     path = tiny("qwen2")  # tied embedding: the quantized table is both lookup and head
     converted = tmp_path / "int8"
@@ -189,6 +192,7 @@ def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_p
     assert_one_line_error(jaxinfer("convert", converted, tmp_path / "again", "-q", "int4"), "already a converted model")
 
 
+@pytest.mark.slow
 def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     path = tiny("llama")
     assert_one_line_error(
@@ -205,6 +209,7 @@ def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_perplexity_command(tiny, tmp_path):
     path = tiny("llama")
     text = tmp_path / "text.txt"
@@ -242,6 +247,7 @@ def test_the_int8_cache_holds_what_info_counts(tiny):
     assert held < kv_bytes_per_token(cfg, Storage(4)) / 3 and held <= 0.625 * kv_bytes_per_token(cfg, Storage(2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arch):
     """Tokens decoded greedily through the int8 cache (prefill in chunks, then the decode loop) are
@@ -268,6 +274,7 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     assert list(argmax[len(prompt) - 1 :]) == out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma3"])  # sliding and global layers, q/k norms, a tied head
 def test_quantized_batch_rows_equal_run_alone(tiny, arch):
     """W8A8 quantizes each row's activations on its own and the cache each row's K/V: a row's

@@ -126,6 +126,7 @@ def test_info_counts_what_transformers_counts(tiny, arch):
     assert 0 < facts["predicted_ttft_s"] and 0 < facts["predicted_itl_s"]
 
 
+@pytest.mark.slow
 def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
     import json
     import subprocess
@@ -151,6 +152,7 @@ def test_bench_sweeps_every_point_with_spread_roofline_and_plot(tiny, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_bench_with_a_large_cache_reads_only_the_buckets_reached(tiny):
     import json
     import subprocess

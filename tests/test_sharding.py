@@ -17,6 +17,8 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 from sharded import BATCH, CHUNK, LONG
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 # the flags of the runs `sharded` made its results with (tests/sharded.py)
 RUN = ("-c", "256", "-n", "60", "--temp", "0", "--ignore-eos", "--prefill-chunk", str(CHUNK))
 

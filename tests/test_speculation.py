@@ -18,6 +18,8 @@ from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import Decoding
 
+pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
+
 S = 256  # two kv buckets
 COPY = "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"  # repeats itself
 OPEN = "東京 🙂 def fibonacci(n):"
