@@ -67,19 +67,7 @@ def batch(
     lines = share(read)
     batch_size = min(batch_size, max(1, sum(1 for line in lines if line.strip())))  # no slot no request can fill
     layout = layout_for_batch(batch_size, mesh is not None)
-    opened = options.open_model(
-        model,
-        layout=layout,
-        dtype=dtype,
-        quantize=quantize,
-        kv_dtype=kv_dtype,
-        mesh=mesh,
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-        speculate=speculate,
-        num_draft=num_draft,
-        draft_model=draft_model,
-    )
+    opened = options.open_model(model, layout=layout, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     earlier = None if to_stdout else _open_output(output, resume)
     if earlier and earlier.dropped:

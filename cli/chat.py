@@ -64,18 +64,7 @@ def chat(
 
     options.check_positive(max_tokens=max_tokens)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
-    opened = options.open_model(
-        model,
-        dtype=dtype,
-        quantize=quantize,
-        kv_dtype=kv_dtype,
-        mesh=mesh,
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-        speculate=speculate,
-        num_draft=num_draft,
-        draft_model=draft_model,
-    )
+    opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
     sampling = options.sampling(

@@ -190,18 +190,7 @@ def run(
     options.check_positive(max_tokens=max_tokens)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     text = share(read)  # the first process reads it (its stdin, its files)
-    opened = options.open_model(
-        model,
-        dtype=dtype,
-        quantize=quantize,
-        kv_dtype=kv_dtype,
-        mesh=mesh,
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-        speculate=speculate,
-        num_draft=num_draft,
-        draft_model=draft_model,
-    )
+    opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     sampling = options.sampling(
         loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
@@ -442,17 +431,7 @@ def bench(
     rows = []
     for count in device_list:  # loaded again for each: onto its devices, in its layout, as run would
         mesh = options.mesh(count)
-        opened = options.open_model(
-            model,
-            dtype=dtype,
-            quantize=quantize,
-            kv_dtype=kv_dtype,
-            mesh=mesh,
-            prefill_chunk=prefill_chunk,
-            speculate=speculate,
-            num_draft=num_draft,
-            draft_model=draft_model,
-        )
+        opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
         loaded = opened.model
         roofs = options.ceilings(loaded.roofed_in, peak_flops, peak_bandwidth)
         with render.progress(f"benchmarking{f' on {mesh.size} devices' if mesh else ''}") as progress:

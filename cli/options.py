@@ -239,6 +239,16 @@ def mesh(
     return mesh
 
 
+# The flags every command that loads a model passes to `open_model`: each flag's parameter in a
+# command is named as the library's, so `model_flags(locals())` gathers them.
+MODEL_FLAGS = ("dtype", "quantize", "kv_dtype", "max_context", "prefill_chunk", "speculate", "num_draft", "draft_model")
+
+
+def model_flags(given: dict) -> dict:
+    """Of a command's parameters (its `locals()`), those `open_model` takes."""
+    return {name: given[name] for name in MODEL_FLAGS if name in given}
+
+
 def open_model(model: Optional[Path], **params):
     """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `context`'s warning)."""
     from jaxinfer.loading import open_model
