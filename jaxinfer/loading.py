@@ -20,7 +20,7 @@ from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import check_method
 from jaxinfer.sampling import Sampling
-from jaxinfer.sharding import mesh_of, place
+from jaxinfer.sharding import place
 from jaxinfer.slots import Decoding
 from jaxinfer.tokenizer import Tokenizer
 
@@ -217,7 +217,7 @@ def open_model(
     decoding = Decoding(prefill_chunk, _speculation(speculate, num_draft, draft_model))
     model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh)
     if draft_model is not None:
-        draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh_of(model.params))
+        draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh)
         check_draft(model, draft)
         decoding = Decoding(prefill_chunk, replace(decoding.speculation, model=draft.config), draft.params)
     return OpenModel(model, decoding, context_length(model.max_positions, max_context))
