@@ -36,6 +36,22 @@ def pytest_report_header() -> str:
     )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """XLA CPU maps each compiled program's code into the process, and the suite compiles thousands
+    of programs in one: the kernel's limit on a process's mappings (vm.max_map_count, 65,530 by
+    default) was 51,381 used 40% of the way through, and the compiles in test_generation then
+    segfaulted inside XLA (about one full run in two on a 2-core Zen 4). A finished file's
+    programs are dropped with it."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(arch, tokenizer="bpe") → path of a saved random-weight HF model (built once per session)."""
