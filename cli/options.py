@@ -250,26 +250,29 @@ def model_flags(given: dict) -> dict:
 
 
 def open_model(model: Optional[Path], **params):
-    """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `context`'s warning)."""
+    """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `_warn_past_training`'s warning)."""
     from jaxinfer.loading import open_model
 
     with render.progress("loading weights") as progress:
         opened = open_model(model, progress=progress, **params)
-    context(opened.model.max_positions, params.get("max_context"))
+    _warn_past_training(opened.model.max_positions, params.get("max_context"))
     return opened
 
 
 def context(max_positions: int, max_context: Optional[int]) -> int:
-    """`-c` as the cache length (`jaxinfer.loading.context_length`), with a warning where it reaches
-    past the positions the model was trained on."""
+    """`-c` as the cache length (`jaxinfer.loading.context_length`), with `_warn_past_training`'s warning."""
     from jaxinfer.loading import context_length
 
+    _warn_past_training(max_positions, max_context)
+    return context_length(max_positions, max_context)
+
+
+def _warn_past_training(max_positions: int, max_context: Optional[int]) -> None:
     if max_context and max_context > max_positions:
         render.notice(
             f"warning: -c {max_context} is beyond the {max_positions} positions the model was trained on; expect "
             "worse text past them"
         )
-    return context_length(max_positions, max_context)
 
 
 def sampling(loaded, **flags):

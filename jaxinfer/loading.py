@@ -213,7 +213,7 @@ def open_model(
     model sharing the tokenizer, loaded with the same dtype, quantize, kv_dtype and layout onto the
     same mesh; `num_draft` tokens a step (default `defaults.NUM_DRAFT`). Every parameter is checked
     before any weights are read."""
-    context_length(1, max_context)  # checked before the weights are read
+    _check_context(max_context)  # before the weights are read
     decoding = Decoding(prefill_chunk, _speculation(speculate, num_draft, draft_model))
     model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh)
     if draft_model is not None:
@@ -225,9 +225,13 @@ def open_model(
 
 def context_length(max_positions: int, max_context: int | None = None) -> int:
     """The cache length: `max_context`, else the model's trained positions up to `defaults.MAX_CONTEXT`."""
+    _check_context(max_context)
+    return max_context or min(max_positions, defaults.MAX_CONTEXT)
+
+
+def _check_context(max_context: int | None) -> None:
     if max_context is not None and max_context < 1:
         raise JaxinferError("max_context must be at least 1", "max_context")
-    return max_context or min(max_positions, defaults.MAX_CONTEXT)
 
 
 def _speculation(speculate: str | None, num_draft: int | None, draft_model) -> Speculation:

@@ -42,9 +42,7 @@ def test_library_errors_name_parameters_and_the_cli_has_a_flag_for_each():
 
 
 def test_the_cli_says_a_parameter_as_its_flag_and_leaves_other_words_alone():
-    e = JaxinferError(
-        "the prompt (9 tokens) + max_tokens (8) exceeds max_context 16; lower max_tokens", *("max_tokens",)
-    )
+    e = JaxinferError("the prompt (9 tokens) + max_tokens (8) exceeds max_context 16; lower max_tokens", "max_tokens")
     assert str(e) == "the prompt (9 tokens) + max_tokens (8) exceeds max_context 16; lower max_tokens"
     assert options.worded(e) == "the prompt (9 tokens) + --max-tokens (8) exceeds max_context 16; lower --max-tokens"
     # only whole names: kv_dtype is not dtype
