@@ -92,10 +92,11 @@ QUANTIZE = typer.Option(
     None,
     "--quantize",
     "-q",
-    metavar="int8|int4",
+    metavar="int8|int4|q8_0|q4_0",
     show_default=False,
-    help="Quantize the weight matrices as they load, in blocks of 32: int8 (as llama.cpp's q8_0) or int4 (q4_0). "
-    "Decode reads 3.8× (int8) or 7× (int4) fewer bytes than float32. A model converted with --quantize needs no flag.",
+    help="Quantize the weight matrices as they load, in blocks of 32: int8 or int4 (as llama.cpp's q8_0 and q4_0, "
+    "bfloat16 scales), or q8_0 / q4_0 (llama.cpp's own bits, float16 scales). Decode reads 3.8× (8 bits) or 7× "
+    "(4 bits) fewer bytes than float32. A model converted with --quantize, or a quantized GGUF file, needs no flag.",
 )
 KV_DTYPE = typer.Option(
     None,

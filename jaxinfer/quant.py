@@ -1,5 +1,6 @@
-"""Block-quantized weights: the methods' registry, int8 (q8_0-like) and int4 (q4_0-like), blocks of 32
-along the input.
+"""Block-quantized weights: the methods' registry, blocks of 32 along the input. int8 (q8_0-like) and
+int4 (q4_0-like) are ours, with bfloat16 scales; q8_0 and q4_0 are llama.cpp's, bit for bit (float16
+scales, its rounding), so a GGUF file's Q8_0/Q4_0 tensors run as the file holds them.
 
 A quantized matrix (`forms.Quantized`) holds `q` and `scale` packed as the CPU kernel
 (`kernels/matmul.cc`) reads them: per group of 16 outputs and block of 32 inputs, chunks of 4 inputs
@@ -8,14 +9,16 @@ with the 16 outputs side by side.
 - int8: per block of 32, scale d = max|w| / 127 (stored bfloat16), q = round(w / d) in [-127, 127].
 - int4: as llama.cpp's q4_0, d = w* / -8 where w* is the block's value of largest magnitude, and
   q = round(w / d) + 8 clipped to [0, 15], two to a byte (chunks c and c + 4 share one).
+- q8_0, q4_0: llama.cpp's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`: the codes from the
+  float32 scale's reciprocal, the scale stored float16 (exact for what a GGUF file holds).
 
 Decode reads every weight once per step, so bytes are its speed: int8 is 34 bytes per 32 weights
 (3.8× fewer than float32), int4 18. The matmul runs on our FFI kernel where it is built (the CPU;
 W8A8 as llama.cpp's, `matmul`) and otherwise dequantizes in the graph (GPUs fuse that into the dot).
 A matrix whose dimensions do not divide into 16 outputs by 32 inputs stays float.
 
-A method is one `Method` entry in `METHODS`: its bits, packed shapes, quantize and integer values;
-the kernel tells int8 from int4 by q's dtype.
+A method is one `Method` entry in `METHODS`: its bits, scale dtype, packed shapes, quantize and
+integer values; the kernel tells 8 from 4 bits by q's dtype and the scales' width by theirs.
 """
 
 from __future__ import annotations
@@ -48,6 +51,24 @@ def _int4_codes(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(blocks / jnp.where(d == 0, 1, d)) + 8, 0, 15).astype(jnp.uint8), scale
 
 
+def _q8_0_codes(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """llama.cpp's q8_0: d = max|w| / 127, codes roundf(w · (1/d)) (half away from zero), d stored float16."""
+    d = jnp.abs(blocks).max(-1, keepdims=True) / 127
+    inverse = jnp.where(d == 0, 0, 1 / jnp.where(d == 0, 1, d))
+    scaled = blocks * inverse
+    codes = jnp.sign(scaled) * jnp.floor(jnp.abs(scaled) + 0.5)
+    return codes.astype(jnp.int8), d[..., 0].astype(jnp.float16)
+
+
+def _q4_0_codes(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """llama.cpp's q4_0: d = w* / -8 (w*: the value of largest magnitude), codes min(15, ⌊w · (1/d) + 8.5⌋)."""
+    at = jnp.argmax(jnp.abs(blocks), -1)[..., None]
+    d = jnp.take_along_axis(blocks, at, -1) / -8
+    inverse = jnp.where(d == 0, 0, 1 / jnp.where(d == 0, 1, d))
+    codes = jnp.minimum(15, jnp.floor(blocks * inverse + 8.5))
+    return codes.astype(jnp.uint8), d[..., 0].astype(jnp.float16)
+
+
 @dataclass(frozen=True)
 class Method:
     """A block quantization the kernel reads: `codes` makes a block's integer codes and scales, and
@@ -57,6 +78,7 @@ class Method:
     bits: int
     dtype: object  # q's
     codes: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+    scale_dtype: object = jnp.bfloat16
 
     @property
     def chunks(self) -> int:
@@ -65,7 +87,7 @@ class Method:
 
     @property
     def bytes_per_value(self) -> float:
-        """Codes and a bfloat16 scale per block of 32."""
+        """Codes and a 16-bit scale per block of 32."""
         return (BLOCK * self.bits / 8 + 2) / BLOCK
 
     def packed_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], object]]:
@@ -73,7 +95,7 @@ class Method:
         groups, blocks = shape[0] // GROUP, shape[1] // BLOCK
         return {
             "q": ((groups, blocks, self.chunks, GROUP, 4), self.dtype),
-            "scale": ((groups, blocks, GROUP), jnp.bfloat16),
+            "scale": ((groups, blocks, GROUP), self.scale_dtype),
         }
 
     def values(self, q: jax.Array) -> jax.Array:
@@ -84,7 +106,15 @@ class Method:
         return jnp.concatenate([wide & 0x0F, wide >> 4], axis=-3) - 8
 
 
-METHODS = {m.name: m for m in (Method("int8", 8, jnp.int8, _int8_codes), Method("int4", 4, jnp.uint8, _int4_codes))}
+METHODS = {
+    m.name: m
+    for m in (
+        Method("int8", 8, jnp.int8, _int8_codes),
+        Method("int4", 4, jnp.uint8, _int4_codes),
+        Method("q8_0", 8, jnp.int8, _q8_0_codes, jnp.float16),
+        Method("q4_0", 4, jnp.uint8, _q4_0_codes, jnp.float16),
+    )
+}
 
 
 def check_method(method: str | None) -> str | None:
@@ -101,12 +131,19 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 def quantize(w: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
     """[out, in] float → (q, scale) packed."""
     n, k = w.shape
-    q, scale = METHODS[method].codes(w.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK))
+    return pack(*METHODS[method].codes(w.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK)), method)
+
+
+@functools.partial(jax.jit, static_argnames="method")
+def pack(codes: jax.Array, scale: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
+    """Codes [n, k/32, 32] (4 bits: q + 8, one a byte) and scales [n, k/32] → (q, scale) as the kernel
+    reads them."""
+    n, blocks = scale.shape
     # [n, k/32, 32] → [n/16, k/32, 8, 16, 4]: chunk c of 4 k, then 16 outputs
-    q = q.reshape(n // GROUP, GROUP, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4)
+    q = codes.astype(METHODS[method].dtype).reshape(n // GROUP, GROUP, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     if METHODS[method].bits == 4:  # chunks c and c + 4 share a byte, low and high nibble
         q = q[:, :, :4] | (q[:, :, 4:] << 4)
-    return q, scale.reshape(n // GROUP, GROUP, k // BLOCK).transpose(0, 2, 1)
+    return q, scale.astype(METHODS[method].scale_dtype).reshape(n // GROUP, GROUP, blocks).transpose(0, 2, 1)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, method: str, dtype=jnp.float32) -> jax.Array:

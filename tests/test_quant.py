@@ -42,17 +42,36 @@ def test_quantize_error_is_within_the_block_step(method):
     w[5, 40] = 50.0  # an outlier widens only its own block
     leaf = Quantized.of(jnp.asarray(w), method)
     back = np.asarray(leaf.dense())
-    ones = Quantized(jnp.ones_like(leaf.q) * (1 if method == "int8" else 0x99), leaf.scale, method)
+    eight_bits = quant.METHODS[method].bits == 8
+    ones = Quantized(jnp.ones_like(leaf.q) * (1 if eight_bits else 0x99), leaf.scale, method)
     step = np.abs(np.asarray(ones.dense()))
-    step = blocks_of(step)[..., :1]  # |d| of each block (int4: (9 - 8) · d)
+    step = blocks_of(step)[..., :1]  # |d| of each block (4 bits: (9 - 8) · d)
     error = np.abs(blocks_of(back - w))
-    # int8 rounds to the nearest step (the bf16 scale may clip the largest value by under half a
-    # step); int4 (q4_0) puts the largest magnitude on -8 exactly, so +8·d clips to 7·d: one step
-    bound = 0.5 if method == "int8" else 1.0
+    # 8 bits round to the nearest step (int8's bf16 scale may clip the largest value by under half a
+    # step; q8_0 rounds by the float32 scale, then stores it float16: up to 127 · 2^-11 of a step
+    # more); 4 bits put the largest magnitude on -8 exactly, so +8·d clips to 7·d: one step
+    bound = (0.5 + (127 * 2**-11 if method == "q8_0" else 0)) if eight_bits else 1.0
     assert np.all(error <= bound * step * (1 + 2**-7) + 1e-7)
     assert np.all(back[3, :32] == 0)
-    assert np.abs(back[5, 40] - 50) <= (0.5 if method == "int8" else 50 / 8 / 2) * (1 + 2**-7)
+    assert np.abs(back[5, 40] - 50) <= (0.5 if eight_bits else 50 / 8 / 2) * (1 + 2**-7)
     assert np.median(error[:, 1:]) < 0.3 * np.median(step)  # most values land well inside the bound
+
+
+@pytest.mark.parametrize("method", ["q8_0", "q4_0"])
+def test_llama_cpp_methods_are_its_own_bits(method):
+    """q8_0 and q4_0 quantize as llama.cpp's reference does (the `gguf` package's port of it), bit for
+    bit, and dequantize to its values: a GGUF file's blocks and ours are one format, repacked."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[method.upper()]
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((32, 256)) * rng.uniform(0.01, 3, (32, 1))).astype(np.float32)
+    w[1, :32] = 0
+    leaf = Quantized.of(jnp.asarray(w), method)
+    theirs = gguf.quants.quantize(w, kind)  # [32, blocks · bytes per block] uint8
+    scales = theirs.reshape(32, 8, -1)[..., :2].copy().view(np.float16)[..., 0]  # each block's d
+    np.testing.assert_array_equal(np.asarray(leaf.scale).transpose(0, 2, 1).reshape(32, 8), scales)
+    np.testing.assert_array_equal(np.asarray(leaf.dense()), gguf.quants.dequantize(theirs, kind))
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux", reason="CI's platform")
@@ -196,9 +215,9 @@ def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_p
 def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     path = tiny("llama")
     assert_one_line_error(
-        jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4"
+        jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4, q8_0, q4_0"
     )
-    assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "q4_0"), "--quantize must be one of")
+    assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "fp8"), "--quantize must be one of")
     assert not (tmp_path / "x").exists()
     assert_one_line_error(jaxinfer("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
     assert_one_line_error(

@@ -83,6 +83,11 @@ void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, floa
   }
 }
 
+// 4 of a block's scales as float32: bfloat16 widened, or float16 converted (FCVTL, base ARMv8)
+inline float32x4_t widen_scale(const QProblem& p, const uint16_t* s) {
+  return p.f16_scale ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s))) : Neon::widen(s);
+}
+
 // A block's weights for a group (the layout: matmul.cc): int8, per chunk c of 4 inputs, 16 outputs'
 // 4 bytes, so vector j of chunk c is outputs 4j..4j+3 at inputs 4c..4c+3; int4, the same for chunks
 // 0..3 with chunk c + 4 in the high nibbles, each nibble q + 8. The int4 dots take the nibbles as
@@ -134,7 +139,7 @@ void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
       const float xs = p.xs[(row0 + r) * p.k_blocks + b];
       const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : 8 * p.xsum[(row0 + r) * p.k_blocks + b]);
       for (int j = 0; j < 4; ++j)
-        acc[r][j] = vfmaq_f32(acc[r][j], vcvtq_f32_s32(vsubq_s32(dot[r][j], offset)), vmulq_n_f32(Neon::widen(scale + 4 * j), xs));
+        acc[r][j] = vfmaq_f32(acc[r][j], vcvtq_f32_s32(vsubq_s32(dot[r][j], offset)), vmulq_n_f32(widen_scale(p, scale + 4 * j), xs));
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -191,7 +196,7 @@ void qtile_mull(const QProblem& p, int64_t g, int64_t row) {
     const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : 8 * p.xsum[row * p.k_blocks + b]);
     for (int j = 0; j < 4; ++j) {
       const int32x4_t dot = vsubq_s32(vpaddq_s32(pairs[2 * j], pairs[2 * j + 1]), offset);
-      acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(dot), vmulq_n_f32(Neon::widen(scale + 4 * j), xs));
+      acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(dot), vmulq_n_f32(widen_scale(p, scale + 4 * j), xs));
     }
   }
   for (int j = 0; j < 4; ++j) vst1q_f32(p.y + row * p.groups * kGroup + g * kGroup + 4 * j, acc[j]);

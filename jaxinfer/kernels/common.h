@@ -91,6 +91,26 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+// IEEE half (float16) bits → float, exactly (subnormals included; the portable path's, where no
+// conversion instruction is compiled in).
+inline float f16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF;
+  uint32_t word;
+  if (exponent == 0x1F) {
+    word = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    word = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa · 2^-24
+    const float value = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&word, &value, sizeof word);
+    word |= sign;
+  }
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
 // Work is shared out in chunks between this thread and XLA's intra-op pool. Whoever is free
 // takes the next chunk, and the caller waits only for chunks already taken, so a pool that is busy
 // (or absent) costs speed, never a deadlock. The state is shared, not on this stack: a pool task may

@@ -50,14 +50,14 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
           }
         }
       }
-      const uint16_t* s = p.scale + (g * p.k_blocks + b) * kGroup;
+      const int64_t s = (g * p.k_blocks + b) * kGroup;
       for (int64_t row = 0; row < p.m; ++row) {
         const int8_t* xb = p.xq + (row * p.k_blocks + b) * kBlock;
         const float xs = p.xs[row * p.k_blocks + b];
         for (int n = 0; n < kGroup; ++n) {
           int32_t dot = 0;
           for (int k = 0; k < kBlock; ++k) dot += w[n][k] * xb[k];
-          acc[row * kGroup + n] += static_cast<float>(dot) * (bf16_to_float(s[n]) * xs);
+          acc[row * kGroup + n] += static_cast<float>(dot) * (p.scale_at(s + n) * xs);
         }
       }
     }

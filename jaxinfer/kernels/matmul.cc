@@ -15,7 +15,8 @@
 //   (c, n, i) being k = 4 (c + 4 j) + i;  scale [N/16, K/32, 16] bfloat16.
 // VNNI reads int8 weights as unsigned (q ^ 0x80 = q + 128) and int4 nibbles are q + 8, so every
 // weight byte is an unsigned operand and the offset comes back as `offset * sum(xq)` per block;
-// AVX2 multiplies |x| by w with x's sign instead (x86_avx2.cc).
+// AVX2 multiplies |x| by w with x's sign instead (x86_avx2.cc). The scales are bfloat16 (ours) or
+// float16 (llama.cpp's q8_0 / q4_0, `jaxinfer.quant`), widened to float32 where a block's sums are scaled.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -29,7 +30,7 @@ namespace jaxinfer {
 namespace {
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                   ffi::Buffer<ffi::BF16> scale, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   const auto q_dims = q.dimensions();
   const int bits = q.element_type() == ffi::DataType::S8 ? 8 : q.element_type() == ffi::DataType::U8 ? 4 : 0;
@@ -42,6 +43,10 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (k != k_blocks * kBlock || q_dims[2] != (bits == 8 ? 8 : 4) || q_dims[3] != kGroup || q_dims[4] != 4) {
     return ffi::Error::InvalidArgument("jaxinfer_qmatmul: x and q disagree about K, or q is not packed");
   }
+  const bool f16_scale = scale.element_type() == ffi::DataType::F16;
+  if ((!f16_scale && scale.element_type() != ffi::DataType::BF16) || scale.element_count() != groups * k_blocks * kGroup) {
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: scale must be bfloat16 or float16 [N/16, K/32, 16]");
+  }
   if (m == 0 || groups == 0) return ffi::Error::Success();
 
   const Paths& run = paths();
@@ -50,9 +55,9 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   std::vector<int32_t> xsum(m * k_blocks);
   run.quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
   const QProblem problem{static_cast<const uint8_t*>(q.untyped_data()),
-                         reinterpret_cast<const uint16_t*>(scale.typed_data()),
+                         static_cast<const uint16_t*>(scale.untyped_data()),
                          y->typed_data(),
-                         m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data()};
+                         m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data(), f16_scale};
   const QGroups share = run.qgroups[bits == 8 ? 0 : 1];
   const int64_t group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
   parallel_items(pool, groups, group_bytes, [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });
@@ -119,7 +124,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, jaxinfer::QMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, jaxinfer::FMatmul,

@@ -22,13 +22,16 @@ constexpr int kGroup = 16;  // outputs side by side, in every packed layout
 // block of 32 to int8 with one float scale (`xs`) and its values' sum (`xsum`) beside them.
 struct QProblem {
   const uint8_t* q;
-  const uint16_t* scale;  // bfloat16 bits
+  const uint16_t* scale;  // bfloat16 bits, or float16 where `f16_scale` (llama.cpp's q8_0 / q4_0)
   float* y;
   int64_t m, k_blocks, groups;
   int bits;
   const int8_t* xq;
   const float* xs;
   const int32_t* xsum;
+  bool f16_scale = false;
+
+  float scale_at(int64_t at) const { return f16_scale ? f16_to_float(scale[at]) : bf16_to_float(scale[at]); }
 };
 
 // y[M, N] = x[M, K] @ W[N, K]^T for float W packed by `jaxinfer.packed`: float32 [N/16, K, 16],

@@ -117,6 +117,10 @@ void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, floa
 // where a pair is at most 2 · 15 · 127, so a block's 8 chunks add up in int16 (30480) before one
 // widening, and the offset comes back as 8 · sum(xq).
 // kRows rows by a group (two halves of 8 outputs), each weight vector loaded once for the rows.
+inline __m256 widen_scale(const QProblem& p, const uint16_t* s) {  // 8 scales
+  return p.f16_scale ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))) : Avx2::widen(s);
+}
+
 template <int kRows, int kBits>
 void qtile(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
@@ -158,7 +162,7 @@ void qtile(const QProblem& p, int64_t g, int64_t row0) {
       }
     }
     const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
-    const __m256 sw[2] = {Avx2::widen(scale), Avx2::widen(scale + 8)};
+    const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
     for (int r = 0; r < kRows; ++r) {
       const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
       for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);

@@ -133,7 +133,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const QPro
       }
     }
     const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scale + (g * p.k_blocks + b) * kGroup));
-    const __m512 sw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+    const __m512 sw = p.f16_scale ? _mm512_cvtph_ps(s16) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
     for (int r = 0; r < kRows; ++r) {
       const int64_t at = (row0 + r) * p.k_blocks + b;
       const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
