@@ -31,6 +31,7 @@ class ModelConfig:
     rope_theta: float
     # ("default",) | ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
     # | ("longrope", short_factors, long_factors, original_max_positions, attention_factor)
+    # | ("freq_factors", factors): each frequency divided by its factor (a GGUF file's rope_freqs)
     rope_scaling: tuple = ("default",)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
@@ -103,6 +104,8 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short, long = (tuple(float(f) for f in params[key]) for key in ("short_factor", "long_factor"))
         return theta, ("longrope", short, long, original, float(attention))
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_file`)
+        return theta, ("freq_factors", tuple(float(f) for f in params["factors"]))
     raise JaxinferError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
 
 
@@ -178,6 +181,8 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False, long: bool = False) -
         return 1.0 / (np.asarray(scaling[2] if long else scaling[1], np.float32) * powers)
     if kind == "linear":
         return inv_freq / scaling[1]
+    if kind == "freq_factors":
+        return (inv_freq / np.asarray(scaling[1], np.float32)).astype(np.float32)
     if kind == "llama3":
         factor, low, high, old_len = scaling[1:]
         wavelen = 2 * math.pi / inv_freq

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import defaults, forms, kernel, weights
+from jaxinfer import defaults, forms, gguf_file, kernel, weights
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.decode import Speculation
@@ -126,7 +126,7 @@ def load_model(
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
 ) -> LoadedModel:
-    """Load a model directory; with no path, the bundled default model. `layout`: "packed" for the
+    """Load a model directory or GGUF file; with no path, the bundled default model. `layout`: "packed" for the
     CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in" as the
     checkpoint stores them (`jaxinfer.forms`); by default the fastest here (`forms.layout_for_batch(1)`);
     `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
@@ -136,10 +136,12 @@ def load_model(
     (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's prefill in one pass instead of two."""
     layout = forms.check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path)
+    gguf = gguf_file.open_gguf(model_dir) if gguf_file.is_gguf(model_dir) else None
+    asked = quantize
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
-    generation = read_json(model_dir / "generation_config.json", required=False)
-    tokenizer = Tokenizer(model_dir)
+    generation = {} if gguf else read_json(model_dir / "generation_config.json", required=False)
+    tokenizer = Tokenizer.from_gguf(gguf.meta, str(model_dir)) if gguf else Tokenizer(model_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise JaxinferError(
             f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} "
@@ -151,7 +153,9 @@ def load_model(
     chosen = resolve_dtype(dtype, config_json, layout)
     if dtype == "bfloat16":  # asked for, not auto's choice: products as transformers' bfloat16 runs them
         cfg = replace(cfg, matmul_inputs="bfloat16")
-    if is_converted(model_dir):
+    if gguf:  # its quantized blocks as they are; its float matrices quantized only if asked
+        params = weights.read_gguf(cfg, gguf, weights.dtype_from_name(chosen), progress, asked, mesh)
+    elif is_converted(model_dir):
         abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh)
         params = restore_params(model_dir / ORBAX_DIR, abstract)
     else:

@@ -14,7 +14,8 @@ from jaxinfer.families import config_from_hf
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
 ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
-QUANTIZED_KEY = "jaxinfer_quantize"  # config.json of a converted model stored quantized: "int8" / "int4"
+# config.json of a converted model stored quantized ("int8", "int4", ...); a GGUF file's most common method
+QUANTIZED_KEY = "jaxinfer_quantize"
 # Everything a run needs besides the weights.
 SIDE_FILES = (
     "config.json",
@@ -86,9 +87,17 @@ def model_directory(path: str | Path | None) -> Path:
 
 
 def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict]:
-    """(directory, config, config.json as read) of a model directory or hub id; no path: the bundled model."""
+    """(directory, config, config.json as read) of a model directory or hub id; no path: the bundled
+    model. A GGUF file stands for a directory: the config.json its metadata describes (`gguf_file`)."""
+    from jaxinfer import gguf_file
+
     model_dir = model_directory(path)
-    if not model_dir.is_dir():
+    if gguf_file.is_gguf(model_dir):
+        file = gguf_file.open_gguf(model_dir)
+        method = gguf_file.quantized_by(file)
+        config_json = {**gguf_file.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
+    elif not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
-    config_json = read_json(model_dir / "config.json")
+    else:
+        config_json = read_json(model_dir / "config.json")
     return model_dir, config_from_hf(config_json), config_json

@@ -24,27 +24,63 @@ class Tokenizer:
 
     def __init__(self, model_dir: Path):
         config_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         if (model_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 
             try:
-                self._hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+                hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
             except Exception as e:  # the library raises plain Exception for a bad file
                 raise JaxinferError(f"{model_dir / 'tokenizer.json'}: cannot be read ({e})") from None
-            self._sp = None
-            self.vocab_size = max(self._hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+            self._setup(config, hf=hf)
         elif (model_dir / "tokenizer.model").is_file():
             import sentencepiece
 
-            self._hf = None
             try:
-                self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+                sp = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
             except (OSError, RuntimeError) as e:
                 raise JaxinferError(f"{model_dir / 'tokenizer.model'}: cannot be read ({e})") from None
-            self.vocab_size = self._sp.get_piece_size()
+            self._setup(config, sp=sp)
         else:
             raise JaxinferError(f"{model_dir}: no tokenizer.json or tokenizer.model found")
+
+    @classmethod
+    def from_gguf(cls, meta: dict, where: str) -> Tokenizer:
+        """The tokenizer a GGUF file's metadata describes (`jaxinfer.gguf_tokenizer`), as llama.cpp runs it."""
+        from jaxinfer import gguf_tokenizer
+
+        kind = gguf_tokenizer.check_model(meta, where)
+        config = gguf_tokenizer.tokenizer_config(meta)
+        tokenizer = cls.__new__(cls)
+        if kind == "gpt2":
+            from tokenizers import processors
+
+            hf = gguf_tokenizer.bpe_tokenizer(meta, where)
+            bos, eos = (
+                [config[f"{e}_token"]] if config[f"add_{e}_token"] and f"{e}_token" in config else []
+                for e in ("bos", "eos")
+            )
+            if bos or eos:  # the post-processor adds them, as tokenizer.json's do
+                single = " ".join([*bos, "$A", *eos])
+                hf.post_processor = processors.TemplateProcessing(
+                    single=single, special_tokens=[(t, hf.token_to_id(t)) for t in (*bos, *eos)]
+                )
+            tokenizer._setup(config, hf=hf)
+        else:
+            import sentencepiece
+
+            sp = sentencepiece.SentencePieceProcessor(model_proto=gguf_tokenizer.sentencepiece_model(meta, where))
+            tokenizer._setup(config, sp=sp, specials=gguf_tokenizer.specials(meta))
+        return tokenizer
+
+    def _setup(self, config: dict, hf=None, sp=None, specials: list[str] = ()) -> None:
+        """`specials`: tokens matched whole in the text besides the named ones (sentencepiece only;
+        tokenizer.json's added tokens do it themselves)."""
+        self.config, self._hf, self._sp = config, hf, sp
+        if hf is not None:
+            self.vocab_size = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        else:
+            self.vocab_size = sp.get_piece_size()
         self.bos_id = self.token_id(_token_text(self.config.get("bos_token")))
         self.eos_id = self.token_id(_token_text(self.config.get("eos_token")))
         if self._sp is not None:  # sentencepiece defaults, as transformers' LlamaTokenizer
@@ -55,7 +91,7 @@ class Tokenizer:
                 self.eos_id if self.eos_id is not None else (self._sp.eos_id() if self._sp.eos_id() >= 0 else None)
             )
         self.special_tokens = self._special_tokens()  # what chat templates see
-        specials = sorted({t for t in self.special_tokens.values() if t}, key=len, reverse=True)
+        specials = sorted({t for t in (*self.special_tokens.values(), *specials) if t}, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
 
     def pieces(self) -> dict[str, int]:

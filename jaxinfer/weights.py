@@ -65,6 +65,52 @@ def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None, mesh: 
     return jax.tree.map(placed, tree, param_shardings(cfg, tree, mesh))
 
 
+def leaf(cfg: ModelConfig, weight, array, dtype, quantize: str | None = None, mesh: Mesh | None = None):
+    """One tensor of the checkpoint as its leaf of the tree: on the device (in its shards on `mesh`),
+    in `dtype`, a matrix in its form, quantized by `quantize` where it fits the packing (whole on
+    every device: the kernel's custom call takes a whole matrix)."""
+    path, shape, axes = weight
+    packs = quantize and quantized_here(path, shape)
+    value = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
+    if packs:
+        return Quantized.of(value, quantize)
+    return Plain(value) if is_matrix(path, shape) else value
+
+
+def read_gguf(
+    cfg: ModelConfig,
+    file,
+    dtype,
+    progress: ProgressFn | None = None,
+    quantize: str | None = None,
+    mesh: Mesh | None = None,
+) -> dict:
+    """A GGUF file's tensors (`jaxinfer.gguf_file`) through the table into the tree, as
+    `read_safetensors` reads a checkpoint's; its Q8_0/Q4_0 blocks as `quant` methods' packed leaves."""
+    from jaxinfer import gguf_file
+
+    table = weight_table(cfg)
+    names = gguf_file.gguf_names(cfg, table)
+    extra = gguf_file.unmapped(file, set(names.values()))
+    if extra:
+        raise JaxinferError(
+            f"{file.path}: tensor {extra[0]} does not belong to a {cfg.architecture} with this metadata"
+        )
+    leaves = {}
+    permuted = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads, "bk": cfg.num_kv_heads}
+    for done, (hf_name, weight) in enumerate(table.items(), 1):
+        heads = permuted.get(weight.path[-1]) if cfg.architecture == "LlamaForCausalLM" else None
+        how, value = gguf_file.tensor_values(file, names[hf_name], weight.shape, heads)
+        if how == "float":
+            leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
+        else:
+            codes, scales = (jax.device_put(a, weight_sharding(cfg, (), mesh)) for a in value)
+            leaves[weight.path] = Quantized(*quant.pack(codes, scales, how), how)
+        if progress:
+            progress(done, len(table))
+    return tree_from_leaves(cfg, leaves)
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """model.safetensors, or the shards listed by model.safetensors.index.json."""
     index = model_dir / "model.safetensors.index.json"
@@ -129,12 +175,8 @@ def read_safetensors(
             )
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
-        packs = quantize and quantized_here(path, shape)
-        value = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
+        leaves[path] = leaf(cfg, table[name], array, dtype, quantize, mesh)
         del array
-        if packs:
-            value = Quantized.of(value, quantize)
-        leaves[path] = Plain(value) if is_matrix(path, shape) and not packs else value
         if progress:
             progress(done, len(names))
     missing = sorted(set(table) - seen)

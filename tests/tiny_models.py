@@ -147,14 +147,16 @@ def make_model(
     init_std: float = 0.2,
     **overrides,
 ) -> Path:
-    """Save a random-weight model of `arch` with a tokenizer into `directory`; returns it. A small
+    """Save a random-weight model of `arch` with a tokenizer ("bpe", else sentencepiece; or a function writing one
+    into the directory) into `directory`; returns it. A small
     `init_std` makes a model whose next token depends mostly on the last one: its greedy text soon
     cycles (what speculation's tests need: drafts that are accepted)."""
     import torch
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
-    (bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer)(directory)
+    write = tokenizer if callable(tokenizer) else bpe_tokenizer if tokenizer == "bpe" else sentencepiece_tokenizer
+    write(directory)
     settings = dict(
         vocab_size=Tokenizer(directory).vocab_size,  # the tokenizer's size; a padded embedding is test_loading's case
         hidden_size=64,

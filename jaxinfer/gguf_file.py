@@ -1,0 +1,219 @@
+"""A GGUF file (llama.cpp, ollama, LM Studio) as a model: its metadata as the config.json it stands for,
+its tokenizer (`Tokenizer.from_gguf`), and its tensors read through the family's weight table.
+
+The file is read with the `gguf` package (llama.cpp's own reader), memory-mapped: each tensor is
+copied once, as it goes to the device. Names: the weight table's Hugging Face names, turned into
+GGUF's by the package's own name map, so every tensor of the file is mapped exactly once, with its
+shape checked. Two things llama.cpp's converter changed are undone: Llama's q and k rows are permuted
+for its rope (`_unpermute`), and a Llama 3 rope scaling is stored as per-frequency factors (the
+`rope_freqs` tensor, `ModelConfig`'s "freq_factors").
+
+Tensor types (`TYPES`): F32, F16 and BF16 are float matrices; Q8_0 and Q4_0 are our `q8_0` / `q4_0`
+methods, the file's blocks repacked as the kernel reads them, bit for bit; the other quantized types
+llama.cpp's quantizer writes (Q4_1, Q5_0, Q5_1, Q2_K–Q6_K) are dequantized to float32 as they load —
+the same values, without their bandwidth saving.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.errors import JaxinferError
+
+MAGIC = b"GGUF"
+
+# general.architecture → the Hugging Face architecture whose family runs it
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# how each tensor type becomes a leaf: "float", one of `quant.METHODS`, or "dequantize"
+TYPES = {
+    "F32": "float",
+    "F16": "float",
+    "BF16": "float",
+    "Q8_0": "q8_0",
+    "Q4_0": "q4_0",
+    **dict.fromkeys(("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "dequantize"),
+}
+FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def is_gguf(path: Path) -> bool:
+    """A file named .gguf, or any file that begins with GGUF's magic."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    meta: dict  # every key → its value (strings, numbers, lists)
+    tensors: dict  # name → gguf.ReaderTensor (its data a view of the memory-mapped file)
+
+    @property
+    def architecture(self) -> str:
+        return self.meta["general.architecture"]
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's metadata and tensors, checked as far as reading them goes (one line on failure)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _open(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: Path, size: int, mtime: int) -> GGUFFile:
+    import gguf
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != MAGIC:
+        raise JaxinferError(f"{path}: not a GGUF file (it begins {head[:4]!r}, not {MAGIC!r})")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
+        raise JaxinferError(
+            f"{path}: GGUF version {version} is not one jaxinfer reads "
+            f"(it reads {', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))})"
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, OSError) as e:
+        raise JaxinferError(
+            f"{path}: the GGUF header cannot be read, is the file truncated or corrupt? ({e})"
+        ) from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise JaxinferError(f"{path}: the file is truncated: its tensors need {end} bytes and it has {size}")
+    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    if "general.architecture" not in meta:
+        raise JaxinferError(f"{path}: the GGUF file names no general.architecture")
+    return GGUFFile(path, meta, {t.name: t for t in reader.tensors})
+
+
+def config_json(file: GGUFFile) -> dict:
+    """The config.json the file's metadata stands for (`families.config_from_hf` reads it), with the
+    dtype of its layers' float matrices."""
+    arch, meta = file.architecture, file.meta
+    if arch not in ARCHITECTURES:
+        raise JaxinferError(
+            f"{file.path}: architecture {arch!r} is not one jaxinfer runs from a GGUF file "
+            f"(it runs {', '.join(ARCHITECTURES)})"
+        )
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise JaxinferError(f"{file.path}: the GGUF file has no {arch}.{name}")
+        return value
+
+    embed = _tensor(file, "token_embd.weight")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    d = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(embed.shape[1]),  # ne = [in, out]
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(key("context_length")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in file.tensors,
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in file.tensors:
+        factors = _tensor(file, "rope_freqs.weight")
+        d["rope_scaling"] = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, np.float32).tolist()}
+    elif scaling == "linear":
+        d["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    floats = [FILE_DTYPES[k] for k in _layer_types(file) if k in FILE_DTYPES]
+    d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
+    return d
+
+
+def quantized_by(file: GGUFFile) -> str | None:
+    """The method (`quant.METHODS`) most of the layers' matrices are held in as the file stores them."""
+    methods = [TYPES[k] for k in _layer_types(file) if TYPES.get(k) not in (None, "float", "dequantize")]
+    return max(set(methods), key=methods.count) if methods else None
+
+
+def _layer_types(file: GGUFFile) -> list[str]:
+    return [t.tensor_type.name for name, t in file.tensors.items() if len(t.shape) == 2 and name.startswith("blk.")]
+
+
+def _tensor(file: GGUFFile, name: str):
+    if name not in file.tensors:
+        raise JaxinferError(f"{file.path}: the GGUF file has no tensor {name}")
+    return file.tensors[name]
+
+
+def gguf_names(cfg, table: dict) -> dict[str, str]:
+    """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map)."""
+    import gguf
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == _gguf_arch(cfg))
+    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    return {hf: names.get_name(hf, try_suffixes=(".weight", ".bias")) for hf in table}
+
+
+def _gguf_arch(cfg) -> str:
+    return next(arch for arch, hf in ARCHITECTURES.items() if hf == cfg.architecture)
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter's permutation of Llama's q/k rows (its `LlamaModel.permute`: each
+    head's two halves interleaved for its rope) on [rows, ...] (float values or quantized blocks)."""
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int | None = None):
+    """One tensor as (kind, value): ("float", array), or (method, (codes [n, k/32, 32], scales [n, k/32]))
+    for the blocks the method holds as they are. `heads`: undo the q/k permutation over that many heads."""
+    import gguf
+
+    tensor = _tensor(file, name)
+    kind = tensor.tensor_type.name
+    held = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if held != shape:
+        raise JaxinferError(f"{file.path}: tensor {name} has shape {held}, the metadata implies {shape}")
+    if kind not in TYPES:
+        raise JaxinferError(
+            f"{file.path}: tensor {name} is {kind}, a type jaxinfer does not read (it reads {', '.join(TYPES)})"
+        )
+    raw = tensor.data
+    if heads:
+        raw = _unpermute(raw, heads)
+    how = TYPES[kind]
+    if how in ("q8_0", "q4_0") and len(shape) == 2 and shape[0] % 16 == 0:
+        blocks = np.asarray(raw).reshape(shape[0], shape[1] // 32, -1)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+        if how == "q8_0":
+            codes = blocks[..., 2:].view(np.int8)
+        else:  # byte j holds value j (low nibble) and value j + 16 (high)
+            codes = np.concatenate([blocks[..., 2:] & 0x0F, blocks[..., 2:] >> 4], -1)
+        return how, (codes, scales)
+    if kind == "BF16":
+        import ml_dtypes
+
+        return "float", np.asarray(raw).view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape)
+    if how == "float":
+        return "float", raw
+    return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
+
+
+def unmapped(file: GGUFFile, names: set[str]) -> list[str]:
+    """The file's tensors that no entry of the table takes (rope_freqs is read into the config)."""
+    return sorted(set(file.tensors) - names - {"rope_freqs.weight"})

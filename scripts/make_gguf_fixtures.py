@@ -1,0 +1,203 @@
+"""The GGUF test fixtures (tests/data/gguf/), made and answered by llama.cpp itself, recorded once.
+
+    pip install -e ".[compare]"            # llama-cpp-python: its quantizer and its answers
+    python scripts/make_gguf_fixtures.py   # rewrites tests/data/gguf/
+
+Tiny random-weight models made by transformers (`tests/tiny_models.py`), each with a tokenizer of a
+kind GGUF files carry: a SentencePiece BPE (Llama 2 / Mistral), a byte-level BPE split as Llama 3
+splits, one split as Qwen2 does. llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python
+source distribution, as `compare_peers.py` uses it) writes the F32/F16/BF16/Q8_0 files, and its
+`llama_model_quantize` the rest (Q4_0, Q4_1, Q5_0, Q4_K_M, Q5_K_M, Q6_K; the k-quants on a model whose
+matrices are 256 wide, as they need). The converter knows real tokenizers by a hash of their output;
+these tiny ones it cannot know, so it is told the pre-tokenizer each was made with.
+
+Then llama.cpp (llama-cpp-python, float32 KV cache so only the weights' types differ) answers for each
+file: its tokens for every line of `CORPUS` (each tokenizer once), its logits over `PROMPT`, and its
+greedy continuation. `tests/test_gguf.py` holds jaxinfer to those answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+from compare_peers import llama_cpp_source  # noqa: E402
+from tiny_models import CORPUS, make_model, sentencepiece_tokenizer  # noqa: E402
+
+from jaxinfer.gguf_tokenizer import _LLAMA3, _QWEN2  # noqa: E402
+
+OUT = ROOT / "tests" / "data" / "gguf"
+PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
+GREEDY = 24
+# tokenized by each tokenizer, line by line: scripts, emoji, code, whitespace runs, special tokens
+TOKENIZED = [
+    "The capital of France is Paris.",
+    "  two  spaces, a tab\tand\n\nnew lines\r\n",
+    "東京は日本の首都です。 Ünïcödé façade naïve — “quotes” ‘single’ … €100",
+    "Emoji 🙂🚀👍🏽 and 👨‍👩‍👧 family; Здравствуйте мир; مرحبا بالعالم; नमस्ते",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "x = [1, 22, 333, 4444, 55555]  # numbers 3.14159 and 1e-5, it's they'll we'd I'M",
+    "<s>special</s> and <|im_start|>user\nhi<|im_end|> and <|begin_of_text|><|eot_id|>",
+    " leading space and trailing ",
+    "",
+]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BPE_KINDS = {  # name → (split, specials, BOS, EOS, chat template, the converter's pre-tokenizer name)
+    "llama3": (
+        _LLAMA3,
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        LLAMA3_TEMPLATE,
+        "llama-bpe",
+    ),
+    "qwen2": (_QWEN2, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", CHATML_TEMPLATE, "qwen2"),
+}
+
+
+def bpe_writer(kind: str):
+    """A function writing a byte-level BPE tokenizer.json of `kind` (BPE_KINDS) into a directory."""
+    split, specials, bos, eos, template, _ = BPE_KINDS[kind]
+
+    def write(directory: Path) -> None:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+        tok.train_from_iterator([CORPUS + "\n".join(TOKENIZED[:6])], trainer)
+        if bos:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+            )
+        tok.save(str(directory / "tokenizer.json"))
+        config = {"bos_token": bos, "eos_token": eos, "chat_template": template}
+        config.update(tokenizer_class="PreTrainedTokenizerFast", pad_token=eos, unk_token=None)
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+    return write
+
+
+# name → (tiny_models architecture, tokenizer, make_model settings, the GGUF types made of it)
+MODELS = {
+    "llama-sp": ("llama", "sp", {}, ["F32", "Q8_0", "Q4_0"]),
+    "llama3-bpe": ("llama3-scaled", "llama3", dict(bos_token_id=0, eos_token_id=4), ["F16"]),
+    "qwen2-bpe": ("qwen2", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["BF16"]),
+    "qwen3-bpe": ("qwen3", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["F16", "Q8_0"]),
+    # matrices 256 wide: the k-quants' super-blocks
+    "llama-sp-256": (
+        "llama",
+        "sp",
+        dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_key_value_heads=2, init_std=0.08),
+        ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_1", "Q5_0"],
+    ),
+}
+CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
+
+# The converter run as llama.cpp ships it, but told the pre-tokenizer (argv[1]) instead of hashing for it.
+CONVERT = """
+import sys
+tree, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[3:]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def convert(model_dir: Path, out: Path, outtype: str, pre: str, tree: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-c", CONVERT, str(tree), pre, str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+
+
+def quantize(source: Path, out: Path, kind: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize {kind} failed")
+
+
+def answers(path: Path) -> dict:
+    """llama.cpp's greedy continuation of PROMPT, on a float32 KV cache, and its logits at every
+    position of the prompt and the continuation."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0, seed=0)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
+    llm.eval(ids)
+    greedy = []
+    for _ in range(GREEDY):
+        greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(greedy[-1:])
+    logits = np.array(llm.scores[: llm.n_tokens], np.float32)  # row i: the prediction after token i
+    return {"prompt_ids": np.asarray(ids), "greedy": np.asarray(greedy), "logits": logits}
+
+
+def tokens(path: Path) -> list[list[int]]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return [llm.tokenize(line.encode(), add_bos=True, special=True) for line in TOKENIZED]
+
+
+def main() -> None:
+    import tempfile
+
+    tree = llama_cpp_source(Path(tempfile.gettempdir()))
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.iterdir():
+        old.unlink()
+    recorded_tokens = {}
+    with tempfile.TemporaryDirectory() as work:
+        for name, (arch, tokenizer, settings, kinds) in MODELS.items():
+            writer = sentencepiece_tokenizer if tokenizer == "sp" else bpe_writer(tokenizer)
+            model_dir = make_model(Path(work) / name, arch, writer, **settings)
+            pre = "default" if tokenizer == "sp" else BPE_KINDS[tokenizer][5]
+            base = Path(work) / f"{name}.F32.gguf"
+            convert(model_dir, base, "f32", pre, tree)
+            for kind in kinds:
+                out = OUT / f"{name}.{kind}.gguf"
+                if kind in CONVERTED:
+                    convert(model_dir, out, CONVERTED[kind], pre, tree)
+                else:
+                    quantize(base, out, kind)
+                np.savez(OUT / f"{name}.{kind}.llama_cpp.npz", **answers(out))
+                print(f"{out.name}: {out.stat().st_size / 1e3:.0f} kB")
+            recorded_tokens.setdefault(tokenizer, {"file": f"{name}.{kinds[0]}.gguf", "tokens": tokens(base)})
+    fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
+    (OUT / "tokens.json").write_text(json.dumps(fixture, indent=1))
+
+
+if __name__ == "__main__":
+    main()
