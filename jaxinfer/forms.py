@@ -105,28 +105,35 @@ class Packed:
 
 @_form
 class Quantized:
-    """Block-quantized by `method` (`quant.METHODS`), packed as the kernel reads it."""
+    """Block-quantized by `method` (`quant.METHODS`), packed as the kernel reads it; a k-quant's
+    float16 scales per super-block in `super_scale`."""
 
     q: jax.Array
     scale: jax.Array
     method: str = field(metadata={"static": True})
+    super_scale: jax.Array | None = None
 
     @classmethod
     def of(cls, w: jax.Array, method: str) -> Quantized:
         return cls(*quant.quantize(w, method), method)
 
+    @property
+    def arrays(self) -> tuple:
+        return (self.q, self.scale) if self.super_scale is None else (self.q, self.scale, self.super_scale)
+
     def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
-        return quant.matmul(x, self.q, self.scale, self.method).astype(dtype)
+        return quant.matmul(x, self.arrays, self.method).astype(dtype)
 
     def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
-        return quant.take_rows(self.q, self.scale, self.method, ids, dtype)
+        return quant.take_rows(self.arrays, self.method, ids, dtype)
 
     def dense(self, dtype=jnp.float32) -> jax.Array:
-        return quant.dequantize(self.q, self.scale, self.method, dtype)
+        return quant.dequantize(self.arrays, self.method, dtype)
 
     def axes(self, axes: tuple, blocks: tuple) -> Quantized:
         """`blocks`: the axes of [out/16, in/32] (`sharding.held_axes`), which lead q's and scale's."""
-        return Quantized(*(blocks + (None,) * (len(a.shape) - 2) for a in (self.q, self.scale)), self.method)
+        held = [blocks + (None,) * (len(a.shape) - 2) for a in self.arrays]
+        return Quantized(held[0], held[1], self.method, held[2] if len(held) > 2 else None)
 
 
 FORMS = (Plain, Transposed, Packed, Quantized)

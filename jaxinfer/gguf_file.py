@@ -8,10 +8,10 @@ shape checked. Two things llama.cpp's converter changed are undone: Llama's q an
 for its rope (`_unpermute`), and a Llama 3 rope scaling is stored as per-frequency factors (the
 `rope_freqs` tensor, `ModelConfig`'s "freq_factors").
 
-Tensor types (`TYPES`): F32, F16 and BF16 are float matrices; Q8_0 and Q4_0 are our `q8_0` / `q4_0`
-methods, the file's blocks repacked as the kernel reads them, bit for bit; the other quantized types
-llama.cpp's quantizer writes (Q4_1, Q5_0, Q5_1, Q2_K–Q6_K) are dequantized to float32 as they load —
-the same values, without their bandwidth saving.
+Tensor types (`TYPES`): F32, F16 and BF16 are float matrices; Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1,
+Q5_0 and Q5_1 are `quant.METHODS` entries, the file's blocks repacked as the kernels read them with
+every value unchanged (`_scale_and_min` unpacks the k-quants' 6-bit scales); Q2_K and Q3_K are
+dequantized to float32 as they load — the same values, without their bandwidth saving.
 """
 
 from __future__ import annotations
@@ -35,8 +35,15 @@ TYPES = {
     "BF16": "float",
     "Q8_0": "q8_0",
     "Q4_0": "q4_0",
-    **dict.fromkeys(("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "dequantize"),
+    "Q4_K": "q4_k",
+    "Q5_K": "q5_k",
+    "Q6_K": "q6_k",
+    "Q4_1": "q4_1",
+    "Q5_0": "q5_0",
+    "Q5_1": "q5_1",
+    **dict.fromkeys(("Q2_K", "Q3_K"), "dequantize"),
 }
+SCALE_AND_MIN = ("q4_k", "q5_k", "q6_k", "q4_1", "q5_1", "q5_0")  # `_scale_and_min`'s
 FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
@@ -197,6 +204,9 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
     if heads:
         raw = _unpermute(raw, heads)
     how = TYPES[kind]
+    if how in SCALE_AND_MIN and len(shape) == 2 and shape[0] % 16 == 0:
+        per = 256 if how.endswith("_k") else 32
+        return how, _scale_and_min(np.asarray(raw).reshape(shape[0], shape[1] // per, -1), how)
     if how in ("q8_0", "q4_0") and len(shape) == 2 and shape[0] % 16 == 0:
         blocks = np.asarray(raw).reshape(shape[0], shape[1] // 32, -1)
         scales = blocks[..., :2].copy().view(np.float16)[..., 0]
@@ -212,6 +222,38 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
     if how == "float":
         return "float", raw
     return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
+
+
+def _scale_and_min(blocks: np.ndarray, method: str) -> tuple:
+    """ggml's blocks [n, k/block, bytes] of a scale-and-min format (block_q4_K, _q5_K, _q6_K, _q4_1,
+    _q5_1, _q5_0) → what `quant.pack_k` takes: codes [n, k/32, 32] unsigned, the k-quants' sub-scales
+    [n, k/32, 2] uint8, super-scales [n, k/block, supers] float16. The `gguf` package's dequantization,
+    stopped before the floats."""
+    n, count = blocks.shape[:2]
+    half = lambda a: a.copy().view(np.float16)  # noqa: E731
+    bit = lambda a, shifts, mask: (a[..., None, :] >> np.asarray(shifts, a.dtype)[:, None]) & mask  # noqa: E731
+    if method in ("q4_1", "q5_1", "q5_0"):  # d[, m][, qh: 32 fifth bits], qs[16]: byte j values j, j + 16
+        codes = bit(blocks[..., -16:], [0, 4], 0x0F).reshape(n, count, 32)
+        if method != "q4_1":
+            qh = blocks[..., -20:-16].copy().view(np.uint32)
+            codes = codes | (bit(qh, range(32), 1).reshape(n, count, 32).astype(np.uint8) << 4)
+        if method == "q5_0":  # w = d · (code - 16)
+            return codes, None, half(blocks[..., 0:2])
+        return codes, None, np.concatenate([half(blocks[..., 0:2]), -half(blocks[..., 2:4])], -1)  # w = d · code + m
+    if method == "q6_k":  # ql[128], qh[64], scales[16] int8, d
+        ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=-1)
+        low = bit(ql.reshape(n, count, 2, 64), [0, 4], 0x0F).reshape(n, count, 2, 128)
+        high = bit(qh.reshape(n, count, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, count, 2, 128)
+        return (low | (high << 4)).reshape(n, count * 8, 32), scales.reshape(n, count * 8, 2), half(d)
+    d, dmin, scales = blocks[..., 0:2], blocks[..., 2:4], blocks[..., 4:16].reshape(n, count, 3, 4)
+    lo, hi, both = scales[..., 0, :], scales[..., 1, :], scales[..., 2, :]
+    sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], -1)  # 6-bit scales and mins, 8 each
+    mins = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], -1)
+    codes = bit(blocks[..., -128:].reshape(n, count, 4, 32), [0, 4], 0x0F).reshape(n, count, 8, 32)
+    if method == "q5_k":  # qh[32]: bit j of byte l the fifth bit of value 32 j + l
+        codes = codes | (bit(blocks[..., 16:48], range(8), 0x01) << 4)
+    sub = np.stack([sc, mins], -1).reshape(n, count * 8, 2)
+    return codes.reshape(n, count * 8, 32), sub, np.concatenate([half(d), half(dmin)], -1)
 
 
 def unmapped(file: GGUFFile, names: set[str]) -> list[str]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfer.errors import JaxinferError
 
-TARGETS = ("jaxinfer_qmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
+TARGETS = ("jaxinfer_qmatmul", "jaxinfer_kmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
 
 
 def _library_path() -> Path | None:

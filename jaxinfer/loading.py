@@ -18,7 +18,7 @@ from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
-from jaxinfer.quant import check_method
+from jaxinfer.quant import METHODS, check_method
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
 from jaxinfer.slots import Decoding
@@ -114,7 +114,9 @@ def stored_quantization(config_json: dict, quantize: str | None) -> str | None:
     stored = config_json.get(QUANTIZED_KEY)
     if stored and quantize:
         raise JaxinferError(f"this model is already stored quantized ({stored}); run it without quantize", "quantize")
-    return check_method(stored or quantize)
+    if stored and stored not in METHODS:
+        raise JaxinferError(f"config.json: {QUANTIZED_KEY} {stored!r} is not a quantization jaxinfer knows")
+    return stored or check_method(quantize)
 
 
 def load_model(

@@ -103,9 +103,10 @@ def read_gguf(
         how, value = gguf_file.tensor_values(file, names[hf_name], weight.shape, heads)
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
-        else:
-            codes, scales = (jax.device_put(a, weight_sharding(cfg, (), mesh)) for a in value)
-            leaves[weight.path] = Quantized(*quant.pack(codes, scales, how), how)
+        else:  # a method's arrays, whole on every device (the kernel's custom call takes a whole matrix)
+            arrays = [None if a is None else jax.device_put(a, weight_sharding(cfg, (), mesh)) for a in value]
+            packed = quant.pack_k(*arrays, how) if quant.METHODS[how].kind >= 0 else quant.pack(*arrays, how)
+            leaves[weight.path] = Quantized(*packed[:2], how, *packed[2:])
         if progress:
             progress(done, len(table))
     return tree_from_leaves(cfg, leaves)

@@ -19,7 +19,7 @@ from jaxinfer.forms import Quantized
 from jaxinfer.loading import load_model
 from jaxinfer.perplexity import perplexity, windows
 
-# (out, in, rows): tiles of 8 and 2 rows and their remainders
+# (out, in, rows): tiles of 8 and 2 rows and their remainders; the k-quants' inputs are super-blocks of 256
 SHAPES = [
     (16, 32, 1),
     (48, 96, 3),
@@ -28,13 +28,15 @@ SHAPES = [
     (32, 32, 8),
     (32, 64, 2),
 ]
+K_SHAPES = [(16, 256, 1), (48, 512, 3), (32, 256, 9), (64, 768, 17), (32, 256, 2)]
+K_QUANTS = [name for name, m in quant.METHODS.items() if m.kind >= 0]  # llama.cpp's scale-and-min formats
 
 
 def blocks_of(w: np.ndarray) -> np.ndarray:
     return w.reshape(w.shape[0], -1, quant.BLOCK)
 
 
-@pytest.mark.parametrize("method", quant.METHODS)
+@pytest.mark.parametrize("method", quant.QUANTIZERS)
 def test_quantize_error_is_within_the_block_step(method):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 128)).astype(np.float32)
@@ -80,23 +82,45 @@ def test_the_kernel_is_built_where_ci_runs():
 
 
 def problem(n, k, m, method, seed=0):
+    """x [m, k] and a matrix [n, k] held by `method`: quantized from random floats, or for a k-quant
+    (which jaxinfer reads, never makes) random codes and scales over their whole ranges."""
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero activation block
+    if method in K_QUANTS:
+        m_ = quant.METHODS[method]
+        codes = rng.integers(0, 2**m_.bits, (n, k // 32, 32))
+        codes[:16, -1] = {6: 32, 5: 16 if method == "q5_0" else 0}.get(m_.bits, 0)  # an all-zero block of a group
+        sub = None
+        if m_.sub_scales:  # Q6_K's sub-scales are int8, the other k-quants' 6-bit
+            sub = rng.integers(-128 if m_.bits == 6 else 0, 64, (n, k // 32, 2)).astype(np.int8).view(np.uint8)
+            sub[:16, -1, 1] = 0  # no min either
+        sup = rng.uniform(-0.02, 0.02, (n, k // m_.super_block, m_.supers)).astype(np.float16)
+        if not m_.sub_scales and m_.supers == 2:
+            sup[:16, -1, 1] = 0
+        arrays = quant.pack_k(jnp.asarray(codes), None if sub is None else jnp.asarray(sub), jnp.asarray(sup), method)
+        return jnp.asarray(x), Quantized(*arrays[:2], method, *arrays[2:])
+    w = rng.standard_normal((n, k)).astype(np.float32)
     w[:16, -32:] = 0  # an all-zero weight block of a whole group
     return jnp.asarray(x), Quantized.of(jnp.asarray(w), method)
 
 
+def shapes_for(method):
+    return K_SHAPES if method in K_QUANTS else SHAPES
+
+
 @needs_kernel
 @pytest.mark.parametrize("method", quant.METHODS)
-@pytest.mark.parametrize("n,k,m", SHAPES)
-def test_kernel_computes_w8a8_as_stated(isa, method, n, k, m):
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_kernel_computes_w8a8_as_stated(isa, method, shape):
     """The kernel against the same arithmetic in jnp (integer block dots exact; the float sums
     differ only in order)."""
+    if shape >= len(shapes_for(method)):
+        pytest.skip("fewer shapes for this method")
+    n, k, m = shapes_for(method)[shape]
     x, leaf = problem(n, k, m, method)
     ours = np.asarray(jax.jit(forms.matmul)(x, leaf))
-    oracle = np.asarray(quant.w8a8_reference(x, leaf.q, leaf.scale, method))
+    oracle = np.asarray(quant.w8a8_reference(x, leaf.arrays, method))
     magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(leaf.dense())).T
     np.testing.assert_array_less(np.abs(ours - oracle), 1e-6 * magnitude + 1e-6)
 
@@ -106,11 +130,12 @@ def test_kernel_computes_w8a8_as_stated(isa, method, n, k, m):
 def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
     """Against the pure-JAX path (float activations): each activation moves by at most half its
     block's step, max|x_block| / 254, so |error| ≤ Σ_blocks step/2 · Σ |w| over the block."""
-    x, leaf = problem(160, 96, 5, method, seed=1)
+    x, leaf = problem(160, 512 if method in K_QUANTS else 96, 5, method, seed=1)
     ours = np.asarray(forms.matmul(x, leaf))
     with xla_dot():
         plain = np.asarray(jax.jit(forms.matmul)(x, leaf))
-    np.testing.assert_allclose(plain, np.asarray(x) @ np.asarray(leaf.dense()).T, rtol=1e-5, atol=1e-5)
+    magnitude = np.abs(np.asarray(x)) @ np.abs(np.asarray(leaf.dense())).T
+    np.testing.assert_array_less(np.abs(plain - np.asarray(x) @ np.asarray(leaf.dense()).T), 1e-6 * magnitude + 1e-5)
     half_step = np.abs(blocks_of(np.asarray(x))).max(-1) / 254  # [m, blocks]
     w_mass = np.abs(blocks_of(np.asarray(leaf.dense()))).sum(-1)  # [n, blocks]
     bound = half_step @ w_mass.T
@@ -120,7 +145,7 @@ def test_kernel_is_the_dequantized_product_up_to_activation_rounding(method):
 
 @pytest.mark.parametrize("method", quant.METHODS)
 def test_embedding_rows_come_out_of_the_packing(method):
-    x, leaf = problem(64, 96, 1, method)
+    x, leaf = problem(64, 256 if method in K_QUANTS else 96, 1, method)
     ids = jnp.asarray([[0, 17, 63], [5, 5, 40]])
     rows = forms.take_rows(leaf, ids, jnp.float32)
     np.testing.assert_array_equal(rows, leaf.dense()[ids])

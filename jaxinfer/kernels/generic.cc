@@ -65,6 +65,60 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// The formats of KProblem, as qgroups: each block's codes unpacked once, integer dots per row, then
+// scaled.
+void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
+  const int bits = k_bits(p.kind);
+  std::vector<float> acc(p.m * kGroup);
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < p.k_blocks; ++b) {
+      const uint8_t* q = p.block(g, b);
+      int32_t w[kGroup][kBlock];  // output n's code at k = 4 c + i (Q6_K: code - 32)
+      for (int c = 0; c < 8; ++c) {
+        for (int n = 0; n < kGroup; ++n) {
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = q[((c & 3) * kGroup + n) * 4 + i];
+            int32_t code = c < 4 ? byte & 0x0F : byte >> 4;
+            if (bits == 5) code |= ((q[(4 * kGroup + n) * 4 + i] >> c) & 1) << 4;
+            if (bits == 6) code = (code | (((q[((4 + c / 4) * kGroup + n) * 4 + i] >> (2 * (c & 3))) & 3) << 4)) - 32;
+            w[n][4 * c + i] = code;
+          }
+        }
+      }
+      const uint16_t* super = p.supers(g, b);
+      float scale[kGroup], min[kGroup];  // the unsigned formats': w = scale · code - min
+      for (int n = 0; n < kGroup && p.kind != kQ6K; ++n) {
+        const float d = f16_to_float(super[n]);
+        if (p.kind == kQ4K || p.kind == kQ5K) {
+          scale[n] = d * p.subs(g, b)[n];
+          min[n] = f16_to_float(super[kGroup + n]) * p.subs(g, b)[kGroup + n];
+        } else {
+          scale[n] = d;
+          min[n] = p.kind == kQ5_0 ? 16.f * d : f16_to_float(super[kGroup + n]);
+        }
+      }
+      for (int64_t row = 0; row < p.m; ++row) {
+        const int8_t* xb = p.xq + (row * p.k_blocks + b) * kBlock;
+        const float xs = p.xs[row * p.k_blocks + b];
+        const float xsum = static_cast<float>(p.xsum[row * p.k_blocks + b]);
+        for (int n = 0; n < kGroup; ++n) {
+          int32_t dots[2] = {0, 0};  // the block's halves of 16
+          for (int k = 0; k < kBlock; ++k) dots[k / 16] += w[n][k] * xb[k];
+          if (p.kind == kQ6K) {
+            const uint8_t* sub = p.subs(g, b);
+            const int32_t dot = static_cast<int8_t>(sub[n]) * dots[0] + static_cast<int8_t>(sub[kGroup + n]) * dots[1];
+            acc[row * kGroup + n] += static_cast<float>(dot) * (f16_to_float(super[n]) * xs);
+          } else {
+            acc[row * kGroup + n] += xs * (static_cast<float>(dots[0] + dots[1]) * scale[n] - xsum * min[n]);
+          }
+        }
+      }
+    }
+    for (int64_t row = 0; row < p.m; ++row) std::memcpy(p.y + row * p.groups * kGroup + g * kGroup, &acc[row * kGroup], kGroup * sizeof(float));
+  }
+}
+
 void round_values(const float* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = round_to_bf16(x[i]);
 }
@@ -129,6 +183,7 @@ void add_generic(Paths& t) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+  for (KGroups& k : t.kgroups) k = kgroups;
   t.fgroups[0] = fgroups<false>;
   t.fgroups[1] = fgroups<true>;
   t.round = round_values;

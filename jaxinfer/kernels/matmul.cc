@@ -64,6 +64,43 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// llama.cpp's formats of paths.h's KProblem (`kind`: its KKind): q [N/16, K/32, bits, 16, 4] uint8,
+// sub [N/16, K/32, 2, 16] uint8 (the k-quants; empty for the others), super [N/16, K/32/per, supers,
+// 16] float16.
+ffi::Error KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::U8> sub,
+                   ffi::Buffer<ffi::F16> super, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto q_dims = q.dimensions();
+  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jaxinfer_kmatmul: unknown kind");
+  if (q_dims.size() != 5 || x_dims.size() == 0 || q_dims[2] != k_bits(kind) || q_dims[3] != kGroup || q_dims[4] != 4) {
+    return ffi::Error::InvalidArgument("jaxinfer_kmatmul: q must be uint8 [N/16, K/32, bits, 16, 4]");
+  }
+  const int64_t k = x_dims.back();
+  const int64_t m = x.element_count() / std::max<int64_t>(k, 1);
+  const int64_t groups = q_dims[0], k_blocks = q_dims[1];
+  const int64_t subs = kind <= kQ6K ? groups * k_blocks * 2 * kGroup : 0;
+  if (k != k_blocks * kBlock || k_blocks % k_per(kind) != 0 || sub.element_count() != subs ||
+      super.element_count() != groups * (k_blocks / k_per(kind)) * k_supers(kind) * kGroup) {
+    return ffi::Error::InvalidArgument("jaxinfer_kmatmul: x, q, sub and super disagree about N or K");
+  }
+  if (m == 0 || groups == 0) return ffi::Error::Success();
+  const Paths& run = paths();
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * k_blocks);
+  std::vector<int32_t> xsum(m * k_blocks);
+  run.quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
+  std::vector<int32_t> xhalf(kind == kQ6K ? m * k_blocks : 0);
+  for (size_t at = 0; at < xhalf.size(); ++at) {
+    for (int i = 0; i < kBlock / 2; ++i) xhalf[at] += xq[at * kBlock + i];
+  }
+  const KProblem problem{q.typed_data(), sub.typed_data(), reinterpret_cast<const uint16_t*>(super.typed_data()), y->typed_data(),
+                         m, k_blocks, groups, static_cast<int>(kind), xq.data(), xs.data(), xsum.data(), xhalf.data()};
+  const KGroups share = run.kgroups[kind];
+  parallel_items(pool, groups, k_blocks * problem.weight_bytes() * std::max<int64_t>(1, m / 4),
+                 [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });
+  return ffi::Error::Success();
+}
+
 // ------------------------------------------------------------------------------- float weights
 // Float W (`jaxinfer.packed`, paths.h's FProblem): 16 outputs side by side, so one vector of W and
 // one broadcast of x advance 16 dots.
@@ -125,6 +162,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, jaxinfer::QMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul, jaxinfer::KMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Attr<int64_t>("kind")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul, jaxinfer::FMatmul,

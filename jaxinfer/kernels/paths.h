@@ -34,6 +34,44 @@ struct QProblem {
   float scale_at(int64_t at) const { return f16_scale ? f16_to_float(scale[at]) : bf16_to_float(scale[at]); }
 };
 
+// y[M, N] = x[M, K] @ W[N, K]^T for W in one of llama.cpp's formats with blocks of 32 that a scale
+// and min turn into values (Q4_K, Q5_K, Q6_K; Q4_1, Q5_1, Q5_0), repacked by `jaxinfer.quant` with
+// their values unchanged; W8A8 as QProblem. Per group of 16 outputs and block of 32 inputs, `bits`
+// chunks of 4 inputs by 16 outputs: 0-3 the low 4 bits of the codes, packed as int4's; a 5-bit
+// format's chunk 4, bit c of byte i, the fifth bit of input 4c + i; Q6_K's chunks 4 and 5, bits 2c and
+// 2c + 1, the fifth and sixth (c < 4, then c >= 4). The k-quants add two 8-bit sub-scales per output
+// and block (`sub` [2][16]), and every format float16 super-scales per output (`super` [supers][16])
+// once per `per` blocks:
+//   Q4_K, Q5_K: w = d·scale·code - dmin·min (sub: scale, min; super: d, dmin; per 8)
+//   Q6_K:       w = d·scale_h·(code - 32), h the block's half of 16 (sub: int8 scales; super: d; per 8)
+//   Q4_1, Q5_1: w = d·code - m (super: d, m, the file's min negated; per 1)
+//   Q5_0:       w = d·code - 16·d (super: d; per 1)
+enum KKind { kQ4K = 0, kQ5K, kQ6K, kQ4_1, kQ5_1, kQ5_0, kKinds };
+constexpr int k_bits(int kind) { return kind == kQ6K ? 6 : (kind == kQ5K || kind == kQ5_1 || kind == kQ5_0) ? 5 : 4; }
+constexpr int k_per(int kind) { return kind <= kQ6K ? 8 : 1; }
+constexpr int k_supers(int kind) { return kind == kQ6K || kind == kQ5_0 ? 1 : 2; }
+
+struct KProblem {
+  const uint8_t* q;
+  const uint8_t* sub;  // the k-quants'
+  const uint16_t* super;
+  float* y;
+  int64_t m, k_blocks, groups;
+  int kind;
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+  const int32_t* xhalf;  // Q6_K: the sum of each block's first 16 xq
+
+  int64_t weight_bytes() const { return k_bits(kind) * 64; }  // per group and block
+  const uint8_t* block(int64_t g, int64_t b) const { return q + (g * k_blocks + b) * weight_bytes(); }
+  const uint8_t* subs(int64_t g, int64_t b) const { return sub + (g * k_blocks + b) * 2 * kGroup; }
+  const uint16_t* supers(int64_t g, int64_t b) const {
+    const int per = k_per(kind);
+    return super + (g * (k_blocks / per) + b / per) * k_supers(kind) * kGroup;
+  }
+};
+
 // y[M, N] = x[M, K] @ W[N, K]^T for float W packed by `jaxinfer.packed`: float32 [N/16, K, 16],
 // bfloat16 [N/16, K/2, 16, 2] (each output's inputs k and k + 1 side by side, as AMX's tiles take them).
 struct FProblem {
@@ -83,6 +121,7 @@ struct Part {
 
 using QuantizeRows = void (*)(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, float* xs, int32_t* xsum);
 using QGroups = void (*)(const QProblem&, int64_t g0, int64_t g1);
+using KGroups = void (*)(const KProblem&, int64_t g0, int64_t g1);
 using FGroups = void (*)(const FProblem&, int64_t g0, int64_t g1);
 using RoundValues = void (*)(const float* x, float* out, int64_t n);
 using RoundBits = void (*)(const float* x, uint16_t* out, int64_t n);
@@ -94,6 +133,7 @@ struct Paths {
   std::string name;  // `jaxinfer.kernel.isa()`
   QuantizeRows quantize_rows = nullptr;
   QGroups qgroups[2] = {};  // int8, int4
+  KGroups kgroups[kKinds] = {};  // by KKind
   FGroups fgroups[2] = {};  // float32, bfloat16 weights
   RoundValues round = nullptr;  // x rounded to bfloat16 values (`bf16_inputs` on the FMA paths)
   // bfloat16 weights times x rounded to bfloat16 (VDPBF16PS), x given as bits by `round_bits`

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "paths.h"
 
@@ -181,6 +182,100 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// KProblem's formats on the same instructions. Per chunk c of a block, the 4-bit codes as int4's,
+// with a fifth bit, or Q6_K's fifth and sixth, shifted into bit 4 (srli on 16-bit lanes, then masked
+// per byte, so no bit crosses into its neighbour). Unsigned codes (all but Q6_K) go to VPMADDUBSW as
+// they are (a pair is at most 2 · 31 · 127, so four add up in int16) and come back as
+// scale · dot - min · sum(xq); Q6_K's code - 32 is signed and takes |x| times it with x's sign as int8
+// does, each half of 16 summed apart (4 · 2 · 32 · 127 < 2^15) and scaled by its own sub-scale in int32.
+template <int kRows, int kKind>
+void ktile(const KProblem& p, int64_t g, int64_t row0) {
+  constexpr int bits = k_bits(kKind);
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(1), bits2 = _mm256_set1_epi8(3);
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.block(g, b);
+    const uint16_t* super = p.supers(g, b);
+    const int32_t* xb[kRows];
+    for (int r = 0; r < kRows; ++r) xb[r] = reinterpret_cast<const int32_t*>(p.xq + ((row0 + r) * p.k_blocks + b) * kBlock);
+    for (int h = 0; h < 2; ++h) {  // outputs 8h..8h+7
+      __m256i sums[kRows][2];  // int16: unsigned codes, chunks c < 2 and c >= 2 (of 0..3, each with c + 4); Q6_K the halves
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      __m256i high[2] = {};
+      if constexpr (bits >= 5) high[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * h));
+      if constexpr (bits == 6) high[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 320 + 32 * h));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+        __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (bits == 5) {
+          first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c), bit), 4));
+          second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c + 4), bit), 4));
+        }
+        if constexpr (bits == 6) {
+          const __m256i thirtytwo = _mm256_set1_epi8(32);
+          first = _mm256_sub_epi8(_mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], 2 * c), bits2), 4)), thirtytwo);
+          second = _mm256_sub_epi8(_mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[1], 2 * c), bits2), 4)), thirtytwo);
+          for (int r = 0; r < kRows; ++r) {
+            const __m256i x0 = _mm256_set1_epi32(xb[r][c]), x1 = _mm256_set1_epi32(xb[r][c + 4]);
+            sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(first, x0)));
+            sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(second, x1)));
+          }
+        } else {
+          for (int r = 0; r < kRows; ++r) {
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first, _mm256_set1_epi32(xb[r][c])), _mm256_maddubs_epi16(second, _mm256_set1_epi32(xb[r][c + 4])));
+            sums[r][c / 2] = _mm256_add_epi16(sums[r][c / 2], pair);
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 8 * h)));
+      if constexpr (kKind == kQ6K) {
+        const uint8_t* sub = p.subs(g, b);
+        const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)));
+        const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)));
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sums[r][0], ones), s0), _mm256_mullo_epi32(_mm256_madd_epi16(sums[r][1], ones), s1));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b])), acc[r][h]);
+        }
+      } else {
+        __m256 scale = d, min;
+        if constexpr (kKind == kQ4K || kKind == kQ5K) {
+          const uint8_t* sub = p.subs(g, b);
+          const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
+          scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)))));
+          min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)))));
+        } else if constexpr (kKind == kQ5_0) {
+          min = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
+        } else {
+          min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
+        }
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t at = (row0 + r) * p.k_blocks + b;
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sums[r][0], ones), _mm256_madd_epi16(sums[r][1], ones));
+          const __m256 sum = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(p.xsum[at])), min));
+          acc[r][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(p.xs[at]), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+}
+
+template <int kKind>
+void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t row = 0;
+    for (; row + 2 <= p.m; row += 2) ktile<2, kKind>(p, g, row);
+    if (row < p.m) ktile<1, kKind>(p, g, row);
+  }
+}
+
+template <int... kKind>
+void add_kgroups(Paths& t, std::integer_sequence<int, kKind...>) {
+  ((t.kgroups[kKind] = kgroups<kKind>), ...);
+}
+
 // ----------------------------------------------------------------------------------------- float
 void round_values(const float* x, float* out, int64_t n) {  // as round_to_bf16
   int64_t i = 0;
@@ -201,6 +296,7 @@ void add_avx2(Paths& t) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+  add_kgroups(t, std::make_integer_sequence<int, kKinds>{});
   t.fgroups[0] = simd::fgroups_narrow<Avx2, false>;
   t.fgroups[1] = simd::fgroups_narrow<Avx2, true>;
   t.round = round_values;

@@ -154,6 +154,89 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// KProblem's formats on VNNI: per group and block, the 8 chunks' codes (4-bit, with a fifth bit, or
+// Q6_K's fifth and sixth, shifted into bit 4 as the AVX2 path does) are the unsigned operand of 8
+// vpdpbusd per row; the unsigned formats' block comes back as scale · dot - min · sum(xq), Q6_K's
+// halves as scale_h · (dot_h - 32 · sum_h(xq)), in int32.
+template <int kRows, int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KProblem& p, int64_t g, int64_t row0) {
+  constexpr int bits = k_bits(kKind);
+  const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi8(1), bits2 = _mm512_set1_epi8(3);
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.block(g, b);
+    __m512i w[8];
+    const __m512i high = bits >= 5 ? _mm512_loadu_si512(wb + 256) : _mm512_setzero_si512();
+    const __m512i higher = bits == 6 ? _mm512_loadu_si512(wb + 320) : _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+      w[c] = _mm512_and_si512(v, low);
+      w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (bits == 5) {
+        w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, c), bit), 4));
+        w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, c + 4), bit), 4));
+      }
+      if constexpr (bits == 6) {
+        w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * c), bits2), 4));
+        w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(higher, 2 * c), bits2), 4));
+      }
+    }
+    const uint16_t* super = p.supers(g, b);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
+    if constexpr (kKind == kQ6K) {
+      const uint8_t* sub = p.subs(g, b);
+      const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+      const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kGroup)));
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t at = (row0 + r) * p.k_blocks + b;
+        const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
+        __m512i dot0 = _mm512_set1_epi32(-32 * p.xhalf[at]), dot1 = _mm512_set1_epi32(-32 * (p.xsum[at] - p.xhalf[at]));
+        for (int c = 0; c < 4; ++c) {
+          dot0 = _mm512_dpbusd_epi32(dot0, w[c], _mm512_set1_epi32(xb[c]));
+          dot1 = _mm512_dpbusd_epi32(dot1, w[c + 4], _mm512_set1_epi32(xb[c + 4]));
+        }
+        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(dot0, s0), _mm512_mullo_epi32(dot1, s1));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(p.xs[at])), acc[r]);
+      }
+      continue;
+    }
+    __m512 scale = d, min;
+    if constexpr (kKind == kQ4K || kKind == kQ5K) {
+      const uint8_t* sub = p.subs(g, b);
+      const auto widen = [](const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); };
+      scale = _mm512_mul_ps(d, widen(sub));
+      min = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + kGroup))), widen(sub + kGroup));
+    } else if constexpr (kKind == kQ5_0) {
+      min = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+    } else {
+      min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + kGroup)));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.k_blocks + b;
+      const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
+      __m512i dot = _mm512_setzero_si512(), other = _mm512_setzero_si512();  // two chains: half the latency
+      for (int c = 0; c < 4; ++c) {
+        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(xb[c]));
+        other = _mm512_dpbusd_epi32(other, w[c + 4], _mm512_set1_epi32(xb[c + 4]));
+      }
+      dot = _mm512_add_epi32(dot, other);
+      const __m512 sum = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot), scale, _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(p.xsum[at])), min));
+      acc[r] = _mm512_fmadd_ps(sum, _mm512_set1_ps(p.xs[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup, acc[r]);
+}
+
+template <int kKind>
+void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t row = 0;
+    for (; row + 8 <= p.m; row += 8) ktile_vnni<8, kKind>(p, g, row);
+    if (row < p.m) with_rows<7>(p.m - row, [&](auto rows) { ktile_vnni<decltype(rows)::value, kKind>(p, g, row); });
+  }
+}
+
 // ----------------------------------------------------------------------------------------- float
 // 16 floats → bfloat16 bits in the low half of each lane, rounded as round_to_bf16
 inline __m512i round_bf16(__m512 v) {
@@ -388,6 +471,12 @@ void add_avx512(Paths& t, bool amx) {
     t.quantize_rows = quantize_rows;
     t.qgroups[0] = qgroups<8>;
     t.qgroups[1] = qgroups<4>;
+    t.kgroups[kQ4K] = kgroups<kQ4K>;
+    t.kgroups[kQ5K] = kgroups<kQ5K>;
+    t.kgroups[kQ6K] = kgroups<kQ6K>;
+    t.kgroups[kQ4_1] = kgroups<kQ4_1>;
+    t.kgroups[kQ5_1] = kgroups<kQ5_1>;
+    t.kgroups[kQ5_0] = kgroups<kQ5_0>;
   }
 #if defined(JAXINFER_AVX512_BF16)
   if (has.avx512_bf16) {
