@@ -21,6 +21,7 @@ def batch(
     input_path: str = typer.Argument(..., metavar="INPUT", help="JSONL requests, or '-' for stdin."),
     output_path: str = typer.Option("-", "--output", "-o", metavar="OUTPUT", help="JSONL results, or '-' for stdout."),
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Sequences decoded together (slots)."),
     max_tokens: Optional[int] = typer.Option(
         None,

@@ -23,6 +23,7 @@ a line of \"\"\" opens a multi-line message, and another closes it; Ctrl-C stops
 
 def chat(
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_tokens: Optional[int] = typer.Option(
         None,

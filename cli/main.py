@@ -134,6 +134,7 @@ def run(
         None, "--file", "-f", help="Read the prompt from this file ('-': stdin)."
     ),
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
@@ -237,8 +238,9 @@ app.command(epilog=_epilog("batch"))(batch.batch)
 
 @app.command(epilog=_epilog("convert"))
 def convert(
-    source: Path = typer.Argument(..., help="Hugging Face model directory, or a hub id (org/name)."),
+    source: Path = typer.Argument(..., help="Hugging Face model directory, hub id (org/name) or GGUF file."),
     destination: Path = typer.Argument(..., help="New directory for the converted model."),
+    gguf_file: Optional[str] = options.GGUF_FILE,
     dtype: str = typer.Option(
         "auto", "--dtype", help="Stored dtype: auto (the checkpoint's), float32, bfloat16, float16."
     ),
@@ -258,7 +260,7 @@ def convert(
 
     start = time.perf_counter()
     with render.progress("converting") as progress:
-        out = convert_model(source, destination, dtype, progress, quantize)
+        out = convert_model(source, destination, dtype, progress, quantize, gguf_file)
     render.notice(f"converted {source} → {out} in {time.perf_counter() - start:.1f} s")
 
 
@@ -266,6 +268,7 @@ def convert(
 def perplexity(
     file: Path = typer.Argument(..., help="Text file to score ('-': stdin)."),
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     max_context: int = typer.Option(
         512, "--max-context", "--ctx-size", "-c", help="Tokens per window (llama-perplexity's -c)."
     ),
@@ -295,8 +298,8 @@ def perplexity(
         raise JaxinferError(
             "--kl compares against the model at full precision: give --quantize, --kv-dtype or a 16-bit --dtype too"
         )
-    loaded = options.open_model(model, dtype=dtype, quantize=quantize, kv_dtype=kv_dtype).model
-    plain = options.open_model(model, dtype="float32").model if kl else None
+    loaded = options.open_model(model, dtype=dtype, quantize=quantize, kv_dtype=kv_dtype, gguf_file=gguf_file).model
+    plain = options.open_model(model, dtype="float32", gguf_file=gguf_file).model if kl else None
     reference = (plain.config, plain.params) if kl else None
     ids = loaded.tokenizer.encode(text)
     with render.progress("scoring") as progress:
@@ -317,6 +320,7 @@ def perplexity(
 @app.command(epilog=_epilog("info"))
 def info(
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     max_context: Optional[int] = options.MAX_CONTEXT,
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Sequences decoded together."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", "-p", help="Prompt length for the predicted TTFT."),
@@ -344,7 +348,7 @@ def info(
 
     options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
     mesh = options.mesh(devices)
-    model_dir, cfg, config_json = load_config(model)
+    model_dir, cfg, config_json = load_config(model, gguf_file)
     layout = layout_for_batch(batch_size, mesh is not None)
     chosen = resolve_dtype(dtype, config_json, layout)
     quantize = stored_quantization(config_json, quantize)
@@ -385,6 +389,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 @app.command(epilog=_epilog("bench"))
 def bench(
     model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
     prompts: str = typer.Option(
         "128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."
     ),

@@ -24,6 +24,7 @@ FLAGS = {
     "speculate": "--speculate",
     "num_draft": "--num-draft",
     "draft_model": "--draft-model",
+    "gguf_file": "--gguf-file",
     "dtype": "--dtype",
     "quantize": "--quantize",
     "kv_dtype": "--kv-dtype",
@@ -45,7 +46,16 @@ MODEL = typer.Option(
     None,
     "--model",
     "-m",
-    help=f"Hugging Face model directory or a converted one [default: the bundled {DEFAULT_MODEL}].",
+    help="Hugging Face model directory, hub id (org/name), GGUF file, or a converted model "
+    f"[default: the bundled {DEFAULT_MODEL}].",
+)
+GGUF_FILE = typer.Option(
+    None,
+    "--gguf-file",
+    metavar="NAME",
+    show_default=False,
+    help="With a hub id: run that repository's GGUF file NAME (from the hub cache, else downloaded) instead of its "
+    "safetensors.",
 )
 TEMP = typer.Option(None, "--temp", "--temperature", help="Sampling temperature; 0 is greedy [default: the model's].")
 TOP_K = typer.Option(None, "--top-k", help="Keep the k most likely tokens; 0 is off.")
@@ -242,7 +252,17 @@ def mesh(
 
 # The flags every command that loads a model passes to `open_model`: each flag's parameter in a
 # command is named as the library's, so `model_flags(locals())` gathers them.
-MODEL_FLAGS = ("dtype", "quantize", "kv_dtype", "max_context", "prefill_chunk", "speculate", "num_draft", "draft_model")
+MODEL_FLAGS = (
+    "dtype",
+    "quantize",
+    "kv_dtype",
+    "max_context",
+    "prefill_chunk",
+    "speculate",
+    "num_draft",
+    "draft_model",
+    "gguf_file",
+)
 
 
 def model_flags(given: dict) -> dict:

@@ -104,7 +104,7 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short, long = (tuple(float(f) for f in params[key]) for key in ("short_factor", "long_factor"))
         return theta, ("longrope", short, long, original, float(attention))
-    if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_file`)
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_model`)
         return theta, ("freq_factors", tuple(float(f) for f in params["factors"]))
     raise JaxinferError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
 

@@ -237,6 +237,14 @@ def stored_dtype(params: dict):
     )
 
 
+def methods_of(params: dict) -> dict[str, str]:
+    """Each quantized matrix's method by its path ("layers.3.wq", "embed"): what a converted GGUF
+    file's config.json records, its matrices being of several methods."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_form)[0]
+    name = lambda path: ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)  # noqa: E731
+    return {name(path): leaf.method for path, leaf in flat if isinstance(leaf, Quantized)}
+
+
 def on_kernel(params: dict) -> bool:
     """Whether the tree holds matrices in the CPU kernels' forms."""
     return any(isinstance(leaf, (Packed, Quantized)) for leaf in params["layers"][0].values())
@@ -245,12 +253,13 @@ def on_kernel(params: dict) -> bool:
 # ------------------------------------------------------------------------------ the stored form
 def to_stored(params: dict) -> dict:
     """The tree as checkpoints hold it (orbax, as converted by every version so far): a Plain matrix
-    as its array, a Quantized one as {"q", "scale"} (its method in config.json). The leaves come in
-    the same order as the forms', so `jax.tree.unflatten` with a forms tree's structure undoes it."""
+    as its array, a Quantized one as {"q", "scale"} and a k-quant's "super_scale" (its method in
+    config.json). The leaves come in the same order as the forms', so `jax.tree.unflatten` with a forms
+    tree's structure undoes it."""
 
     def one(leaf):
         if isinstance(leaf, Quantized):
-            return {"q": leaf.q, "scale": leaf.scale}
+            return dict(zip(("q", "scale", "super_scale"), leaf.arrays))
         if isinstance(leaf, Plain):
             return leaf.w
         if is_form(leaf):

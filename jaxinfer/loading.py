@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import defaults, forms, gguf_file, kernel, weights
+from jaxinfer import defaults, forms, gguf_model, kernel, weights
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
-from jaxinfer.modeldir import ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
+from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import METHODS, check_method
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
@@ -127,18 +127,21 @@ def load_model(
     quantize: str | None = None,
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
+    gguf_file: str | None = None,
 ) -> LoadedModel:
-    """Load a model directory or GGUF file; with no path, the bundled default model. `layout`: "packed" for the
-    CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in" as the
-    checkpoint stores them (`jaxinfer.forms`); by default the fastest here (`forms.layout_for_batch(1)`);
-    `quantize` ("int8", "int4") packs the matrices as they load (`jaxinfer.quant`; their layout is
-    the packing's own); `kv_dtype` "int8" makes every cache built for it int8 (`kvcache`); `mesh`
-    spreads the weights over its devices as they are read (`jaxinfer.sharding`). `dtype` "bfloat16"
-    (asked for, not auto's choice) also rounds every product's inputs to bfloat16
-    (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's prefill in one pass instead of two."""
+    """Load a model directory or GGUF file; with no path, the bundled default model. `layout`:
+    "packed" for the CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in"
+    as the checkpoint stores them (`jaxinfer.forms`); by default the fastest here
+    (`forms.layout_for_batch(1)`); `quantize` ("int8", "int4", ...) packs the matrices as they load
+    (`jaxinfer.quant`; their layout is the packing's own; a GGUF file's quantized matrices stay as the
+    file holds them); `gguf_file`: the GGUF file of that name in the hub repository `path`; `kv_dtype`
+    "int8" makes every cache built for it int8 (`kvcache`); `mesh` spreads the weights over its devices
+    as they are read (`jaxinfer.sharding`). `dtype` "bfloat16" (asked for, not auto's choice) also
+    rounds every product's inputs to bfloat16 (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's
+    prefill in one pass instead of two."""
     layout = forms.check_layout(layout, mesh is not None)
-    model_dir, cfg, config_json = load_config(path)
-    gguf = gguf_file.open_gguf(model_dir) if gguf_file.is_gguf(model_dir) else None
+    model_dir, cfg, config_json = load_config(path, gguf_file)
+    gguf = gguf_model.open_gguf(model_dir) if gguf_model.is_gguf(model_dir) else None
     asked = quantize
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
@@ -158,7 +161,8 @@ def load_model(
     if gguf:  # its quantized blocks as they are; its float matrices quantized only if asked
         params = weights.read_gguf(cfg, gguf, weights.dtype_from_name(chosen), progress, asked, mesh)
     elif is_converted(model_dir):
-        abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh)
+        methods = config_json.get(METHODS_KEY)
+        abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh, methods)
         params = restore_params(model_dir / ORBAX_DIR, abstract)
     else:
         files = weights.safetensors_files(model_dir)
@@ -211,17 +215,18 @@ def open_model(
     speculate: str | None = None,
     num_draft: int | None = None,
     draft_model: str | Path | None = None,
+    gguf_file: str | None = None,
     progress: weights.ProgressFn | None = None,
 ) -> OpenModel:
     """`load_model` and what generating with it needs. `max_context`: the cache length (default the
     model's trained positions, at most `defaults.MAX_CONTEXT`); `prefill_chunk` as `Decoding`'s;
     `speculate` "ngram" drafts by prompt lookup, `draft_model` (a directory or hub id) with a small
     model sharing the tokenizer, loaded with the same dtype, quantize, kv_dtype and layout onto the
-    same mesh; `num_draft` tokens a step (default `defaults.NUM_DRAFT`). Every parameter is checked
-    before any weights are read."""
+    same mesh; `gguf_file` as `load_model`'s; `num_draft` tokens a step (default `defaults.NUM_DRAFT`).
+    Every parameter is checked before any weights are read."""
     _check_context(max_context)  # before the weights are read
     decoding = Decoding(prefill_chunk, _speculation(speculate, num_draft, draft_model))
-    model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh)
+    model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh, gguf_file)
     if draft_model is not None:
         draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh)
         check_draft(model, draft)

@@ -3,6 +3,7 @@ and whether it is our converted form."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from importlib import resources
@@ -16,6 +17,8 @@ from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
 # config.json of a converted model stored quantized ("int8", "int4", ...); a GGUF file's most common method
 QUANTIZED_KEY = "jaxinfer_quantize"
+# config.json of a converted GGUF file: each quantized matrix's method by its path (`forms.methods_of`)
+METHODS_KEY = "jaxinfer_methods"
 # Everything a run needs besides the weights.
 SIDE_FILES = (
     "config.json",
@@ -55,21 +58,33 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")  # "org/name", or "org/name@
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what loading reads: no .bin, .gguf, ...
 
 
-def model_directory(path: str | Path | None) -> Path:
-    """A local directory as given; else a Hugging Face hub id, from the local hub cache (HF_HOME,
-    HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow; none: the bundled model."""
+def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Path:
+    """A local directory (or GGUF file) as given; else a Hugging Face hub id, from the local hub cache
+    (HF_HOME, HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow: its model files,
+    or only its GGUF file `gguf_file` (a GGUF repository holds one per quantization); none: the
+    bundled model."""
     if path is None:
+        if gguf_file:
+            raise JaxinferError("gguf_file names a file of a hub repository: give the repository too", "gguf_file")
         return bundled_model_dir()
     local = Path(path).expanduser()
     if local.exists() or not HUB_ID.fullmatch(str(path)):
+        if gguf_file:
+            raise JaxinferError(f"gguf_file names a file of a hub repository; {path} is not a hub id", "gguf_file")
         return local
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, _, revision = str(path).partition("@")
-    where = dict(revision=revision or None, allow_patterns=HUB_FILES)
+    if gguf_file:
+        where = dict(revision=revision or None, filename=gguf_file)
+        fetch = functools.partial(hf_hub_download, repo_id)
+        path = f"{path}, file {gguf_file}"
+    else:
+        where = dict(revision=revision or None, allow_patterns=HUB_FILES)
+        fetch = functools.partial(snapshot_download, repo_id)
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True, **where))
+        return Path(fetch(local_files_only=True, **where))
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
             raise JaxinferError(
@@ -77,7 +92,7 @@ def model_directory(path: str | Path | None) -> Path:
                 "(HF_HUB_OFFLINE is set)"
             ) from None
     try:
-        return Path(snapshot_download(repo_id, **where))  # with huggingface_hub's progress bars
+        return Path(fetch(**where))  # with huggingface_hub's progress bars
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
         raise JaxinferError(
             f"{path} is not a local directory, nor in the Hugging Face cache {constants.HF_HUB_CACHE}, and downloading "
@@ -86,16 +101,17 @@ def model_directory(path: str | Path | None) -> Path:
         ) from None
 
 
-def load_config(path: str | Path | None = None) -> tuple[Path, ModelConfig, dict]:
-    """(directory, config, config.json as read) of a model directory or hub id; no path: the bundled
-    model. A GGUF file stands for a directory: the config.json its metadata describes (`gguf_file`)."""
-    from jaxinfer import gguf_file
+def load_config(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[Path, ModelConfig, dict]:
+    """(directory, config, config.json as read) of a model directory or hub id (`gguf_file`: its GGUF file
+    of that name); no path: the bundled model. A GGUF file stands for a directory: the config.json its
+    metadata describes (`jaxinfer.gguf_model`)."""
+    from jaxinfer import gguf_model
 
-    model_dir = model_directory(path)
-    if gguf_file.is_gguf(model_dir):
-        file = gguf_file.open_gguf(model_dir)
-        method = gguf_file.quantized_by(file)
-        config_json = {**gguf_file.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
+    model_dir = model_directory(path, gguf_file)
+    if gguf_model.is_gguf(model_dir):
+        file = gguf_model.open_gguf(model_dir)
+        method = gguf_model.quantized_by(file)
+        config_json = {**gguf_model.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
     elif not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
     else:

@@ -40,7 +40,7 @@ class Tokenizer:
                 sp = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
             except (OSError, RuntimeError) as e:
                 raise JaxinferError(f"{model_dir / 'tokenizer.model'}: cannot be read ({e})") from None
-            self._setup(config, sp=sp)
+            self._setup(config, sp=sp, specials=[_token_text(t) for t in config.get("additional_special_tokens", [])])
         else:
             raise JaxinferError(f"{model_dir}: no tokenizer.json or tokenizer.model found")
 
@@ -76,7 +76,7 @@ class Tokenizer:
     def _setup(self, config: dict, hf=None, sp=None, specials: list[str] = ()) -> None:
         """`specials`: tokens matched whole in the text besides the named ones (sentencepiece only;
         tokenizer.json's added tokens do it themselves)."""
-        self.config, self._hf, self._sp = config, hf, sp
+        self.config, self._hf, self._sp, self._extra_specials = config, hf, sp, list(specials)
         if hf is not None:
             self.vocab_size = max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         else:
@@ -93,6 +93,16 @@ class Tokenizer:
         self.special_tokens = self._special_tokens()  # what chat templates see
         specials = sorted({t for t in (*self.special_tokens.values(), *specials) if t}, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+
+    def save(self, directory: Path) -> None:
+        """Into a model directory as transformers keeps it: tokenizer.json or tokenizer.model, and
+        tokenizer_config.json (with the tokens matched whole as `additional_special_tokens`)."""
+        if self._hf is not None:
+            self._hf.save(str(directory / "tokenizer.json"))
+        else:
+            (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
+        config = {**self.config, "additional_special_tokens": self._extra_specials}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
     def pieces(self) -> dict[str, int]:
         """Every token's text (as the tokenizer names it) → its id: two tokenizers with the same

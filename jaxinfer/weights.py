@@ -46,15 +46,23 @@ def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
     return tree
 
 
-def abstract_params(cfg: ModelConfig, dtype, quantize: str | None = None, mesh: Mesh | None = None) -> dict:
+def abstract_params(
+    cfg: ModelConfig, dtype, quantize: str | None = None, mesh: Mesh | None = None, methods: dict | None = None
+) -> dict:
     """The parameter tree as ShapeDtypeStructs in their forms: the restore target (no random
     initialisation), each leaf with its place on `mesh` where there is one (orbax reads each device's
-    shard only)."""
+    shard only). Matrices are quantized by `quantize` where they fit, or by `methods` where given
+    (`forms.methods_of`: a converted GGUF file's, each matrix its own)."""
 
     def leaf(path: TreePath, shape: tuple[int, ...]):
-        if quantize and quantized_here(path, shape):
-            shapes = quant.METHODS[quantize].packed_shapes(shape)
-            return Quantized(jax.ShapeDtypeStruct(*shapes["q"]), jax.ShapeDtypeStruct(*shapes["scale"]), quantize)
+        if methods is not None:
+            method = methods.get(".".join(map(str, path)))
+        else:
+            method = quantize if quantize and quantized_here(path, shape) else None
+        if method:
+            shapes = quant.METHODS[method].packed_shapes(shape).values()
+            arrays = [jax.ShapeDtypeStruct(*s) for s in shapes]
+            return Quantized(*arrays[:2], method, *arrays[2:])
         array = jax.ShapeDtypeStruct(shape, dtype)
         return Plain(array) if is_matrix(path, shape) else array
 
@@ -85,13 +93,13 @@ def read_gguf(
     quantize: str | None = None,
     mesh: Mesh | None = None,
 ) -> dict:
-    """A GGUF file's tensors (`jaxinfer.gguf_file`) through the table into the tree, as
+    """A GGUF file's tensors (`jaxinfer.gguf_model`) through the table into the tree, as
     `read_safetensors` reads a checkpoint's; its Q8_0/Q4_0 blocks as `quant` methods' packed leaves."""
-    from jaxinfer import gguf_file
+    from jaxinfer import gguf_model
 
     table = weight_table(cfg)
-    names = gguf_file.gguf_names(cfg, table)
-    extra = gguf_file.unmapped(file, set(names.values()))
+    names = gguf_model.gguf_names(cfg, table)
+    extra = gguf_model.unmapped(file, set(names.values()))
     if extra:
         raise JaxinferError(
             f"{file.path}: tensor {extra[0]} does not belong to a {cfg.architecture} with this metadata"
@@ -100,7 +108,7 @@ def read_gguf(
     permuted = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads, "bk": cfg.num_kv_heads}
     for done, (hf_name, weight) in enumerate(table.items(), 1):
         heads = permuted.get(weight.path[-1]) if cfg.architecture == "LlamaForCausalLM" else None
-        how, value = gguf_file.tensor_values(file, names[hf_name], weight.shape, heads)
+        how, value = gguf_model.tensor_values(file, names[hf_name], weight.shape, heads)
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
         else:  # a method's arrays, whole on every device (the kernel's custom call takes a whole matrix)

@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 from reference import our_prompt_logits
 
-from jaxinfer import forms, gguf_file, weights
+from jaxinfer import forms, gguf_model, weights
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
@@ -47,7 +47,7 @@ def test_tokens_are_llama_cpp_s():
     code, whitespace runs and special tokens written in the text."""
     fixture = json.loads((DATA / "tokens.json").read_text())
     for kind, answer in fixture["by_tokenizer"].items():
-        meta = gguf_file.open_gguf(DATA / answer["file"]).meta
+        meta = gguf_model.open_gguf(DATA / answer["file"]).meta
         tokenizer = Tokenizer.from_gguf(meta, answer["file"])
         for line, expected in zip(fixture["lines"], answer["tokens"]):
             assert tokenizer.encode(line) == expected, (kind, line)
@@ -61,14 +61,14 @@ def test_every_tensor_is_the_files_own_values(name):
     """The loaded tree's matrices (q/k rows put back in Hugging Face's order) hold exactly what the
     gguf package's reference dequantizes from the file; Q8_0/Q4_0 stay in their blocks (q8_0/q4_0)."""
     model = load_model(DATA / name, layout="out_in")
-    file = gguf_file.open_gguf(DATA / name)
+    file = gguf_model.open_gguf(DATA / name)
     table = weights.weight_table(model.config)
-    names = gguf_file.gguf_names(model.config, table)
+    names = gguf_model.gguf_names(model.config, table)
     for hf_name, (path, shape, _) in table.items():
         tensor = file.tensors[names[hf_name]]
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
         if path[-1] in ("wq", "wk") and model.config.architecture == "LlamaForCausalLM":
-            values = gguf_file._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
+            values = gguf_model._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
         leaf = model.params
         for key in path:
             leaf = leaf[key]
@@ -128,12 +128,41 @@ def test_chat_template_and_special_tokens_come_from_the_file():
 
 
 @pytest.mark.slow
-def test_run_takes_a_gguf_file(tmp_path):
+def test_run_takes_a_gguf_file_from_a_path_and_from_the_hub_cache(tmp_path):
+    """`-m FILE.gguf`, and `-m org/name --gguf-file NAME` from the hub cache offline: llama.cpp's greedy text."""
     answer = recorded("llama-sp.F32.gguf")
-    proc = jaxinfer("run", "-m", DATA / "llama-sp.F32.gguf", gguf_prompt(), "-n", "24", "--temp", "0", "--json")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert result["token_ids"] == answer["greedy"].tolist()
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--acme--tiny-GGUF"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    shutil.copy(DATA / "llama-sp.F32.gguf", repo / "snapshots" / commit / "tiny-f32.gguf")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    offline = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    args = (gguf_prompt(), "-n", "24", "--temp", "0", "--json")
+    for model in (["-m", DATA / "llama-sp.F32.gguf"], ["-m", "acme/tiny-GGUF", "--gguf-file", "tiny-f32.gguf"]):
+        proc = jaxinfer("run", *model, *args, env=offline)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == answer["greedy"].tolist()
+    missing = jaxinfer("run", "-m", "acme/tiny-GGUF", "--gguf-file", "q4.gguf", "Hi", env=offline)
+    assert_one_line_error(missing, "acme/tiny-GGUF, file q4.gguf", "HF_HUB_OFFLINE")
+    assert_one_line_error(jaxinfer("run", "--gguf-file", "q4.gguf", "Hi"), "--gguf-file names a file of a hub")
+
+
+@pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "llama3-bpe.F16.gguf", "qwen2-bpe.BF16.gguf"])
+def test_convert_keeps_the_files_model(name, tmp_path):
+    """The converted form of a GGUF file: every matrix in its method, the tokenizer (special tokens
+    matched whole), the chat template and the end tokens, the same logits."""
+    from jaxinfer.convert import convert
+
+    converted = load_model(convert(DATA / name, tmp_path / "converted"))
+    model = load_model(DATA / name)
+    text = "The capital <|im_start|> of France 東京 🙂"
+    ids = model.tokenizer.encode(text)
+    assert converted.tokenizer.encode(text) == ids
+    assert converted.tokenizer.config.get("chat_template") == model.tokenizer.config.get("chat_template")
+    assert converted.eos_ids == model.eos_ids and converted.quantize == model.quantize
+    assert forms.methods_of(converted.params) == forms.methods_of(model.params)
+    np.testing.assert_array_equal(our_prompt_logits(converted, ids)[0], our_prompt_logits(model, ids)[0])
 
 
 def corrupted(tmp_path: Path, name: str, change) -> Path:

@@ -138,6 +138,9 @@ def config_json(file: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in file.tensors,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in file.tensors,
     }
+    ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
+    if ends:  # llama.cpp ends generation at any of them
+        d["eos_token_id"] = sorted(int(e) for e in ends)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in file.tensors:
         factors = _tensor(file, "rope_freqs.weight")
