@@ -4,6 +4,7 @@ model, its context); every command that generates opens its model through it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,8 +48,14 @@ class LoadedModel:
         parts = [self.dtype] + ([f"{self.computed_in} compute"] if self.computed_in != self.dtype else [])
         if self.config.matmul_inputs != self.computed_in:
             parts.append(f"{self.config.matmul_inputs} matmul inputs")
-        parts += [f"{kind} {name}" for kind, name in ((self.quantize, "weights"), (self.config.kv_dtype, "KV")) if kind]
+        parts += [f"{kind} {name}" for kind, name in ((self.methods, "weights"), (self.config.kv_dtype, "KV")) if kind]
         return ", ".join(parts)
+
+    @property
+    def methods(self) -> str | None:
+        """The quantized matrices' methods, the most common first: "q8_0", "q4_k/q6_k" (a GGUF file's mix)."""
+        counts = Counter(forms.methods_of(self.params).values())
+        return "/".join(method for method, _ in counts.most_common()) or None
 
     @property
     def computed_in(self) -> str:

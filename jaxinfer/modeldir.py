@@ -55,6 +55,7 @@ def bundled_model_dir() -> Path:
 
 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")  # "org/name", or "org/name@revision"
+OLLAMA = re.compile(r"ollama:(?P<name>[\w./-]+?)(:(?P<tag>[\w.-]+))?")  # "ollama:llama3.2:1b"
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what loading reads: no .bin, .gguf, ...
 
 
@@ -63,6 +64,8 @@ def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Pa
     (HF_HOME, HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow: its model files,
     or only its GGUF file `gguf_file` (a GGUF repository holds one per quantization); none: the
     bundled model."""
+    if path is not None and (named := OLLAMA.fullmatch(str(path))):
+        return ollama_blob(named["name"], named["tag"] or "latest")
     if path is None:
         if gguf_file:
             raise JaxinferError("gguf_file names a file of a hub repository: give the repository too", "gguf_file")
@@ -99,6 +102,28 @@ def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Pa
             "it failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
         ) from None
+
+
+def ollama_blob(name: str, tag: str) -> Path:
+    """The GGUF file ollama keeps for `name:tag` (`ollama pull`'s): its manifest names the model layer's
+    blob, under OLLAMA_MODELS (default ~/.ollama/models). Names without a host are the library's."""
+    import os
+
+    root = Path(os.environ.get("OLLAMA_MODELS") or "~/.ollama/models").expanduser()
+    parts = name.split("/")
+    parts = parts if "." in parts[0] else ["registry.ollama.ai", *(["library"] if len(parts) == 1 else []), *parts]
+    manifest = root.joinpath("manifests", *parts, tag)
+    if not manifest.is_file():
+        raise JaxinferError(f"ollama has no {name}:{tag} in {root} (no {manifest}): ollama pull {name}:{tag}")
+    layers = read_json(manifest).get("layers") or ()
+    model = [
+        str(layer.get("digest", ""))
+        for layer in layers
+        if isinstance(layer, dict) and str(layer.get("mediaType", "")).endswith(".model")
+    ]
+    if not model:
+        raise JaxinferError(f"{manifest}: the ollama manifest names no model layer")
+    return root / "blobs" / model[0].replace(":", "-")
 
 
 def load_config(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[Path, ModelConfig, dict]:

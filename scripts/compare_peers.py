@@ -15,12 +15,13 @@ build it for AVX-512 without AMX instead:
 Each shape (SmolLM-135M, TinyLlama-1.1B) becomes a random-weight float32 checkpoint made by
 transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
-by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs the same 512 prompt
-tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the median of the
-repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits; decode
-tokens/s = generated tokens after the first / their time. Each peer row is compared with the
-jaxinfer row of the same kind of weights: 32-bit with float32, 16-bit (f16, bfloat16) with our bfloat16,
-q8_0 with int8, q4_0 with int4.
+and Q4_K_M by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs the same
+512 prompt tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the
+median of the repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits;
+decode tokens/s = generated tokens after the first / their time. Each peer row is compared with the
+jaxinfer row of the same kind of weights: 32-bit with float32, 16-bit (f16, bfloat16) with our
+bfloat16; llama.cpp's quantized files with jaxinfer running the same file (`-m FILE.gguf`). The int8
+and int4 rows are jaxinfer's own quantization of the float32 checkpoint (`--quantize`), for reference.
 
 The table replaces the first section of BENCHMARKS.md; the sections after it are kept.
 """
@@ -115,34 +116,40 @@ ROWS = [
     ("jaxinfer", "bfloat16"),
     ("jaxinfer", "int8"),
     ("jaxinfer", "int4"),
+    ("jaxinfer", "q8_0 GGUF"),
+    ("jaxinfer", "q4_0 GGUF"),
+    ("jaxinfer", "q4_k_m GGUF"),
     ("transformers", "float32"),
     ("transformers", "bfloat16"),
     ("llama.cpp", "f32"),
     ("llama.cpp", "f16"),
     ("llama.cpp", "q8_0"),
     ("llama.cpp", "q4_0"),
+    ("llama.cpp", "q4_k_m"),
 ]
+# a quantized llama.cpp row against jaxinfer running the same GGUF file
 OURS_FOR = {
     "float32": "float32",
     "bfloat16": "bfloat16",
     "f32": "float32",
     "f16": "bfloat16",
-    "q8_0": "int8",
-    "q4_0": "int4",
+    "q8_0": "q8_0 GGUF",
+    "q4_0": "q4_0 GGUF",
+    "q4_k_m": "q4_k_m GGUF",
 }
-LLAMA_FTYPE_MOSTLY_Q4_0 = 2  # llama.h
+QUANTIZED_BY_LLAMA_CPP = {"q4_0": 2, "q4_k_m": 15}  # llama.h's LLAMA_FTYPE_MOSTLY_*
 
 
 def gguf(model_dir: Path, work: Path, kind: str) -> Path:
-    """The checkpoint as a GGUF of `kind` (f32, f16, q8_0 by the converter; q4_0 quantized from f32)."""
+    """The checkpoint as a GGUF of `kind` (f32, f16, q8_0 by the converter; q4_0, q4_k_m quantized from f32)."""
     out = model_dir / f"model-{kind}.gguf"
     if out.is_file():
         return out
-    if kind == "q4_0":
+    if kind in QUANTIZED_BY_LLAMA_CPP:
         import llama_cpp
 
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = LLAMA_FTYPE_MOSTLY_Q4_0
+        params.ftype = QUANTIZED_BY_LLAMA_CPP[kind]
         if llama_cpp.llama_model_quantize(str(gguf(model_dir, work, "f32")).encode(), str(out).encode(), params) != 0:
             raise RuntimeError("llama_model_quantize failed")
         return out
@@ -161,8 +168,11 @@ def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weig
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import Sampling
 
-    dtype, quantize = (weights, None) if weights in ("float32", "bfloat16") else ("float32", weights)
-    model = load_model(model_dir, dtype, quantize=quantize)
+    if weights.endswith(" GGUF"):  # llama.cpp's own file, its matrices as it holds them
+        model = load_model(model_dir / f"model-{weights.split()[0]}.gguf")
+    else:
+        dtype, quantize = (weights, None) if weights in ("float32", "bfloat16") else ("float32", weights)
+        model = load_model(model_dir, dtype, quantize=quantize)
     results = []
     for _ in range(repeat + 1):  # the first compiles and warms up
         engine = Engine(model.config, model.params, len(prompt) + new, eos_ids=())  # an empty cache: no reuse
@@ -272,6 +282,8 @@ def main() -> None:
         rates = {}
         for engine, weights in ROWS:
             if engine == "jaxinfer":
+                if weights.endswith(" GGUF"):
+                    gguf(model_dir, args.work, weights.split()[0])
                 rates[engine, weights] = run_jaxinfer(model_dir, prompt, args.tokens, args.repeat, weights)
             elif engine == "transformers":
                 rates[engine, weights] = run_transformers(
@@ -300,8 +312,8 @@ def main() -> None:
         f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; {versions()}.",
         f"`python scripts/compare_peers.py`: random-weight models, {args.prompt} prompt tokens, {args.tokens} "
         f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up. Each peer row is compared with "
-        "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16, q8_0 with int8, q4_0 "
-        "with int4).",
+        "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16; a quantized "
+        "llama.cpp row with jaxinfer running the same GGUF file).",
         "",
         "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, "
         "prefill | jaxinfer ÷ peer, decode |",

@@ -148,6 +148,29 @@ def test_run_takes_a_gguf_file_from_a_path_and_from_the_hub_cache(tmp_path):
     assert_one_line_error(jaxinfer("run", "--gguf-file", "q4.gguf", "Hi"), "--gguf-file names a file of a hub")
 
 
+def test_ollama_names_its_blob(tmp_path, monkeypatch):
+    """`ollama:NAME[:TAG]`: the model layer of ollama's manifest, a GGUF file under OLLAMA_MODELS."""
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.modeldir import load_config
+
+    digest = "sha256:" + "ab" * 32
+    (tmp_path / "blobs").mkdir()
+    shutil.copy(DATA / "qwen3-bpe.Q8_0.gguf", tmp_path / "blobs" / digest.replace(":", "-"))
+    for name, where in (("tiny", "registry.ollama.ai/library/tiny"), ("hf.co/acme/tiny-GGUF", "hf.co/acme/tiny-GGUF")):
+        manifest = tmp_path / "manifests" / where / "q8"
+        manifest.parent.mkdir(parents=True)
+        layers = [
+            {"mediaType": "application/vnd.ollama.image.template"},
+            {"mediaType": "application/vnd.ollama.image.model", "digest": digest},
+        ]
+        manifest.write_text(json.dumps({"layers": layers}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
+    for name in ("ollama:tiny:q8", "ollama:hf.co/acme/tiny-GGUF:q8"):
+        assert load_config(name)[1].qk_norm  # the qwen3 file
+    with pytest.raises(JaxinferError, match="ollama pull tiny:latest"):
+        load_config("ollama:tiny")
+
+
 @pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "llama3-bpe.F16.gguf", "qwen2-bpe.BF16.gguf"])
 def test_convert_keeps_the_files_model(name, tmp_path):
     """The converted form of a GGUF file: every matrix in its method, the tokenizer (special tokens

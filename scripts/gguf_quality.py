@@ -1,0 +1,135 @@
+"""jaxinfer on llama.cpp's own quantized GGUF files, judged against llama.cpp on the same files: the
+perplexity each engine gives held-out text, and how often jaxinfer's next token is llama.cpp's.
+
+    pip install -e ".[compare]"        # llama-cpp-python: the converter's source, its quantizer, its answers
+    python scripts/gguf_quality.py     # prints one JSON line per file, then a Markdown table
+
+The bundled model (trained, so its distributions are not a random model's) becomes an F32 GGUF by
+llama.cpp's `convert_hf_to_gguf.py`, then Q8_0 by the converter and Q4_0, Q4_K_M, Q5_K_M, Q6_K by
+`llama_model_quantize`. Both engines score the same token windows (`jaxinfer.perplexity.windows`:
+`--context` tokens, advancing by half of it) of the held-out text: this repository's own Python, which
+the model never saw. llama.cpp runs with a float32 KV cache, so only the weights' handling differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from compare_peers import llama_cpp_source  # noqa: E402
+
+KINDS = ("F32", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+FTYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
+
+
+def files(work: Path) -> dict[str, Path]:
+    """The bundled model as a GGUF file of each kind, made by llama.cpp (once, kept in `work`)."""
+    import subprocess
+
+    import llama_cpp
+
+    from jaxinfer.modeldir import bundled_model_dir
+
+    tree = llama_cpp_source(Path(tempfile.gettempdir()))
+    out = {kind: work / f"bundled.{kind}.gguf" for kind in KINDS}
+    for kind, outtype in (("F32", "f32"), ("Q8_0", "q8_0")):
+        if not out[kind].is_file():
+            command = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(bundled_model_dir())]
+            command += ["--outtype", outtype, "--outfile", str(out[kind])]
+            subprocess.run(command, check=True, env={"PYTHONPATH": str(tree / "gguf-py")})
+    for kind, ftype in FTYPES.items():
+        if not out[kind].is_file():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = ftype
+            if llama_cpp.llama_model_quantize(str(out["F32"]).encode(), str(out[kind]).encode(), params) != 0:
+                raise RuntimeError(f"llama_model_quantize {kind} failed")
+    return out
+
+
+def log_probs_llama_cpp(path: Path, window: list[int]) -> np.ndarray:
+    """llama.cpp's log-probabilities [T-1, V] of each next token of `window`."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=len(window), n_batch=len(window), logits_all=True, verbose=False, type_k=0, type_v=0
+    )
+    llm.eval(window[:-1])
+    logits = np.array(llm.scores[: len(window) - 1], np.float64)
+    return (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+
+
+def log_probs_ours(model, window: list[int]) -> np.ndarray:
+    import jax.numpy as jnp
+
+    from jaxinfer.perplexity import _window_logprobs
+
+    return np.asarray(_window_logprobs(model.params, jnp.asarray(window), model.config), np.float64)
+
+
+def judge(path: Path, ids: list[int], context: int) -> dict:
+    from jaxinfer.loading import load_model
+    from jaxinfer.perplexity import windows
+
+    model = load_model(path)
+    nll = {"jaxinfer": 0.0, "llama.cpp": 0.0}
+    agree = scored = 0
+    for w in windows(len(ids), context, context // 2):
+        window = ids[w.start : w.start + context]
+        targets = np.asarray(window[1:])[w.scored_from - 1 :]
+        ours = log_probs_ours(model, window)[w.scored_from - 1 :]
+        theirs = log_probs_llama_cpp(path, window)[w.scored_from - 1 :]
+        at = np.arange(len(targets))
+        nll["jaxinfer"] -= ours[at, targets].sum()
+        nll["llama.cpp"] -= theirs[at, targets].sum()
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        scored += len(targets)
+    ppl = {engine: float(np.exp(total / scored)) for engine, total in nll.items()}
+    return {
+        "file": path.name,
+        "storage": model.storage,
+        "tokens": scored,
+        "perplexity": ppl,
+        "ratio": ppl["jaxinfer"] / ppl["llama.cpp"],
+        "top1_agreement": agree / scored,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "jaxinfer-gguf-quality")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    from jaxinfer.loading import load_model
+
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "jaxinfer").glob("*.py")))
+    ids = load_model(files(args.work)["F32"]).tokenizer.encode(text)[: args.tokens]
+    rows = []
+    for kind, path in files(args.work).items():
+        rows.append(judge(path, ids, args.context))
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| file | jaxinfer runs it as | perplexity, jaxinfer | llama.cpp | ratio | top-1 agreement |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        p = r["perplexity"]
+        print(
+            f"| {r['file']} | {r['storage']} | {p['jaxinfer']:.4f} | {p['llama.cpp']:.4f} | {r['ratio']:.4f} "
+            f"| {r['top1_agreement']:.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
