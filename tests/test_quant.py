@@ -28,7 +28,7 @@ SHAPES = [
     (32, 32, 8),
     (32, 64, 2),
 ]
-K_SHAPES = [(16, 256, 1), (48, 512, 3), (32, 256, 9), (64, 768, 17), (32, 256, 2)]
+K_SHAPES = [(48, 256, 1), (48, 512, 3), (32, 256, 9), (64, 768, 17), (32, 256, 2)]
 K_QUANTS = [name for name, m in quant.METHODS.items() if m.kind >= 0]  # llama.cpp's scale-and-min formats
 
 

@@ -128,15 +128,18 @@ struct Shared {
   }
 };
 
-// Runs `run` over [0, items) on this thread and the pool, in chunks of at least ~32 KiB of work
-// (`item_bytes` per item) and a few per thread to even out the finish. `run` may read the
-// caller's stack: it is only called before the caller returns.
+// Runs `run` over [0, items) on this thread and the pool, in chunks of a quarter of a thread's share
+// (a few per thread even out the finish), at most ~1 MiB of work (`item_bytes` per item) each: a
+// chunk's weights stream from memory as one run the prefetchers follow. Decode's matmuls one after
+// another (each waiting for the last, as in a model), 2 Zen 4 cores: q4_0 31 → 42 GB/s, Q4_K 32 → 38,
+// Q6_K 26 → 33 when chunks of at most 32 KiB became 1 MiB. `run` may read the caller's stack: it is
+// only called before the caller returns.
 inline void parallel_items(xla::ffi::ThreadPool& pool, int64_t items, int64_t item_bytes, std::function<void(int64_t, int64_t)> run) {
   auto shared = std::make_shared<Shared>();
   shared->run = std::move(run);
   shared->items = items;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t by_size = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(1, item_bytes));
+  const int64_t by_size = std::max<int64_t>(1, (int64_t{1024} << 10) / std::max<int64_t>(1, item_bytes));
   shared->chunk_items = std::min(by_size, std::max<int64_t>(1, items / (4 * threads)));
   shared->chunks = (items + shared->chunk_items - 1) / shared->chunk_items;
   const int64_t helpers = std::min(threads - 1, shared->chunks - 1);
