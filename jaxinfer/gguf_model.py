@@ -27,7 +27,18 @@ from jaxinfer.errors import JaxinferError
 MAGIC = b"GGUF"
 
 # general.architecture → the Hugging Face architecture whose family runs it
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# llama.cpp's sliding-window pattern where the file gives none (every n-th layer global), and the
+# layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
+SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # how each tensor type becomes a leaf: "float", one of `quant.METHODS`, or "dequantize"
 TYPES = {
     "F32": "float",
@@ -142,6 +153,8 @@ def config_json(file: GGUFFile) -> dict:
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if arch.startswith("gemma"):
+        d.update(_gemma(file, key, d))
     if "rope_freqs.weight" in file.tensors:
         factors = _tensor(file, "rope_freqs.weight")
         d["rope_scaling"] = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, np.float32).tolist()}
@@ -152,6 +165,35 @@ def config_json(file: GGUFFile) -> dict:
     floats = [FILE_DTYPES[k] for k in _layer_types(file) if k in FILE_DTYPES]
     d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
     return d
+
+
+def _gemma(file: GGUFFile, key, d: dict) -> dict:
+    """Gemma's keys as llama.cpp reads a file: its GELU; Gemma 2/3's sliding layers (the file's
+    pattern, else every 2nd / 6th layer global), soft-caps, the 27B models' query scale; Gemma 3's
+    sliding layers' rope base (10000 unless the file says)."""
+    arch, layers = file.architecture, d["num_hidden_layers"]
+    gemma = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return gemma
+    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    pattern = file.meta.get(f"{arch}.attention.sliding_window_pattern", SLIDING_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag a layer: sliding or not
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    if window <= 0:
+        sliding = [False] * layers
+    scalar = d["hidden_size"] // d["num_attention_heads"] if layers == GEMMA_27B_LAYERS[arch] else d["head_dim"]
+    gemma.update(
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        query_pre_attn_scalar=scalar,
+        attn_logit_softcapping=float(key("attn_logit_softcapping", 0.0)) or None,
+        final_logit_softcapping=float(key("final_logit_softcapping", 0.0)) or None,
+    )
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
+    return gemma
 
 
 def quantized_by(file: GGUFFile) -> str | None:

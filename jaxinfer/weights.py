@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer import quant
@@ -109,6 +110,8 @@ def read_gguf(
     for done, (hf_name, weight) in enumerate(table.items(), 1):
         heads = permuted.get(weight.path[-1]) if cfg.architecture == "LlamaForCausalLM" else None
         how, value = gguf_model.tensor_values(file, names[hf_name], weight.shape, heads)
+        if cfg.norm_plus_one and len(weight.shape) == 1 and weight.path[-1].endswith("norm"):
+            value = np.asarray(value, np.float32) - 1  # llama.cpp's converter stored Gemma's 1 + weight
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
         else:  # a method's arrays, whole on every device (the kernel's custom call takes a whole matrix)

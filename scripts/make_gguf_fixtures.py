@@ -107,6 +107,10 @@ MODELS = {
     "llama3-bpe": ("llama3-scaled", "llama3", dict(bos_token_id=0, eos_token_id=4), ["F16"]),
     "qwen2-bpe": ("qwen2", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["BF16"]),
     "qwen3-bpe": ("qwen3", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["F16", "Q8_0"]),
+    "gemma-sp": ("gemma", "sp", {}, ["F16"]),
+    "gemma2-sp": ("gemma2", "sp", {}, ["Q8_0"]),
+    # llama.cpp takes Gemma 3's pattern of one global layer in 6 as given (the converter writes none)
+    "gemma3-sp": ("gemma3", "sp", dict(num_hidden_layers=6, sliding_window_pattern=6, intermediate_size=64), ["F32"]),
     # matrices 256 wide: the k-quants' super-blocks
     "llama-sp-256": (
         "llama",

@@ -32,6 +32,9 @@ FILES = sorted(p.name for p in DATA.glob("*.gguf"))
 # the quantized files on the trained bundled model, where they are not chaotic.
 TOLERANCE = {"F32": 1e-5, "F16": 5e-3, "BF16": 3e-2}
 QUANTIZED_TOLERANCE = 6e-2
+# llama.cpp's CPU GELU (Gemma's MLP) reads a table of float16 values at the input rounded to float16
+# (ggml's GGML_GELU_FP16): ~1e-4 of max|logit| on these models where the exact GELU is used
+GELU_TOLERANCE = 1e-3
 
 
 def kind_of(name: str) -> str:
@@ -58,7 +61,7 @@ def test_tokens_are_llama_cpp_s():
 
 @pytest.mark.parametrize("name", FILES)
 def test_every_tensor_is_the_files_own_values(name):
-    """The loaded tree's matrices (q/k rows put back in Hugging Face's order) hold exactly what the
+    """The loaded tree's leaves (q/k rows put back in Hugging Face's order) hold exactly what the
     gguf package's reference dequantizes from the file; Q8_0/Q4_0 stay in their blocks (q8_0/q4_0)."""
     model = load_model(DATA / name, layout="out_in")
     file = gguf_model.open_gguf(DATA / name)
@@ -75,6 +78,8 @@ def test_every_tensor_is_the_files_own_values(name):
         if isinstance(leaf, forms.Quantized):
             assert leaf.method == tensor.tensor_type.name.lower()
         ours = np.asarray(leaf.dense() if forms.is_form(leaf) else leaf, np.float32)
+        if model.config.norm_plus_one and path[-1].endswith("norm"):
+            ours = ours + 1  # Gemma's norms scale by 1 + weight; llama.cpp's converter stored the sum
         np.testing.assert_array_equal(ours, values.astype(np.float32), err_msg=hf_name)
 
 
@@ -91,7 +96,10 @@ def test_logits_and_greedy_text_are_llama_cpp_s(name):
     ours, _ = our_prompt_logits(model, ids[:-1], S=128)
     theirs = answer["logits"][: len(ids) - 1]
     kind = kind_of(name)
-    assert np.abs(ours - theirs).max() <= TOLERANCE.get(kind, QUANTIZED_TOLERANCE) * np.abs(theirs).max()
+    tolerance = TOLERANCE.get(kind, QUANTIZED_TOLERANCE)
+    if model.config.activation == "gelu_tanh":
+        tolerance = max(tolerance, GELU_TOLERANCE)
+    assert np.abs(ours - theirs).max() <= tolerance * np.abs(theirs).max()
     agreement = (ours.argmax(-1) == theirs.argmax(-1)).mean()
     assert agreement == 1 if kind in ("F32", "F16") else agreement >= 0.9
     if kind_of(name) == "F32":
