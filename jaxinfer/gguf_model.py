@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # llama.cpp's sliding-window pattern where the file gives none (every n-th layer global), and the
 # layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
@@ -152,19 +153,28 @@ def config_json(file: GGUFFile) -> dict:
     ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if arch.startswith("gemma"):
         d.update(_gemma(file, key, d))
-    if "rope_freqs.weight" in file.tensors:
-        factors = _tensor(file, "rope_freqs.weight")
-        d["rope_scaling"] = {"rope_type": "freq_factors", "factors": np.asarray(factors.data, np.float32).tolist()}
-    elif scaling == "linear":
-        d["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    elif scaling != "none":
-        raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    if arch == "phi3":
+        d.update(_phi3(file, key, d))
+    else:
+        d.update(_rope_scaling(file, key))
     floats = [FILE_DTYPES[k] for k in _layer_types(file) if k in FILE_DTYPES]
     d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
     return d
+
+
+def _rope_scaling(file: GGUFFile, key) -> dict:
+    """config.json's rope_scaling from the file: Llama 3's as per-frequency factors (`rope_freqs`), or linear."""
+    scaling = file.meta.get(f"{file.architecture}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in file.tensors:
+        factors = np.asarray(_tensor(file, "rope_freqs.weight").data, np.float32).tolist()
+        return {"rope_scaling": {"rope_type": "freq_factors", "factors": factors}}
+    if scaling == "linear":
+        return {"rope_scaling": {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}}
+    if scaling != "none":
+        raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    return {}
 
 
 def _gemma(file: GGUFFile, key, d: dict) -> dict:
@@ -194,6 +204,24 @@ def _gemma(file: GGUFFile, key, d: dict) -> dict:
     if arch == "gemma3":
         gemma["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
     return gemma
+
+
+def _phi3(file: GGUFFile, key, d: dict) -> dict:
+    """Phi-3's keys: the rotated share of each head; longrope's factors (tensors of their own), its
+    attention factor and original context. No sliding window: llama.cpp runs Phi-3 without one."""
+    phi3 = {"partial_rotary_factor": int(key("rope.dimension_count", d["head_dim"])) / d["head_dim"]}
+    if "rope_factors_long.weight" in file.tensors:
+        factors = {
+            f"{kind}_factor": np.asarray(_tensor(file, f"rope_factors_{kind}.weight").data, np.float32).tolist()
+            for kind in ("long", "short")
+        }
+        phi3["rope_scaling"] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "attention_factor": float(key("rope.scaling.attn_factor", 1.0)),
+        }
+    return phi3
 
 
 def quantized_by(file: GGUFFile) -> str | None:
@@ -301,6 +329,9 @@ def _scale_and_min(blocks: np.ndarray, method: str) -> tuple:
     return codes.reshape(n, count * 8, 32), sub, np.concatenate([half(d), half(dmin)], -1)
 
 
+READ_INTO_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def unmapped(file: GGUFFile, names: set[str]) -> list[str]:
-    """The file's tensors that no entry of the table takes (rope_freqs is read into the config)."""
-    return sorted(set(file.tensors) - names - {"rope_freqs.weight"})
+    """The file's tensors that no entry of the table takes (the rope factors are read into the config)."""
+    return sorted(set(file.tensors) - names - set(READ_INTO_CONFIG))

@@ -110,6 +110,9 @@ MODELS = {
     "gemma-sp": ("gemma", "sp", {}, ["F16"]),
     "gemma2-sp": ("gemma2", "sp", {}, ["Q8_0"]),
     # llama.cpp takes Gemma 3's pattern of one global layer in 6 as given (the converter writes none)
+    # half of each head rotated; llama.cpp runs no sliding window. Not named "phi3": llama.cpp keys a change
+    # to its special tokens (right-stripping the text after them) on that name, and these tokens are not Phi-3's
+    "tiny-phi-sp": ("phi3", "sp", {}, ["F32"]),
     "gemma3-sp": ("gemma3", "sp", dict(num_hidden_layers=6, sliding_window_pattern=6, intermediate_size=64), ["F32"]),
     # matrices 256 wide: the k-quants' super-blocks
     "llama-sp-256": (
