@@ -123,6 +123,26 @@ def test_metadata_becomes_the_config_it_stands_for():
     assert load_model(DATA / "llama-sp.Q4_0.gguf").quantize == "q4_0"
 
 
+@pytest.mark.parametrize("name", ["qwen2-bpe.BF16.gguf", "llama3-bpe.F16.gguf"])
+def test_chat_prompt_is_the_one_transformers_renders_from_the_file(name):
+    """transformers reads the same GGUF file's template (`gguf_file=`) and renders the conversation."""
+    import transformers
+
+    from jaxinfer.chat_template import ChatTemplate, read_template
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi 東京 🙂"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+    ]
+    theirs = transformers.AutoTokenizer.from_pretrained(DATA, gguf_file=name)
+    model = load_model(DATA / name)
+    ours = ChatTemplate(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
+    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render(messages, True) == expected
+
+
 def test_chat_template_and_special_tokens_come_from_the_file():
     from jaxinfer.chat_template import ChatTemplate, read_template
 
