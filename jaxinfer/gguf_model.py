@@ -4,14 +4,16 @@ its tokenizer (`Tokenizer.from_gguf`), and its tensors read through the family's
 The file is read with the `gguf` package (llama.cpp's own reader), memory-mapped: each tensor is
 copied once, as it goes to the device. Names: the weight table's Hugging Face names, turned into
 GGUF's by the package's own name map, so every tensor of the file is mapped exactly once, with its
-shape checked. Two things llama.cpp's converter changed are undone: Llama's q and k rows are permuted
-for its rope (`_unpermute`), and a Llama 3 rope scaling is stored as per-frequency factors (the
-`rope_freqs` tensor, `ModelConfig`'s "freq_factors").
+shape checked. What llama.cpp's converter changed is undone: Llama's q and k rows, permuted for its
+rope (`_unpermute`); a Llama 3 rope scaling, stored as per-frequency factors (the `rope_freqs`
+tensor, `ModelConfig`'s "freq_factors"); Gemma's norms, stored as 1 + weight (`weights.read_gguf`).
+What the file leaves out is read as llama.cpp reads it (`_gemma`, `_phi3`).
 
-Tensor types (`TYPES`): F32, F16 and BF16 are float matrices; Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q4_1,
-Q5_0 and Q5_1 are `quant.METHODS` entries, the file's blocks repacked as the kernels read them with
-every value unchanged (`_scale_and_min` unpacks the k-quants' 6-bit scales); Q2_K and Q3_K are
-dequantized to float32 as they load — the same values, without their bandwidth saving.
+Tensor types: F32, F16 and BF16 are float matrices; a type named as a `quant.METHODS` entry (Q8_0,
+Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1) is held in that method, the file's blocks repacked as the
+kernels read them with every value unchanged (`_scale_and_min` unpacks the k-quants' 6-bit scales);
+Q2_K and Q3_K (`DEQUANTIZED`) are dequantized to float32 as they load — the same values, without
+their bandwidth saving.
 """
 
 from __future__ import annotations
@@ -40,23 +42,21 @@ ARCHITECTURES = {
 # layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# how each tensor type becomes a leaf: "float", one of `quant.METHODS`, or "dequantize"
-TYPES = {
-    "F32": "float",
-    "F16": "float",
-    "BF16": "float",
-    "Q8_0": "q8_0",
-    "Q4_0": "q4_0",
-    "Q4_K": "q4_k",
-    "Q5_K": "q5_k",
-    "Q6_K": "q6_k",
-    "Q4_1": "q4_1",
-    "Q5_0": "q5_0",
-    "Q5_1": "q5_1",
-    **dict.fromkeys(("Q2_K", "Q3_K"), "dequantize"),
-}
-SCALE_AND_MIN = ("q4_k", "q5_k", "q6_k", "q4_1", "q5_1", "q5_0")  # `_scale_and_min`'s
-FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+FILE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # the float types
+DEQUANTIZED = ("Q2_K", "Q3_K")  # no kernel of ours reads them: float32 as they load
+
+
+def method_of(kind: str) -> str | None:
+    """The `quant.METHODS` entry a tensor type is held in as it is (a GGUF type of the same name)."""
+    from jaxinfer.quant import METHODS
+
+    return kind.lower() if kind.lower() in METHODS and kind.startswith("Q") else None
+
+
+def read_types() -> list[str]:
+    from jaxinfer.quant import METHODS
+
+    return [*FILE_DTYPES, *(m.upper() for m in METHODS if method_of(m.upper())), *DEQUANTIZED]
 
 
 def is_gguf(path: Path) -> bool:
@@ -226,7 +226,7 @@ def _phi3(file: GGUFFile, key, d: dict) -> dict:
 
 def quantized_by(file: GGUFFile) -> str | None:
     """The method (`quant.METHODS`) most of the layers' matrices are held in as the file stores them."""
-    methods = [TYPES[k] for k in _layer_types(file) if TYPES.get(k) not in (None, "float", "dequantize")]
+    methods = [method_of(k) for k in _layer_types(file) if method_of(k)]
     return max(set(methods), key=methods.count) if methods else None
 
 
@@ -260,8 +260,9 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int | None = None):
-    """One tensor as (kind, value): ("float", array), or (method, (codes [n, k/32, 32], scales [n, k/32]))
-    for the blocks the method holds as they are. `heads`: undo the q/k permutation over that many heads."""
+    """One tensor as (kind, value): ("float", array), or (method, arrays) for the blocks a method holds
+    as they are: `quant.pack`'s (codes [n, k/32, 32], scales [n, k/32]), or `quant.pack_k`'s
+    (`_scale_and_min`). `heads`: undo the q/k permutation over that many heads."""
     import gguf
 
     tensor = _tensor(file, name)
@@ -269,19 +270,20 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
     held = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if held != shape:
         raise JaxinferError(f"{file.path}: tensor {name} has shape {held}, the metadata implies {shape}")
-    if kind not in TYPES:
+    if kind not in read_types():
         raise JaxinferError(
-            f"{file.path}: tensor {name} is {kind}, a type jaxinfer does not read (it reads {', '.join(TYPES)})"
+            f"{file.path}: tensor {name} is {kind}, a type jaxinfer does not read (it reads {', '.join(read_types())})"
         )
     raw = tensor.data
     if heads:
         raw = _unpermute(raw, heads)
-    how = TYPES[kind]
-    if how in SCALE_AND_MIN and len(shape) == 2 and shape[0] % 16 == 0:
-        per = 256 if how.endswith("_k") else 32
-        return how, _scale_and_min(np.asarray(raw).reshape(shape[0], shape[1] // per, -1), how)
-    if how in ("q8_0", "q4_0") and len(shape) == 2 and shape[0] % 16 == 0:
-        blocks = np.asarray(raw).reshape(shape[0], shape[1] // 32, -1)
+    how = method_of(kind)
+    if how and len(shape) == 2 and shape[0] % 16 == 0:
+        from jaxinfer.quant import METHODS
+
+        blocks = np.asarray(raw).reshape(shape[0], shape[1] // METHODS[how].block, -1)
+        if METHODS[how].kind >= 0:
+            return how, _scale_and_min(blocks, how)
         scales = blocks[..., :2].copy().view(np.float16)[..., 0]
         if how == "q8_0":
             codes = blocks[..., 2:].view(np.int8)
@@ -292,7 +294,7 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
         import ml_dtypes
 
         return "float", np.asarray(raw).view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape)
-    if how == "float":
+    if kind in FILE_DTYPES:
         return "float", raw
     return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
 

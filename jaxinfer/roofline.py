@@ -40,12 +40,14 @@ class Cost:
 @dataclass(frozen=True)
 class Storage:
     """How the model is stored, as bytes per value: matrices in `itemsize`, or packed by `quantize`
-    where they fit the packing; norms, biases and the KV cache in the compute dtype's
-    `cache_itemsize` (default: `itemsize`)."""
+    where they fit the packing, or each by its own method (`methods`: (path, method) pairs, a GGUF
+    file's mix); norms, biases and the KV cache in the compute dtype's `cache_itemsize` (default:
+    `itemsize`)."""
 
     itemsize: int = 4
     quantize: str | None = None
     cache_itemsize: int | None = None
+    methods: tuple = ()
 
     @classmethod
     def of(cls, dtype, quantize: str | None = None, compute_dtype=None) -> Storage:
@@ -55,11 +57,19 @@ class Storage:
     def of_params(cls, params: dict) -> Storage:
         """As a loaded parameter tree stores its weights (the cache is in the compute dtype, the final norm's)."""
         itemsize = np.dtype(forms.stored_dtype(params)).itemsize
-        return cls(itemsize, forms.quantized_by(params), params["norm"].dtype.itemsize)
+        methods = forms.methods_of(params)
+        mixed = tuple(sorted(methods.items())) if len(set(methods.values())) > 1 else ()
+        return cls(itemsize, forms.quantized_by(params), params["norm"].dtype.itemsize, mixed)
+
+    def method_at(self, path: tuple, shape: tuple[int, ...]) -> str | None:
+        """The method the matrix at `path` is packed by, if any."""
+        if self.methods:
+            return dict(self.methods).get(".".join(map(str, path)))
+        return self.quantize if self.quantize and quantized_here(path, shape) else None
 
     def bytes_per_value(self, path: tuple, shape: tuple[int, ...]) -> float:
-        if self.quantize and quantized_here(path, shape):
-            return METHODS[self.quantize].bytes_per_value
+        if method := self.method_at(path, shape):
+            return METHODS[method].bytes_per_value
         return self.itemsize if len(shape) == 2 else (self.cache_itemsize or self.itemsize)
 
 
@@ -92,7 +102,7 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     device holds (`jaxinfer.sharding`: a tensor splits where one of its axes does)."""
 
     def held(weight: Weight) -> float:
-        quantized = bool(storage.quantize) and quantized_here(weight.path, weight.shape)
+        quantized = storage.method_at(weight.path, weight.shape) is not None
         split = any(splits(cfg, axis, devices) for axis in held_axes(cfg, weight, quantized, devices))
         return (
             int(np.prod(weight.shape)) * storage.bytes_per_value(weight.path, weight.shape) / (devices if split else 1)

@@ -113,6 +113,29 @@ def gguf_prompt() -> str:
     return json.loads((DATA / "tokens.json").read_text())["prompt"]
 
 
+@pytest.mark.parametrize(
+    "name, arch, overrides",
+    [("llama-sp.F32.gguf", "llama", {}), ("gemma-sp.F16.gguf", "gemma", {}), ("tiny-phi-sp.F32.gguf", "phi3", {})],
+)
+def test_a_file_is_the_checkpoint_it_was_converted_from(tiny, name, arch, overrides):
+    """The GGUF file and the safetensors checkpoint llama.cpp's converter made it from (rebuilt: the
+    same seeded model) give the same logits and greedy tokens (a prompt inside Phi-3's window,
+    which llama.cpp does not run)."""
+    checkpoint = load_model(tiny(arch, "sentencepiece", **overrides), dtype="float32")
+    model = load_model(DATA / name, dtype="float32")
+    ids = checkpoint.tokenizer.encode("The capital of France is Paris.")[:20]
+    ours, theirs = our_prompt_logits(model, ids)[0], our_prompt_logits(checkpoint, ids)[0]
+    bound = 1e-5 if name.endswith("F32.gguf") else 5e-3  # an F16 file's weights are rounded
+    assert np.abs(ours - theirs).max() <= bound * np.abs(theirs).max()
+    greedy = []
+    for loaded in (model, checkpoint):
+        engine = Engine(loaded.config, loaded.params, 64, eos_ids=())
+        generation = Generation(loaded, engine, ids, Sampling(), max_tokens=4 if arch == "phi3" else 16)
+        list(generation)
+        greedy.append(generation.token_ids)
+    assert greedy[0] == greedy[1]
+
+
 def test_metadata_becomes_the_config_it_stands_for():
     scaled = load_model(DATA / "llama3-bpe.F16.gguf").config
     assert scaled.rope_scaling[0] == "freq_factors" and scaled.tie_word_embeddings
@@ -254,6 +277,18 @@ def retyped(tmp_path: Path, name: str, tensor, kind) -> Path:
     """The file with one tensor's type field saying `kind` (of the same block, fewer bytes: it still fits)."""
     at = tensor.field.offset + sum(part.nbytes for part in tensor.field.parts[:4])
     return corrupted(tmp_path, name, lambda d: d[:at] + struct.pack("<I", kind.value) + d[at + 4 :])
+
+
+@pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "llama-sp.Q4_0.gguf", "gemma2-sp.Q8_0.gguf"])
+def test_the_roofline_counts_the_bytes_a_file_holds(name):
+    """A file's mix of methods (Q4_K_M: q4_k and q6_k) is what `info`, `bench` and MBU count."""
+    import jax
+
+    from jaxinfer.roofline import Storage, weight_bytes
+
+    model = load_model(DATA / name, layout="out_in")
+    held = sum(a.nbytes for a in jax.tree.leaves(model.params))
+    assert weight_bytes(model.config, Storage.of_params(model.params)) == held
 
 
 def test_a_quantized_file_refuses_quantize_and_a_float_one_takes_it():
