@@ -167,8 +167,13 @@ template <int kRows, int kGroups, int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KProblem& p, int64_t g0, int64_t row0) {
   constexpr int bits = k_bits(kKind), per = k_per(kKind);
   constexpr bool subs = kKind <= kQ6K;
-  const __m512i low = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8(static_cast<char>(0xF0)), bit = _mm512_set1_epi8(1),
-                bits2 = _mm512_set1_epi8(3);
+  const __m512i low = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8(static_cast<char>(0xF0)),
+                fifth = _mm512_set1_epi8(0x10), sixth = _mm512_set1_epi8(0x30);
+  // one shift brings bits 2c, 2c + 1 of every byte to bits 4, 5 (the mask then drops what crossed in
+  // from the other byte of the 16-bit lane)
+  const auto to_bits_4_5 = [](__m512i v, int c) {
+    return c == 2 ? v : c < 2 ? _mm512_slli_epi16(v, 4 - 2 * c) : _mm512_srli_epi16(v, 2 * c - 4);
+  };
   const auto widen = [](const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); };
   __m512 acc[kGroups][kRows];
   for (int j = 0; j < kGroups; ++j)
@@ -191,13 +196,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KPr
           } else {
             w[j][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           }
-          if constexpr (bits == 5) {
-            w[j][c] = _mm512_or_si512(w[j][c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, c), bit), 4));
-            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, c + 4), bit), 4));
+          if constexpr (bits == 5) {  // bit c (c + 4) of each byte to bit 4
+            w[j][c] = _mm512_or_si512(w[j][c], _mm512_and_si512(_mm512_slli_epi16(high, 4 - c), fifth));
+            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_and_si512(c == 0 ? high : _mm512_srli_epi16(high, c), fifth));
           }
-          if constexpr (bits == 6) {
-            w[j][c] = _mm512_or_si512(w[j][c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * c), bits2), 4));
-            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(higher, 2 * c), bits2), 4));
+          if constexpr (bits == 6) {  // bits 2c, 2c + 1 to bits 4, 5
+            w[j][c] = _mm512_or_si512(w[j][c], _mm512_and_si512(to_bits_4_5(high, c), sixth));
+            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_and_si512(to_bits_4_5(higher, c), sixth));
           }
         }
       }
