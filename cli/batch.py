@@ -26,6 +26,7 @@ def batch(
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
+        "--n-predict",
         "-n",
         help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
     ),
@@ -129,11 +130,12 @@ def _open_output(output: Path, resume: bool):
 
 def _read_lines(path: str) -> list[str]:
     from jaxinfer.errors import JaxinferError
+    from jaxinfer.jobs import jsonl_lines
 
     # Bytes that are not UTF-8 are kept as surrogates: the lines holding them become error records.
     if path == "-":
-        return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape").splitlines()
+        return jsonl_lines(sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape"))
     try:
-        return Path(path).read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+        return jsonl_lines(Path(path).read_bytes().decode("utf-8", errors="surrogateescape"))
     except OSError as e:
         raise JaxinferError(f"cannot read {path}: {e.strerror}") from None

@@ -3,6 +3,7 @@ this module reads lines, runs commands and hands output to `cli.render`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -18,16 +19,18 @@ HELP = """commands:
   /save FILE          write the conversation as JSON (/save! FILE replaces an existing file)
   /load FILE          read a conversation saved by /save
   /exit, /bye         leave (Ctrl-D does too)
-a line of \"\"\" opens a multi-line message, and another closes it; Ctrl-C stops a reply"""
+a line of \"\"\" opens a multi-line message, and another closes it; a line starting with // is sent
+with one / (a path, /usr/..., goes as it is); Ctrl-C stops a reply"""
 
 
 def chat(
     model: Optional[Path] = options.MODEL,
     gguf_file: Optional[str] = options.GGUF_FILE,
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    system: Optional[str] = options.SYSTEM,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
+        "--n-predict",
         "-n",
         help="Tokens per reply at most [default: generation_config.json's, else 512; at most half the context].",
     ),
@@ -87,7 +90,9 @@ def chat(
             return
         if not line.strip():
             continue
-        if line.startswith("/"):
+        if line.startswith("//"):  # a message that begins with "/"
+            line = line[1:]
+        elif re.fullmatch(r"/[\w!]+", line.split()[0]):  # a command; a path (/usr/bin/...) is a message
             if not _command(session, line, last):
                 return
             continue
@@ -161,7 +166,7 @@ def _command(session, line: str, last: dict | None) -> bool:
             session.load(Path(arg))
             render.notice(f"loaded {len(session.messages)} messages from {arg}")
         else:
-            render.error(f"unknown command {name}; /help lists them")
+            render.error(f"unknown command {name}; /help lists them (// at the start sends a line as it is)")
     except JaxinferError as e:
         render.error(options.worded(e))
     return True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -50,8 +53,9 @@ def _epilog(command: str) -> str:
 
 
 _debug = os.environ.get("JAXINFER_DEBUG", "") not in ("", "0")
-GLOBAL_FLAGS = ("--debug", "--compile-cache", "--threads", "-t")  # accepted after the command too
-GLOBAL_WITH_VALUE = ("--compile-cache", "--threads", "-t")
+# accepted after the command too
+GLOBAL_WITH_VALUE = ("--compile-cache", "--threads", "-t", "--n-gpu-layers", "--gpu-layers", "-ngl")
+GLOBAL_FLAGS = ("--debug", "--verbose", "--color", "--no-color", *GLOBAL_WITH_VALUE)
 
 
 def _print_version(value: bool) -> None:
@@ -68,7 +72,25 @@ def _options(
         False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
     ),
     debug: bool = typer.Option(
-        False, "--debug", help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1)."
+        False,
+        "--debug",
+        "--verbose",
+        help="Show full tracebacks on errors (anywhere on the line; or JAXINFER_DEBUG=1).",
+    ),
+    color: Optional[bool] = typer.Option(
+        None,
+        "--color/--no-color",
+        help="Colour the chatter on stderr even when it is not a terminal, or never [default: on a terminal, unless "
+        "NO_COLOR is set].",
+    ),
+    gpu_layers: Optional[str] = typer.Option(
+        None,
+        "--n-gpu-layers",
+        "--gpu-layers",
+        "-ngl",
+        metavar="N",
+        help="llama.cpp's: accepted and ignored, with a note. Every layer runs where JAX runs: on an NVIDIA GPU when "
+        "jax[cuda12] or jax[cuda13] is installed and one is there; --devices N spreads a model over N of them.",
     ),
     threads: Optional[int] = typer.Option(
         None,
@@ -86,6 +108,12 @@ def _options(
 ) -> None:
     global _debug
     _debug = _debug or debug
+    render.colors(color)
+    if gpu_layers is not None:
+        render.notice(
+            f"note: -ngl {gpu_layers} does not apply: every layer runs where JAX runs (an NVIDIA GPU with jax[cuda12] "
+            "or jax[cuda13] installed; --devices N spreads a model over N devices)"
+        )
     from jaxinfer.runtime import check_backend, enable_compilation_cache
 
     if threads is not None:
@@ -135,9 +163,11 @@ def run(
     ),
     model: Optional[Path] = options.MODEL,
     gguf_file: Optional[str] = options.GGUF_FILE,
+    system: Optional[str] = options.SYSTEM,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
+        "--n-predict",
         "-n",
         help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
     ),
@@ -173,6 +203,7 @@ def run(
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout."""
+    from jaxinfer.chat_template import ChatTemplate
     from jaxinfer.engine import Engine
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
@@ -196,7 +227,16 @@ def run(
     sampling = options.sampling(
         loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
     )
-    prompt_ids = loaded.tokenizer.encode(text)
+    stops = tuple(map(options.unescape, stop))
+    if system is None:
+        prompt_ids = loaded.tokenizer.encode(text)
+    else:  # one chat turn: the template writes the special tokens itself
+        template = ChatTemplate.of(loaded)
+        if template.is_fallback:
+            render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
+        turn = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        prompt_ids = loaded.tokenizer.encode(template.render(turn), add_special_tokens=False)
+        stops += template.stop
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
@@ -207,7 +247,7 @@ def run(
         sampling,
         max_tokens,
         seed,
-        tuple(map(options.unescape, stop)),
+        stops,
         ignore_eos=ignore_eos,
     )
     try:
@@ -221,9 +261,14 @@ def run(
     result = gen.result()
     if not json_output:
         render.end_stream()  # before any notice the roofline may print
-    if json_output or show_stats:
+    if result["finish_reason"] == "interrupted" and not result["generated_tokens"]:  # no phase to report
+        if json_output:
+            render.print_json(json.dumps(result, ensure_ascii=False))
+        render.notice("interrupted before the first token (while compiling or prefilling): nothing was generated")
+        raise typer.Exit(130)
+    result["timings"]["kernels"] = loaded.kernels
+    if show_stats:  # the roofline measures the machine's roofs on first use: not for --no-stats
         result["timings"]["roofline"] = options.roofline(loaded, gen.timings, peak_flops, peak_bandwidth)
-        result["timings"]["kernels"] = loaded.kernels
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
     if show_stats:
@@ -393,7 +438,9 @@ def bench(
     prompts: str = typer.Option(
         "128,512,2048", "--prompt-tokens", "-p", help="Prompt lengths to sweep, comma-separated."
     ),
-    new_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per row at each point."),
+    new_tokens: int = typer.Option(
+        128, "--max-tokens", "--n-predict", "-n", help="Tokens generated per row at each point."
+    ),
     batches: str = typer.Option("1,8", "--batch-size", "-b", help="Batch sizes to sweep, comma-separated."),
     repeat: int = typer.Option(5, "--repeat", "-r", help="Timed runs per point (after one warm-up)."),
     max_context: Optional[int] = typer.Option(
@@ -480,8 +527,11 @@ def main() -> None:
     """Console entry point: every failure is one line on stderr and a non-zero exit code."""
     from jaxinfer.errors import JaxinferError
 
+    _closed_streams_said_so()
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         code = app(args=_global_flags_first(sys.argv[1:]) or ["--help"], standalone_mode=False)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not in the interpreter's exit
     except JaxinferError as e:
         if _debug:
             raise
@@ -492,12 +542,80 @@ def main() -> None:
         code = e.exit_code
     except (KeyboardInterrupt, typer.Abort):
         code = 130
+    except OSError as e:  # what the machine refused (a full disk, a closed pipe or stream): not a bug
+        code = _stream_failed(e)
     except Exception as e:  # a bug, not bad input: still one line unless --debug
         if _debug:
             raise
         render.error(f"unexpected {type(e).__name__}: {e} (run with --debug for the traceback)")
         code = 1
+    if _terminated and code == 130:
+        code = 128 + signal.SIGTERM  # what it was ended by; the output is the interrupt's
     sys.exit(code or 0)
+
+
+_terminated = False
+
+
+def _terminate_as_interrupt(signum, frame) -> None:
+    """SIGTERM (kill, systemd, `timeout`) ends a command as Ctrl-C does: a batch with its summary,
+    a run with what it produced. It is passed on as SIGINT, so it waits out a compile as Ctrl-C does
+    (`runtime.interrupts_held`)."""
+    global _terminated
+    _terminated = True
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in a shell's background: end as SIGTERM does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+class _ClosedStream(io.TextIOBase):
+    """Where Python leaves None for a standard stream closed at start (`<&-`, `>&-`): using it is an
+    OSError that says which stream, as a full disk is."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _closed(self, *args):
+        raise OSError(errno.EBADF, f"{self.name} is closed")
+
+    read = readline = write = fileno = _closed
+    buffer = property(lambda self: self)
+
+    def isatty(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+
+def _closed_streams_said_so() -> None:
+    for name in ("stdin", "stdout"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, _ClosedStream(name))
+
+
+def _stream_failed(e: OSError) -> int:
+    """One line for an OSError the commands do not word themselves (writing results to a full disk,
+    to /dev/full, to a pipe whose reader left, to a closed stdout); a reader that left (`| head`) ends
+    the run quietly with 1, as click does for the commands themselves. Records already written stay
+    written."""
+    if e.errno == errno.EPIPE:
+        _stdout_to_devnull()
+        return 1
+    if not isinstance(sys.stdout, _ClosedStream):
+        _stdout_to_devnull()  # what is still buffered cannot be written either
+    render.error(f"cannot go on: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
+    return 1
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
 
 
 def _pin_to_cores(threads: int) -> None:

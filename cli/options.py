@@ -39,6 +39,7 @@ FLAGS = {
     "repeat_penalty": "--repeat-penalty",
     "stride": "--stride",
     "on_full": "--on-full",
+    "resume": "--resume",
     "reset": "/reset",  # chat's command
 }
 
@@ -65,7 +66,7 @@ REPEAT_PENALTY = typer.Option(
     None, "--repeat-penalty", "--repetition-penalty", help="Penalise tokens already present (1 is off)."
 )
 SEED = typer.Option(
-    None, "--seed", help="Random seed; the same seed gives the same output [default: random, reported]."
+    None, "--seed", "-s", help="Random seed; the same seed gives the same output [default: random, reported]."
 )
 MAX_CONTEXT = typer.Option(
     None,
@@ -93,9 +94,18 @@ PREFILL_CHUNK = typer.Option(
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")
+SYSTEM = typer.Option(
+    None,
+    "--system-prompt",
+    "--system",
+    "-sys",
+    help="System prompt (llama.cpp's -sys, mlx-lm's --system-prompt); with run, the prompt goes through the "
+    "model's chat template as one user turn.",
+)
 ESCAPE = typer.Option(
     True,
     "--escape/--no-escape",
+    "-e",
     help="Read \\n, \\t, \\r, \\\\, \\' and \\\" in a typed prompt as llama.cpp's -e does (--stop always reads them).",
 )
 QUANTIZE = typer.Option(

@@ -16,6 +16,14 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def colors(on: bool | None) -> None:
+    """--color (colour even off a terminal), --no-color; None: rich's choice (a terminal, NO_COLOR)."""
+    global out, err
+    if on is not None:
+        out = Console(highlight=False, soft_wrap=True, force_terminal=on or None, no_color=not on)
+        err = Console(stderr=True, highlight=False, soft_wrap=True, force_terminal=on or None, no_color=not on)
+
+
 def keep_stdout_for_results() -> None:
     """What native code prints on stdout (gloo's lines on joining processes) goes nowhere; Python's
     output goes on to the real stdout."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxinfer.chat_template import ChatTemplate, read_template
+from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -41,7 +41,7 @@ class ChatSession:
         self.stop, self.ignore_eos = stop, ignore_eos  # on top of the template's own stop strings
         self.system = system
         self.messages: list[dict] = []  # user and assistant turns, oldest first
-        self.template = ChatTemplate(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
+        self.template = ChatTemplate.of(model)
         self.context_used = 0  # tokens of the last turn's prompt and reply
 
     def conversation(self) -> list[dict]:

@@ -58,6 +58,11 @@ def _environment():
 
 
 class ChatTemplate:
+    @classmethod
+    def of(cls, model) -> ChatTemplate:
+        """A loaded model's template (`loading.LoadedModel`): its directory's, or its GGUF file's."""
+        return cls(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
+
     def __init__(self, source: str | None, special_tokens: dict[str, str | None]):
         """`source` None means the model has none: FALLBACK_TEMPLATE is used (`is_fallback`)."""
         import jinja2

@@ -61,8 +61,8 @@ PRE_TOKENIZERS = {
 }
 
 
-def _field(meta: dict, key: str, where: str, default=None):
-    value = meta.get(key, default)
+def _field(meta: dict, key: str, where: str):
+    value = meta.get(key)
     if value is None:
         raise JaxinferError(f"{where}: the GGUF file has no {key}")
     return value

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
 from jaxinfer.batch import Request
-from jaxinfer.chat_template import ChatTemplate, read_template
+from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
@@ -58,6 +58,15 @@ OPENAI_ACCEPTED = {
 }
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """A JSONL text's lines: split at "\n" alone (a CRLF's "\r" dropped), never at the separators
+    JSON leaves raw inside strings (U+2028, U+2029, U+0085, ...), where `str.splitlines` also breaks."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
 def _key(request_id) -> str:
     return json.dumps(request_id, sort_keys=True)
 
@@ -78,6 +87,8 @@ def open_output(path: Path, resume: bool) -> Output:
     what is already there first: every complete line must be a record of ours (else the file is
     refused, untouched); a last line without its newline is kept if it is a whole record, and
     removed only if it is one cut short."""
+    if resume and path.exists() and not path.is_file():  # a FIFO or a device would be read to exhaustion
+        raise JaxinferError(f"{path} is not a regular file: resume reads back the results of an earlier run", "resume")
     try:
         raw = path.open("a+b")
     except OSError as e:
@@ -246,9 +257,7 @@ class Job:
             ):
                 raise JaxinferError('"messages" must be a list of {"role", "content"} objects')
             if self._template is None:
-                self._template = ChatTemplate(
-                    read_template(self.model.path, tokenizer.config), tokenizer.special_tokens
-                )
+                self._template = ChatTemplate.of(self.model)
             ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.default_max_tokens)
         seed = _whole(item, "seed", shared_seed(), minimum=None)

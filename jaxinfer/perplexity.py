@@ -33,7 +33,10 @@ class Window:
 
 
 def windows(tokens: int, context: int, stride: int) -> list[Window]:
-    """Windows over `tokens` tokens, each scoring the positions after the previous one's end."""
+    """Windows over `tokens` tokens, each scoring the positions after the previous one's end (each
+    scores at least one: `context` ≥ 2, `stride` ≥ 1)."""
+    if context < 2 or stride < 1:
+        raise ValueError(f"windows of {context} tokens advancing by {stride} would never reach the end")
     out, end = [], 1  # the first token has nothing to predict it
     while end < tokens:
         # a window keeps at least one token before those it scores: they need a predecessor
@@ -81,6 +84,8 @@ def perplexity(
     full precision, to compare against. `stride` defaults to half the context."""
     if len(ids) < 2:
         raise JaxinferError("the text is too short: perplexity needs at least 2 tokens")
+    if context < 2:  # a window scores the tokens after its first: one token scores none, and never advances
+        raise JaxinferError("max_context must be at least 2 for perplexity: a token and the next", "max_context")
     context = min(context, len(ids))
     stride = stride or max(1, context // 2)
     if not 1 <= stride <= context:

@@ -161,6 +161,48 @@ def test_jsonl_through_stdin_and_stdout_with_bad_lines(tiny, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_lines_split_at_newlines_only(tiny, tmp_path):
+    """JSON leaves U+2028, U+2029, U+0085 and other separators raw inside strings (as
+    json.dumps(ensure_ascii=False) and JSON.stringify write them): each request stays one line, and
+    a CRLF file's lines are its lines. A bad line's number is the one an editor shows."""
+    separators = "\u2028\u2029\u0085"  # control characters (\x1c, \x0b, ...) JSON escapes
+    lines = [
+        json.dumps({"id": i, "prompt": f"a{c}b{c}", "max_tokens": 2}, ensure_ascii=False)
+        for i, c in enumerate(separators)
+    ]
+    lines.insert(2, "{broken")
+    text = "\r\n".join(lines) + "\r\n"
+    (tmp_path / "in.jsonl").write_bytes(text.encode())
+    proc = jaxinfer_batch(tmp_path / "in.jsonl", "-m", tiny("llama"), "-o", tmp_path / "out.jsonl", check=1)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().split("\n") if line]
+    assert sorted(r["id"] for r in records if "text" in r) == list(range(len(separators)))
+    assert [r["line"] for r in records if "error" in r] == [3], proc.stderr
+
+
+def test_sigterm_ends_a_batch_as_ctrl_c_does(tiny, tmp_path):
+    """kill, systemd and `timeout` send SIGTERM: the job stops at the next step, every record written
+    is whole, and the summary line is Ctrl-C's; the exit code says SIGTERM."""
+    inp = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": i, "prompt": "The capital of", "max_tokens": 48} for i in range(40)]
+    )
+    out = tmp_path / "out.jsonl"
+    job = subprocess.Popen(
+        ["jaxinfer", "batch", str(inp), "-m", str(tiny("llama")), "-o", str(out), "-b", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (out.exists() and out.read_text().count("\n") >= 1):  # the first record is out
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=240)
+    assert job.returncode == 128 + signal.SIGTERM, err
+    assert "batch: " in err and " of 40 done" in err and "Traceback" not in err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 <= len(records) < 40 and all("text" in r for r in records)
+
+
 def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
     out = tmp_path / "out.jsonl"

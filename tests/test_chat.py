@@ -195,6 +195,15 @@ def test_three_turns_commands_and_transcripts(chat_model, tmp_path):
     ]
 
 
+def test_a_path_is_a_message_and_a_double_slash_sends_a_line_as_it_is(chat_model):
+    child = spawn(chat_model, "-n", "4", "--temp", "0")
+    say(child, "/usr/bin/python crashed, why?")
+    say(child, "//help is what I typed")
+    child.sendline("/stats")
+    child.expect_exact("4 messages")
+    leave(child)
+
+
 def test_context_full_notice_in_the_terminal(chat_model):
     child = spawn(chat_model, "-n", "24", "--temp", "0", "-c", "128")
     for i in range(5):

@@ -314,6 +314,104 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
 
 
 @pytest.mark.slow
+def test_flags_people_bring_from_llama_cpp_and_mlx_lm(model, tmp_path):
+    """-s, --n-predict, -e, --system-prompt / -sys, --verbose, --color / --no-color, and -ngl (which
+    does not apply: a note saying so and what does, not "-n gl is not an integer")."""
+    args = ("run", "-m", model, "The capital of", "--json", "--temp", "0.9")
+    first = jaxinfer(*args, "-s", "7", "--n-predict", "5", "-e")
+    assert first.returncode == 0, first.stderr
+    result = json.loads(first.stdout)
+    assert result["seed"] == 7 and result["generated_tokens"] == 5
+    again = json.loads(jaxinfer(*args, "--seed", "7", "-n", "5").stdout)
+    assert again["token_ids"] == result["token_ids"]
+    noted = jaxinfer("run", "-m", model, "hi", "-n", "1", "-ngl", "99", "--no-color", "--no-stats")
+    assert noted.returncode == 0 and "-ngl 99 does not apply" in noted.stderr and "\x1b[" not in noted.stderr
+    failing = jaxinfer("run", "-m", tmp_path / "missing", "hi", "--verbose")
+    assert failing.returncode != 0 and "Traceback" in failing.stderr
+    # --system-prompt: the prompt as one chat turn, the template's (here the fallback's) rendering
+    from jaxinfer.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+    from jaxinfer.loading import load_model
+
+    loaded = load_model(model)
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = loaded.tokenizer.encode(
+        ChatTemplate(FALLBACK_TEMPLATE, loaded.tokenizer.special_tokens).render(turn), add_special_tokens=False
+    )
+    for flag in ("--system-prompt", "-sys"):
+        proc = jaxinfer("run", "-m", model, "Hi", flag, "Be brief.", "-n", "2", "--json")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["prompt_tokens"] == len(expected), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_output_that_cannot_be_written_and_closed_streams_are_one_line(model, tmp_path):
+    """A full disk (/dev/full), a closed stdout or stdin: what happened, in one line; a batch writing
+    to stdout has written each record as it finished; --resume refuses what is not a regular file."""
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"id": i, "prompt": "Hi", "max_tokens": 2}) + "\n" for i in range(3))
+    )
+    cases = {
+        "full": (["run", "-m", model, "hi", "-n", "3"], {"stdout": open("/dev/full", "w")}, "No space left on device"),
+        "batch full": (
+            ["batch", tmp_path / "in.jsonl", "-m", model],
+            {"stdout": open("/dev/full", "w")},
+            "No space left",
+        ),
+        "stdout closed": (
+            ["run", "-m", model, "hi", "-n", "3"],
+            {"stdout": subprocess.DEVNULL, "close": 1},
+            "stdout is closed",
+        ),
+        "stdin closed": (
+            ["run", "-m", model, "-", "-n", "3"],
+            {"stdout": subprocess.PIPE, "close": 0},
+            "stdin is closed",
+        ),
+    }
+    for name, (args, how, words) in cases.items():
+        close = how.pop("close", None)
+        proc = subprocess.run(
+            ["jaxinfer", *map(str, args)],
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env={**os.environ, "JAXINFER_CACHE_DIR": ""},
+            preexec_fn=(lambda fd=close: os.close(fd)) if close is not None else None,
+            **how,
+        )
+        assert_one_line_error(proc, words)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = jaxinfer("batch", tmp_path / "in.jsonl", "-m", model, "-o", fifo, "--resume")
+    assert_one_line_error(proc, "not a regular file", "--resume")
+    # a reader that stops early (| head): the run ends quietly
+    piped = subprocess.run(
+        f"jaxinfer run -m {shlex.quote(str(model))} hi -n 60 --no-stats | head -c 3",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in piped.stderr and "error" not in piped.stderr
+
+
+@pytest.mark.slow
+def test_no_stats_measures_no_roofs(model, tmp_path):
+    """On a machine never measured, --no-stats (with --json too) costs no probe of its roofs."""
+    fresh = {"XDG_CACHE_HOME": str(tmp_path / "fresh")}
+    proc = jaxinfer("run", "-m", model, "hi", "-n", "2", "--json", "--no-stats", env=fresh)
+    assert proc.returncode == 0 and "measuring" not in proc.stderr, proc.stderr
+    assert "roofline" not in json.loads(proc.stdout)["timings"]
+
+
+@pytest.mark.slow
+def test_perplexity_refuses_a_context_that_cannot_advance(model, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The capital of France is Paris. " * 20)
+    assert_one_line_error(jaxinfer("perplexity", "-m", model, text, "-c", "1"), "--max-context must be at least 2")
+
+
+@pytest.mark.slow
 def test_bytes_that_are_not_utf8_a_missing_backend_and_a_cache_beyond_memory(model, tmp_path):
     proc = subprocess.run(
         ["jaxinfer", "run", "-m", str(model), "-"], input=b"caf\xe9 \xff", capture_output=True, timeout=300
