@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -218,6 +219,25 @@ def unescape(text: str) -> str:
 def worded(error) -> str:
     """A library error's message in the CLI's words (its flags for the parameters it names)."""
     return error.worded(FLAGS)
+
+
+def read_prompt(argument: Optional[str], option: Optional[str], file: Optional[Path], escape: bool) -> str:
+    """The prompt from PROMPT, -p or -f (one of them), or stdin; escapes read in typed text only."""
+    from jaxinfer.errors import JaxinferError
+
+    if sum(x is not None for x in (argument, option, file)) > 1:
+        raise JaxinferError("give the prompt once: as PROMPT, -p/--prompt or -f/--file")
+    text = argument if argument is not None else option
+    if text == "-" or str(file) == "-" or (text is None and file is None and not sys.stdin.isatty()):
+        return sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")  # the tokenizer names bad bytes
+    if file is not None:
+        try:
+            return file.read_bytes().decode("utf-8", errors="surrogateescape")
+        except OSError as e:
+            raise JaxinferError(f"cannot read {file}: {e.strerror}") from None
+    if text is None:
+        raise JaxinferError("give a prompt (PROMPT, -p or -f FILE), or '-' to read it from stdin")
+    return unescape(text) if escape else text
 
 
 def check_positive(**flags: Optional[int]) -> None:
