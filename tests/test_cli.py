@@ -405,6 +405,28 @@ def test_no_stats_measures_no_roofs(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_damaged_converted_checkpoint_is_one_line_naming_it(model, tmp_path):
+    """Each file orbax keeps cut in half: one line that says the checkpoint is damaged and where (not
+    TensorStore's page of detail, not asyncio's tracebacks, not "does not match config.json")."""
+    converted = tmp_path / "converted"
+    assert jaxinfer("convert", model, converted).returncode == 0
+    params = converted / "params"
+    damaged = [params / "_METADATA", params / "_sharding", params / "manifest.ocdbt"]
+    damaged += [p for p in (params / "array_metadatas").iterdir()] + [p for p in (params / "d").iterdir()]
+    for path in damaged:
+        copy = tmp_path / f"copy-{path.name}"
+        shutil.copytree(converted, copy)
+        target = copy / path.relative_to(converted)
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        proc = jaxinfer("run", "-m", copy, "hi", "-n", "2")
+        assert_one_line_error(proc, "damaged")
+        assert "does not match" not in proc.stderr
+    config = json.loads((converted / "config.json").read_text())
+    (converted / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    assert_one_line_error(jaxinfer("run", "-m", converted, "hi"), "does not match config.json", "stored shape")
+
+
+@pytest.mark.slow
 def test_perplexity_refuses_a_context_that_cannot_advance(model, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The capital of France is Paris. " * 20)
