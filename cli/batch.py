@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from jaxinfer import defaults
 from jaxinfer.cli import options, render
 
 MAX_EXIT_CODE = 125  # the exit code counts failed lines, capped below the codes shells reserve
@@ -28,7 +29,8 @@ def batch(
         "--max-tokens",
         "--n-predict",
         "-n",
-        help=f"Default tokens per request [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
+        help=f"Default tokens per request [default: generation_config.json's, else {defaults.MAX_TOKENS}, shrunk to "
+        "the room each prompt leaves].",
     ),
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
@@ -77,7 +79,7 @@ def batch(
     job = Job(
         loaded,
         context,
-        max_tokens or loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS,
+        max_tokens,
         earlier.file if earlier else sys.stdout,
         earlier,
         speculating=opened.decoding.speculating,

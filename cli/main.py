@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from jaxinfer import defaults
 from jaxinfer.cli import batch, chat, options, render, tools
 
 app = typer.Typer(
@@ -150,7 +151,7 @@ def run(
         "--max-tokens",
         "--n-predict",
         "-n",
-        help=f"Tokens to generate at most [default: generation_config.json's, else {options.DEFAULT_MAX_TOKENS}].",
+        help=f"Tokens to generate at most [default: generation_config.json's, else {defaults.MAX_TOKENS}].",
     ),
     temp: Optional[float] = options.TEMP,
     top_k: Optional[int] = options.TOP_K,
@@ -219,7 +220,7 @@ def run(
         prompt_ids = loaded.tokenizer.encode(template.render(turn), add_special_tokens=False)
         stops += template.stop
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
-        max_tokens = max(1, min(loaded.max_new_tokens or options.DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
+        max_tokens = max(1, min(loaded.max_new_tokens or defaults.MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
     gen = Generation(
         loaded,

@@ -14,8 +14,6 @@ from jaxinfer import defaults
 from jaxinfer.cli import render
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
-DEFAULT_MAX_TOKENS = 256
-
 # The library's parameters as this CLI's flags: its errors name parameters (`JaxinferError.names`),
 # and the terminal shows the flag a user typed.
 FLAGS = {

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, TextIO
 
+from jaxinfer import defaults
 from jaxinfer.batch import Request
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.errors import JaxinferError
@@ -47,14 +48,26 @@ FIELDS = {
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_LINE = {"custom_id", "method", "url", "body"}
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens", "repetition_penalty": "repeat_penalty"}
+# what the API's fields may hold where they change nothing here (None: anything; "model" names the
+# model asked for, the record says the one that ran); other values are refused, not ignored
 OPENAI_ACCEPTED = {
     "model": None,
     "user": None,
-    "n": 1,
-    "stream": False,
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "logprobs": False,
+    "metadata": None,
+    "store": None,
+    "service_tier": None,
+    "parallel_tool_calls": None,
+    "n": (1,),
+    "stream": (False,),
+    "stream_options": (None,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
 }
 
 
@@ -145,25 +158,25 @@ def _record(path: Path, line: bytes) -> dict:
 
 
 class Job:
+    """`max_tokens`: the job's budget per request where a line gives none; None: the model's default
+    (generation_config.json's, else `defaults.MAX_TOKENS`), which shrinks to the room a prompt leaves,
+    as `run`'s does. A budget given (by the line or the job) that the context cannot hold after the
+    prompt is refused, never clipped: the caller asked for it."""
+
     def __init__(
         self,
         model: LoadedModel,
         context: int,
-        default_max_tokens: int,
+        max_tokens: int | None,
         output: TextIO,
         earlier: Output | None = None,
         speculating: bool = False,
     ):
-        self.model, self.context, self.default_max_tokens, self.speculating = (
-            model,
-            context,
-            default_max_tokens,
-            speculating,
-        )
+        self.model, self.context, self.max_tokens, self.speculating = model, context, max_tokens, speculating
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self._seen: set[str] = set()
-        self._openai: dict[str, tuple[str, str]] = {}  # key → endpoint and model of an OpenAI-shaped request
+        self._openai: dict[str, tuple[str, str]] = {}  # key → endpoint and the model that ran, for OpenAI lines
         self._template: ChatTemplate | None = None
 
     def write(self, record: dict) -> None:
@@ -215,9 +228,11 @@ class Job:
                 if key in self._seen:
                     raise JaxinferError(f"duplicate id {request_id!r}")
                 self._seen.add(key)
+                if openai and not isinstance(request_id, str):
+                    raise JaxinferError('"custom_id" must be a string, as OpenAI\'s batch input requires')
                 if openai:
                     url, item = _from_openai(item)
-                    self._openai[key] = (url, item.pop("model", None) or self.model.path.name)
+                    self._openai[key] = (url, self.model.path.name)  # the model that ran, not the one asked for
                 yield self._request(request_id, item)
             except JaxinferError as e:
                 self._fail(number, request_id, str(e), openai)
@@ -259,7 +274,10 @@ class Job:
             if self._template is None:
                 self._template = ChatTemplate.of(self.model)
             ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
-        max_tokens = _whole(item, "max_tokens", self.default_max_tokens)
+        max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
+        if max_tokens is None:  # the default shrinks to fit, as run's
+            default = self.model.max_new_tokens or defaults.MAX_TOKENS
+            max_tokens = max(1, min(default, self.context - len(ids)))
         seed = _whole(item, "seed", shared_seed(), minimum=None)
         check_fits(len(ids), max_tokens, self.context)
         given = {k: item[k] for k in SAMPLING_FIELDS if k in item}
@@ -297,7 +315,8 @@ def _refuse_unknown(item: dict, known: set[str], where: str = "") -> None:
 
 
 def _from_openai(line: dict) -> tuple[str, dict]:
-    """An OpenAI batch line as (endpoint, our request fields, with "model" if given)."""
+    """An OpenAI batch line as (endpoint, our request fields); the API's fields that change nothing
+    here are accepted and dropped (`OPENAI_ACCEPTED`)."""
     _refuse_unknown(line, OPENAI_LINE, " in an OpenAI batch line")
     if line.get("method", "POST") != "POST":
         raise JaxinferError('"method" must be "POST"')
@@ -309,10 +328,10 @@ def _from_openai(line: dict) -> tuple[str, dict]:
     item = {}
     for name, value in body.items():
         if name in OPENAI_ACCEPTED:
-            if OPENAI_ACCEPTED[name] is not None and value not in (None, OPENAI_ACCEPTED[name]):
-                raise JaxinferError(f'"{name}": only {json.dumps(OPENAI_ACCEPTED[name])} is supported')
-            if name == "model":
-                item["model"] = value
+            neutral = OPENAI_ACCEPTED[name]
+            if neutral is not None and value is not None and value not in neutral:
+                said = " or ".join(json.dumps(v) for v in neutral)
+                raise JaxinferError(f'"{name}": only {said} is supported (any other value would change the answer)')
         elif name in ("prompt", "messages") and name != OPENAI_ENDPOINTS[url]:
             raise JaxinferError(f'{url} takes "{OPENAI_ENDPOINTS[url]}", not "{name}"')
         else:
@@ -352,6 +371,6 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
     return {
         "id": _batch_id(),
         "custom_id": record["id"],
-        "response": {"status_code": 200, "request_id": body["id"], "body": body},
+        "response": {"status_code": 200, "request_id": f"req_{secrets.token_hex(16)}", "body": body},
         "error": None,
     }

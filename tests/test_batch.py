@@ -203,6 +203,22 @@ def test_sigterm_ends_a_batch_as_ctrl_c_does(tiny, tmp_path):
     assert 1 <= len(records) < 40 and all("text" in r for r in records)
 
 
+def test_the_default_budget_shrinks_to_the_room_a_prompt_leaves_and_a_given_one_is_refused(tiny, tmp_path):
+    """As run: the default (generation_config.json's, else 256) shrinks to fit; a max_tokens the
+    request or the job gives that the context cannot hold is an error record, never clipped."""
+    long = "The capital of France is Paris. " * 6
+    inp = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": "default", "prompt": long}, {"id": "given", "prompt": long, "max_tokens": 60}]
+    )
+    out = tmp_path / "out.jsonl"
+    jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "-c", "64", check=1)
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    fit = records["default"]
+    assert fit["prompt_tokens"] + fit["generated_tokens"] <= 64 and fit["generated_tokens"] >= 1
+    assert "exceeds the context" in records["given"]["error"]
+    jaxinfer_batch(inp, "-o", tmp_path / "again.jsonl", "-m", tiny("llama"), "-c", "64", "-n", "60", check=2)
+
+
 def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
     out = tmp_path / "out.jsonl"
@@ -276,14 +292,19 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
     inp = write_jsonl(
         tmp_path / "in.jsonl",
         [
-            line(
+            line(  # the API's defaults, which change nothing, are accepted
                 "chat",
                 chat,
-                model="tiny",
+                model="gpt-4o-mini",
                 messages=[{"role": "user", "content": "Hi"}],
                 max_tokens=5,
                 temperature=0,
                 n=1,
+                stream=False,
+                logprobs=False,
+                response_format={"type": "text"},
+                tool_choice="auto",
+                metadata={"job": "x"},
             ),
             line(
                 "completion",
@@ -299,17 +320,22 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
             line("unknown", completion, prompt="x", best_of=3),
             line("two", completion, prompt="x", n=2),
             line("wrong key", chat, prompt="x"),
+            line(
+                "json mode", chat, messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+            ),
+            line(7, completion, prompt="x"),  # OpenAI's custom_id is a string
             {"id": "own unknown", "prompt": "x", "extra": 1},
         ],
     )
     out = tmp_path / "out.jsonl"
-    jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "-b", "2", check=5)
+    jaxinfer_batch(inp, "-o", out, "-m", tiny("llama"), "-b", "2", check=7)
     records = {r.get("custom_id", r["id"]): r for r in map(json.loads, out.read_text().splitlines())}
     body = records["chat"]["response"]["body"]
     assert records["chat"]["response"]["status_code"] == 200 and records["chat"]["error"] is None
+    assert records["chat"]["response"]["request_id"].startswith("req_")
     assert (
         body["object"] == "chat.completion"
-        and body["model"] == "tiny"
+        and body["model"] == tiny("llama").name  # the model that ran, not the one the line asked for
         and body["choices"][0]["message"]["role"] == "assistant"
     )
     assert (
@@ -322,13 +348,17 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
         "stop",
         "length",
     )
-    errors = {key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key")}
+    errors = {
+        key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key", "json mode")
+    }
     assert (
         "/v1/completions" in errors["embeddings"]
         and "'best_of'" in errors["unknown"]
         and '"n"' in errors["two"]
         and '"messages"' in errors["wrong key"]
+        and '"response_format"' in errors["json mode"]
     )
+    assert '"custom_id" must be a string' in records[7]["error"]["message"]
     assert all(records[key]["response"] is None and records[key]["id"].startswith("batch_req_") for key in errors)
     assert "'extra'" in records["own unknown"]["error"]
     first = out.read_text()
