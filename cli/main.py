@@ -190,6 +190,7 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
     from jaxinfer.processes import share
+    from jaxinfer.slots import check_text_fits
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit
@@ -210,15 +211,15 @@ def run(
         loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
     )
     stops = tuple(map(options.unescape, stop))
-    if system is None:
-        prompt_ids = loaded.tokenizer.encode(text)
-    else:  # one chat turn: the template writes the special tokens itself
+    special = system is None  # a chat turn's template writes the special tokens itself
+    if system is not None:
         template = ChatTemplate.of(loaded)
         if template.is_fallback:
             render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
-        turn = [{"role": "system", "content": system}, {"role": "user", "content": text}]
-        prompt_ids = loaded.tokenizer.encode(template.render(turn), add_special_tokens=False)
+        text = template.render([{"role": "system", "content": system}, {"role": "user", "content": text}])
         stops += template.stop
+    check_text_fits(text, loaded.tokenizer, context)
+    prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=special)
     if max_tokens is None:  # a default never makes a prompt that fits fail: it shrinks to the room left
         max_tokens = max(1, min(loaded.max_new_tokens or defaults.MAX_TOKENS, context - len(prompt_ids)))
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)

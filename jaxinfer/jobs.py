@@ -27,7 +27,7 @@ from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
-from jaxinfer.slots import check_fits
+from jaxinfer.slots import check_fits, check_text_fits
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
 FIELDS = {
@@ -264,6 +264,7 @@ class Job:
         if "prompt" in item:
             if not isinstance(item["prompt"], str) or not item["prompt"]:
                 raise JaxinferError('"prompt" must be a non-empty string')
+            check_text_fits(item["prompt"], tokenizer, self.context)
             ids = tokenizer.encode(item["prompt"])
         else:
             messages = item["messages"]
@@ -273,7 +274,9 @@ class Job:
                 raise JaxinferError('"messages" must be a list of {"role", "content"} objects')
             if self._template is None:
                 self._template = ChatTemplate.of(self.model)
-            ids = tokenizer.encode(self._template.render(messages), add_special_tokens=False)
+            text = self._template.render(messages)
+            check_text_fits(text, tokenizer, self.context)
+            ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
         if max_tokens is None:  # the default shrinks to fit, as run's
             default = self.model.max_new_tokens or defaults.MAX_TOKENS

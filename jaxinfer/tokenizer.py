@@ -7,6 +7,7 @@ tokenizer_config.json as transformers reads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -103,6 +104,11 @@ class Tokenizer:
             (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
         config = {**self.config, "additional_special_tokens": self._extra_specials}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+    @functools.cached_property
+    def max_piece_chars(self) -> int:
+        """The most characters of text one token spells (its longest piece's)."""
+        return max((len(piece) for piece in self.pieces()), default=1)
 
     def pieces(self) -> dict[str, int]:
         """Every token's text (as the tokenizer names it) → its id: two tokenizers with the same

@@ -6,6 +6,7 @@ import json
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +218,31 @@ def test_the_default_budget_shrinks_to_the_room_a_prompt_leaves_and_a_given_one_
     assert fit["prompt_tokens"] + fit["generated_tokens"] <= 64 and fit["generated_tokens"] >= 1
     assert "exceeds the context" in records["given"]["error"]
     jaxinfer_batch(inp, "-o", tmp_path / "again.jsonl", "-m", tiny("llama"), "-c", "64", "-n", "60", check=2)
+
+
+def test_a_50_mb_line_is_refused_before_it_is_tokenized(tiny, tmp_path):
+    """A prompt longer than the context's tokens can spell is refused by its length, untokenized:
+    the job's peak memory stays far below the 2.6 GB tokenizing it took; the next line still runs."""
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": "huge", "prompt": "word " * 10_000_000}, {"id": "small", "prompt": "Hi", "max_tokens": 2}],
+    )
+    out = tmp_path / "out.jsonl"
+    measure = (
+        "import resource, subprocess, sys; "
+        "code = subprocess.run(sys.argv[1:]).returncode; "
+        "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    args = ["jaxinfer", "batch", str(inp), "-m", str(tiny("llama")), "-o", str(out)]
+    code, peak_kib = map(
+        int,
+        subprocess.run(
+            [sys.executable, "-c", measure, *args], capture_output=True, text=True, timeout=300
+        ).stdout.split(),
+    )
+    assert code == 1 and peak_kib < 1_500_000  # KiB
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "50,000,000 characters" in records["huge"]["error"] and records["small"]["generated_tokens"] == 2
 
 
 def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
