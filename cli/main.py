@@ -185,6 +185,7 @@ def run(
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout."""
+    from jaxinfer.ceilings import check_peaks
     from jaxinfer.chat_template import ChatTemplate
     from jaxinfer.engine import Engine
     from jaxinfer.errors import JaxinferError
@@ -203,6 +204,7 @@ def run(
         return text
 
     options.check_positive(max_tokens=max_tokens)
+    check_peaks(peak_flops, peak_bandwidth)  # before the weights are read
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     text = share(read)  # the first process reads it (its stdin, its files)
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))

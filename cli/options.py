@@ -38,6 +38,8 @@ FLAGS = {
     "repeat_penalty": "--repeat-penalty",
     "stride": "--stride",
     "on_full": "--on-full",
+    "peak_flops": "--peak-flops",
+    "peak_bandwidth": "--peak-bandwidth",
     "resume": "--resume",
     "reset": "/reset",  # chat's command
 }

@@ -111,7 +111,7 @@ def info(
     """Sizes, memory and the roofline's TTFT and ITL for a model on this machine (weights not loaded)."""
     from dataclasses import replace
 
-    from jaxinfer.ceilings import device_memory_bytes
+    from jaxinfer.ceilings import check_peaks, device_memory_bytes
     from jaxinfer.forms import layout_for_batch
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import compute_dtype, resolve_dtype, roof_dtype, stored_quantization
@@ -120,6 +120,7 @@ def info(
     from jaxinfer.runtime import check_backend
 
     options.check_positive(max_context=max_context, batch_size=batch_size, prompt_tokens=prompt_tokens)
+    check_peaks(peak_flops, peak_bandwidth)
     mesh = options.mesh(devices)
     model_dir, cfg, config_json = load_config(model, gguf_file)
     layout = layout_for_batch(batch_size, mesh is not None)
@@ -201,10 +202,12 @@ def bench(
 ) -> None:
     """Measure prefill (TTFT, MFU) and decode (tokens/s, ITL, MBU) over prompt lengths and batch sizes."""
     from jaxinfer import bench as benchmark
+    from jaxinfer.ceilings import check_peaks
 
     prompt_list, batch_list = _int_list(prompts, "--prompt-tokens"), _int_list(batches, "--batch-size")
     device_list = _int_list(devices, "--devices") if devices else [None]
     options.check_positive(max_tokens=new_tokens, repeat=repeat, max_context=max_context)
+    check_peaks(peak_flops, peak_bandwidth)
     # on the CPU: all the devices any count needs, before JAX starts
     options.mesh(max(device_list, key=lambda n: n or 0))
     rows = []

@@ -6,6 +6,7 @@ dtype, and memory bandwidth. A datasheet figure given by the user (`--peak-flops
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import kernel, packed
+from jaxinfer.errors import JaxinferError
 from jaxinfer.runtime import default_cache_dir
 
 MATMUL_SIZE = 2048  # N: an N×N @ N×N product, 2N³ FLOPs; large enough to reach the peak on a CPU
@@ -78,6 +80,13 @@ def _store() -> Path:
     return default_cache_dir().parent / "ceilings.json"
 
 
+def check_peaks(peak_flops: float | None, peak_bandwidth: float | None) -> None:
+    """Given peaks are positive, finite numbers (MFU and MBU divide by them)."""
+    for name, value in (("peak_flops", peak_flops), ("peak_bandwidth", peak_bandwidth)):
+        if value is not None and not (0 < value < math.inf):
+            raise JaxinferError(f"{name} must be a positive number, not {value}", name)
+
+
 def machine_ceilings(
     dtype: str,
     peak_flops: float | None = None,
@@ -89,6 +98,7 @@ def machine_ceilings(
     else measured now (about two seconds; `announce()` is called first) and stored. `remeasure`
     probes again and keeps, per roof, the best of every probe so far: a probe on a busy machine
     reads low, and a roof is what the machine can do."""
+    check_peaks(peak_flops, peak_bandwidth)
     try:
         store: Path | None = _store()
     except OSError:

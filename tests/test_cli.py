@@ -427,10 +427,31 @@ def test_a_damaged_converted_checkpoint_is_one_line_naming_it(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_perplexity_refuses_a_context_that_cannot_advance(model, tmp_path):
+def test_every_numeric_option_is_range_checked(model, tmp_path):
+    """Each value that would never advance a loop, divide by zero or mean nothing: one line naming the
+    flag (perplexity -c 1 used to append windows forever)."""
     text = tmp_path / "text.txt"
     text.write_text("The capital of France is Paris. " * 20)
-    assert_one_line_error(jaxinfer("perplexity", "-m", model, text, "-c", "1"), "--max-context must be at least 2")
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"id": 1, "prompt": "hi"}\n')
+    cases = [
+        (("perplexity", text, "-c", "1"), "--max-context must be at least 2"),
+        (("perplexity", text, "--stride", "0"), "--stride"),
+        (("run", "hi", "-n", "0"), "--max-tokens"),
+        (("run", "hi", "-c", "0"), "--max-context"),
+        (("run", "hi", "--top-p", "0"), "--top-p"),
+        (("run", "hi", "--min-p", "2"), "--min-p"),
+        (("run", "hi", "--repeat-penalty", "0"), "--repeat-penalty"),
+        (("run", "hi", "--temp", "nan"), "--temp"),
+        (("run", "hi", "--peak-flops", "-5"), "--peak-flops"),
+        (("run", "hi", "--peak-bandwidth", "0"), "--peak-bandwidth"),
+        (("bench", "-r", "0"), "--repeat"),
+        (("bench", "-b", "0"), "--batch-size"),
+        (("info", "-p", "0"), "--prompt-tokens"),
+        (("batch", jsonl, "-b", "0"), "--batch-size"),
+    ]
+    for (command, *args), words in cases:
+        assert_one_line_error(jaxinfer(command, "-m", model, *args), words)
 
 
 @pytest.mark.slow
