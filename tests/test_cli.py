@@ -502,6 +502,15 @@ def test_a_terminal_sees_a_spinner_until_the_first_token(model):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0 and "Traceback" not in child.before
+    # Ctrl-C while it compiles (held until the compile ends): said so, not a line of zero figures
+    args = ["run", "-m", str(model), "Hello", "-n", "4"]
+    child = pexpect.spawn("jaxinfer", args, encoding="utf-8", timeout=300, env=env)
+    child.expect_exact("compiling and prefilling")
+    child.sendintr()
+    child.expect_exact("interrupted before the first token")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130 and "TTFT" not in child.before and "Traceback" not in child.before
 
 
 @pytest.mark.slow
