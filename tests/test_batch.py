@@ -245,6 +245,28 @@ def test_a_50_mb_line_is_refused_before_it_is_tokenized(tiny, tmp_path):
     assert "50,000,000 characters" in records["huge"]["error"] and records["small"]["generated_tokens"] == 2
 
 
+def test_a_disk_that_fills_mid_job_is_one_line_and_keeps_what_was_written(tiny, tmp_path):
+    """-o on a 16 KiB tmpfs: the records that fit are there, whole but for a last one cut short
+    (which --resume drops); the job says what happened in one line."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        inp = write_jsonl(
+            tmp_path / "in.jsonl", [{"id": i, "prompt": "The capital of", "max_tokens": 8} for i in range(80)]
+        )
+        proc = jaxinfer_batch(inp, "-m", tiny("llama"), "-o", disk / "out.jsonl")
+        lines = [line.strip() for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and lines == ["error: cannot go on: No space left on device"], proc.stderr
+        assert "Traceback" not in proc.stderr
+        written = (disk / "out.jsonl").read_text().split("\n")
+        records = [json.loads(line) for line in written[:-1]]  # the last, cut short or empty
+        assert len(records) >= 5 and all("text" in r for r in records)
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
 def test_an_existing_output_is_never_overwritten(tiny, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
     out = tmp_path / "out.jsonl"
