@@ -148,11 +148,7 @@ void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
 
 template <int kBits>
 void qgroups_dot(const QProblem& p, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    int64_t row = 0;
-    for (; row + 2 <= p.m; row += 2) qtile_dot<2, kBits>(p, g, row);
-    if (row < p.m) qtile_dot<1, kBits>(p, g, row);
-  }
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_dot<decltype(rows)::value, kBits>(p, g, row); });
 }
 
 #if defined(__clang__)

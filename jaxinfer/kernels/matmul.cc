@@ -29,6 +29,18 @@ namespace ffi = xla::ffi;
 namespace jaxinfer {
 namespace {
 
+// x's rows quantized per block of 32 (W8A8): int8 values, each block's scale and its values' sum.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  std::vector<int32_t> xsum;
+
+  QuantizedRows(const Paths& run, const float* x, int64_t m, int64_t k_blocks)
+      : xq(m * k_blocks * kBlock), xs(m * k_blocks), xsum(m * k_blocks) {
+    run.quantize_rows(x, m, k_blocks, xq.data(), xs.data(), xsum.data());
+  }
+};
+
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                    ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
@@ -50,14 +62,11 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (m == 0 || groups == 0) return ffi::Error::Success();
 
   const Paths& run = paths();
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * k_blocks);
-  std::vector<int32_t> xsum(m * k_blocks);
-  run.quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
+  const QuantizedRows rows(run, x.typed_data(), m, k_blocks);
   const QProblem problem{static_cast<const uint8_t*>(q.untyped_data()),
                          static_cast<const uint16_t*>(scale.untyped_data()),
                          y->typed_data(),
-                         m, k_blocks, groups, bits, xq.data(), xs.data(), xsum.data(), f16_scale};
+                         m, k_blocks, groups, bits, rows.xq.data(), rows.xs.data(), rows.xsum.data(), f16_scale};
   const QGroups share = run.qgroups[bits == 8 ? 0 : 1];
   const int64_t group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
   parallel_items(pool, groups, group_bytes, [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });
@@ -85,16 +94,13 @@ ffi::Error KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   }
   if (m == 0 || groups == 0) return ffi::Error::Success();
   const Paths& run = paths();
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * k_blocks);
-  std::vector<int32_t> xsum(m * k_blocks);
-  run.quantize_rows(x.typed_data(), m, k_blocks, xq.data(), xs.data(), xsum.data());
-  std::vector<int32_t> xhalf(kind == kQ6K ? m * k_blocks : 0);
+  const QuantizedRows rows(run, x.typed_data(), m, k_blocks);
+  std::vector<int32_t> xhalf(kind == kQ6K ? m * k_blocks : 0);  // Q6_K's halves: the first 16 values' sum
   for (size_t at = 0; at < xhalf.size(); ++at) {
-    for (int i = 0; i < kBlock / 2; ++i) xhalf[at] += xq[at * kBlock + i];
+    for (int i = 0; i < kBlock / 2; ++i) xhalf[at] += rows.xq[at * kBlock + i];
   }
   const KProblem problem{q.typed_data(), sub.typed_data(), reinterpret_cast<const uint16_t*>(super.typed_data()), y->typed_data(),
-                         m, k_blocks, groups, static_cast<int>(kind), xq.data(), xs.data(), xsum.data(), xhalf.data()};
+                         m, k_blocks, groups, static_cast<int>(kind), rows.xq.data(), rows.xs.data(), rows.xsum.data(), xhalf.data()};
   const KGroups share = run.kgroups[kind];
   parallel_items(pool, groups, k_blocks * problem.weight_bytes() * std::max<int64_t>(1, m / 4),
                  [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });

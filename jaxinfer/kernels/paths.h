@@ -175,6 +175,17 @@ inline float round_to_bf16(float v) {
   return v;
 }
 
+// tile(g, row, std::integral_constant<int, rows>) over groups [g0, g1), each group's m rows in tiles
+// of 2 and the one left: the narrow families' quantized drivers (16 vector registers, or SDOT's pairs).
+template <class Tile>
+inline void groups_in_row_pairs(int64_t g0, int64_t g1, int64_t m, Tile&& tile) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t row = 0;
+    for (; row + 2 <= m; row += 2) tile(g, row, std::integral_constant<int, 2>{});
+    if (row < m) tile(g, row, std::integral_constant<int, 1>{});
+  }
+}
+
 // f(std::integral_constant<int, rows>) for 1 <= rows <= kMax: a tile's row count made a template
 // argument, for the remainders of a loop over whole tiles.
 template <int kMax, int kRows = 1, class F>

@@ -175,11 +175,7 @@ void qtile(const QProblem& p, int64_t g, int64_t row0) {
 
 template <int kBits>
 void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    int64_t row = 0;
-    for (; row + 2 <= p.m; row += 2) qtile<2, kBits>(p, g, row);
-    if (row < p.m) qtile<1, kBits>(p, g, row);
-  }
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile<decltype(rows)::value, kBits>(p, g, row); });
 }
 
 // KProblem's formats on the same instructions. Per chunk c of a block, the 4-bit codes as int4's,
@@ -264,11 +260,7 @@ void ktile(const KProblem& p, int64_t g, int64_t row0) {
 
 template <int kKind>
 void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    int64_t row = 0;
-    for (; row + 2 <= p.m; row += 2) ktile<2, kKind>(p, g, row);
-    if (row < p.m) ktile<1, kKind>(p, g, row);
-  }
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { ktile<decltype(rows)::value, kKind>(p, g, row); });
 }
 
 template <int... kKind>
