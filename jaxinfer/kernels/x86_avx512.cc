@@ -160,11 +160,11 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
 // and Σ xs · sum(xq) · sub-min (Q6_K: each half's dot - 32 · its sum(xq), times its scale, in int32),
 // which the super-block's d and dmin scale once: the float work per block is the sub-scales'
 // widening and two FMAs a row (it was a quarter of the time with d and dmin applied per block).
-// A tile is kRows rows by kGroups groups: few rows (decode) take two groups, which share each row's
-// broadcasts of x. The 4-bit formats' high nibbles are used in place (v & 0xF0, 16 · code), their
-// chain's sum shifted back by 4 bits: one instruction fewer per chunk.
-template <int kRows, int kGroups, int kKind>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KProblem& p, int64_t g0, int64_t row0) {
+// The 4-bit formats' high nibbles are used in place (v & 0xF0, 16 · code), their chain's sum shifted
+// back by 4 bits: one instruction fewer per chunk. (Tiles of two groups sharing x's broadcasts were
+// slower in a model's decode: TinyLlama's Q4_K_M matrices a token, 21 ms against 17.6 for one group.)
+template <int kRows, int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KProblem& p, int64_t g, int64_t row0) {
   constexpr int bits = k_bits(kKind), per = k_per(kKind);
   constexpr bool subs = kKind <= kQ6K;
   const __m512i low = _mm512_set1_epi8(0x0F), high_nibble = _mm512_set1_epi8(static_cast<char>(0xF0)),
@@ -175,107 +175,84 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KPr
     return c == 2 ? v : c < 2 ? _mm512_slli_epi16(v, 4 - 2 * c) : _mm512_srli_epi16(v, 2 * c - 4);
   };
   const auto widen = [](const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); };
-  __m512 acc[kGroups][kRows];
-  for (int j = 0; j < kGroups; ++j)
-    for (int r = 0; r < kRows; ++r) acc[j][r] = _mm512_setzero_ps();
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < p.k_blocks; b0 += per) {
-    __m512 scaled[kGroups][kRows], mins[kGroups][kRows];  // the super-block's two sums
-    for (int j = 0; j < kGroups; ++j)
-      for (int r = 0; r < kRows; ++r) scaled[j][r] = mins[j][r] = _mm512_setzero_ps();
+    __m512 scaled[kRows], mins[kRows];  // the super-block's two sums
+    for (int r = 0; r < kRows; ++r) scaled[r] = mins[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < b0 + per; ++b) {
-      __m512i w[kGroups][8];
-      for (int j = 0; j < kGroups; ++j) {
-        const uint8_t* wb = p.block(g0 + j, b);
-        const __m512i high = bits >= 5 ? _mm512_loadu_si512(wb + 256) : _mm512_setzero_si512();
-        const __m512i higher = bits == 6 ? _mm512_loadu_si512(wb + 320) : _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-          w[j][c] = _mm512_and_si512(v, low);
-          if constexpr (bits == 4) {
-            w[j][c + 4] = _mm512_and_si512(v, high_nibble);
-          } else {
-            w[j][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          }
-          if constexpr (bits == 5) {  // bit c (c + 4) of each byte to bit 4
-            w[j][c] = _mm512_or_si512(w[j][c], _mm512_and_si512(_mm512_slli_epi16(high, 4 - c), fifth));
-            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_and_si512(c == 0 ? high : _mm512_srli_epi16(high, c), fifth));
-          }
-          if constexpr (bits == 6) {  // bits 2c, 2c + 1 to bits 4, 5
-            w[j][c] = _mm512_or_si512(w[j][c], _mm512_and_si512(to_bits_4_5(high, c), sixth));
-            w[j][c + 4] = _mm512_or_si512(w[j][c + 4], _mm512_and_si512(to_bits_4_5(higher, c), sixth));
-          }
+      const uint8_t* wb = p.block(g, b);
+      __m512i w[8];
+      const __m512i high = bits >= 5 ? _mm512_loadu_si512(wb + 256) : _mm512_setzero_si512();
+      const __m512i higher = bits == 6 ? _mm512_loadu_si512(wb + 320) : _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+        w[c] = _mm512_and_si512(v, low);
+        if constexpr (bits == 4) {
+          w[c + 4] = _mm512_and_si512(v, high_nibble);
+        } else {
+          w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        if constexpr (bits == 5) {  // bit c (c + 4) of each byte to bit 4
+          w[c] = _mm512_or_si512(w[c], _mm512_and_si512(_mm512_slli_epi16(high, 4 - c), fifth));
+          w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_and_si512(c == 0 ? high : _mm512_srli_epi16(high, c), fifth));
+        }
+        if constexpr (bits == 6) {  // bits 2c, 2c + 1 to bits 4, 5
+          w[c] = _mm512_or_si512(w[c], _mm512_and_si512(to_bits_4_5(high, c), sixth));
+          w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_and_si512(to_bits_4_5(higher, c), sixth));
         }
       }
-      __m512 scale[kGroups], min[kGroups];  // the sub-scales, as floats
-      __m512i s0[kGroups], s1[kGroups];   // Q6_K's
-      for (int j = 0; j < kGroups; ++j) {
-        const uint8_t* sub = subs ? p.subs(g0 + j, b) : nullptr;
-        if constexpr (kKind == kQ6K) {
-          s0[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
-          s1[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kGroup)));
-        } else if constexpr (subs) {
-          scale[j] = widen(sub);
-          min[j] = widen(sub + kGroup);
-        }
+      const uint8_t* sub = subs ? p.subs(g, b) : nullptr;
+      __m512 scale = _mm512_set1_ps(1.f), min = _mm512_set1_ps(1.f);  // the sub-scales, as floats
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // Q6_K's
+      if constexpr (kKind == kQ6K) {
+        s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+        s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kGroup)));
+      } else if constexpr (subs) {
+        scale = widen(sub);
+        min = widen(sub + kGroup);
       }
       for (int r = 0; r < kRows; ++r) {
         const int64_t at = (row0 + r) * p.k_blocks + b;
         const int32_t* xb = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
-        __m512i x[8];
-        for (int c = 0; c < 8; ++c) x[c] = _mm512_set1_epi32(xb[c]);
-        const __m512 xs = _mm512_set1_ps(p.xs[at]);
-        for (int j = 0; j < kGroups; ++j) {
-          __m512i dot = _mm512_setzero_si512(), other = _mm512_setzero_si512();  // two chains: half the latency
-          if constexpr (kKind == kQ6K) {
-            dot = _mm512_set1_epi32(-32 * p.xhalf[at]);
-            other = _mm512_set1_epi32(-32 * (p.xsum[at] - p.xhalf[at]));
-          }
-          for (int c = 0; c < 4; ++c) {
-            dot = _mm512_dpbusd_epi32(dot, w[j][c], x[c]);
-            other = _mm512_dpbusd_epi32(other, w[j][c + 4], x[c + 4]);
-          }
-          if constexpr (kKind == kQ6K) {  // the halves, each by its scale
-            const __m512i both = _mm512_add_epi32(_mm512_mullo_epi32(dot, s0[j]), _mm512_mullo_epi32(other, s1[j]));
-            scaled[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), xs, scaled[j][r]);
-            continue;
-          }
-          if constexpr (bits == 4) other = _mm512_srai_epi32(other, 4);  // 16 · code, exactly
-          const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot, other));
-          scaled[j][r] = _mm512_fmadd_ps(sum, subs ? _mm512_mul_ps(scale[j], xs) : xs, scaled[j][r]);
-          const __m512 xmin = _mm512_set1_ps(p.xs[at] * static_cast<float>(p.xsum[at]));
-          mins[j][r] = subs ? _mm512_fmadd_ps(min[j], xmin, mins[j][r]) : _mm512_add_ps(mins[j][r], xmin);
+        __m512i dot = _mm512_setzero_si512(), other = _mm512_setzero_si512();  // two chains: half the latency
+        if constexpr (kKind == kQ6K) {
+          dot = _mm512_set1_epi32(-32 * p.xhalf[at]);
+          other = _mm512_set1_epi32(-32 * (p.xsum[at] - p.xhalf[at]));
         }
+        for (int c = 0; c < 4; ++c) {
+          dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(xb[c]));
+          other = _mm512_dpbusd_epi32(other, w[c + 4], _mm512_set1_epi32(xb[c + 4]));
+        }
+        const __m512 xs = _mm512_set1_ps(p.xs[at]);
+        if constexpr (kKind == kQ6K) {  // the halves, each by its scale
+          const __m512i both = _mm512_add_epi32(_mm512_mullo_epi32(dot, s0), _mm512_mullo_epi32(other, s1));
+          scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), xs, scaled[r]);
+          continue;
+        }
+        if constexpr (bits == 4) other = _mm512_srai_epi32(other, 4);  // 16 · code, exactly
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot, other));
+        scaled[r] = _mm512_fmadd_ps(sum, subs ? _mm512_mul_ps(scale, xs) : xs, scaled[r]);
+        const __m512 xmin = _mm512_set1_ps(p.xs[at] * static_cast<float>(p.xsum[at]));
+        mins[r] = subs ? _mm512_fmadd_ps(min, xmin, mins[r]) : _mm512_add_ps(mins[r], xmin);
       }
     }
-    for (int j = 0; j < kGroups; ++j) {
-      const uint16_t* super = p.supers(g0 + j, b0);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
-      __m512 dmin = _mm512_setzero_ps();
-      if constexpr (kKind == kQ5_0) dmin = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
-      if constexpr (kKind != kQ5_0 && kKind != kQ6K) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + kGroup)));
-      for (int r = 0; r < kRows; ++r) acc[j][r] = _mm512_fnmadd_ps(dmin, mins[j][r], _mm512_fmadd_ps(d, scaled[j][r], acc[j][r]));
-    }
+    const uint16_t* super = p.supers(g, b0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super)));
+    __m512 dmin = _mm512_setzero_ps();
+    if constexpr (kKind == kQ5_0) dmin = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+    if constexpr (kKind != kQ5_0 && kKind != kQ6K) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + kGroup)));
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_fnmadd_ps(dmin, mins[r], _mm512_fmadd_ps(d, scaled[r], acc[r]));
   }
-  for (int j = 0; j < kGroups; ++j)
-    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + (g0 + j) * kGroup, acc[j][r]);
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup, acc[r]);
 }
 
 template <int kKind>
 void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
-  int64_t g = g0;
-  if (p.m <= 2) {  // decode: two groups a tile
-    for (; g + 2 <= g1; g += 2) {
-      if (p.m == 2) {
-        ktile_vnni<2, 2, kKind>(p, g, 0);
-      } else {
-        ktile_vnni<1, 2, kKind>(p, g, 0);
-      }
-    }
-  }
-  for (; g < g1; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     int64_t row = 0;
-    for (; row + 8 <= p.m; row += 8) ktile_vnni<8, 1, kKind>(p, g, row);
-    if (row < p.m) with_rows<7>(p.m - row, [&](auto rows) { ktile_vnni<decltype(rows)::value, 1, kKind>(p, g, row); });
+    for (; row + 8 <= p.m; row += 8) ktile_vnni<8, kKind>(p, g, row);
+    if (row < p.m) with_rows<7>(p.m - row, [&](auto rows) { ktile_vnni<decltype(rows)::value, kKind>(p, g, row); });
   }
 }
 
