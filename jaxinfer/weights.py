@@ -95,7 +95,9 @@ def read_gguf(
     mesh: Mesh | None = None,
 ) -> dict:
     """A GGUF file's tensors (`jaxinfer.gguf_model`) through the table into the tree, as
-    `read_safetensors` reads a checkpoint's; its Q8_0/Q4_0 blocks as `quant` methods' packed leaves."""
+    `read_safetensors` reads a checkpoint's: its quantized blocks (Q8_0, Q4_0, the k-quants, ...) in
+    the `quant` methods of their names, its float matrices quantized only by `quantize`; Llama's q/k
+    rows and Gemma's norms put back as Hugging Face holds them."""
     from jaxinfer import gguf_model
 
     table = weight_table(cfg)
