@@ -161,6 +161,7 @@ def run(
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
+    logprobs: Optional[int] = options.LOGPROBS,
     escape: bool = options.ESCAPE,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
@@ -191,6 +192,7 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
     from jaxinfer.processes import share
+    from jaxinfer.sampling import check_logprobs
     from jaxinfer.slots import check_text_fits
 
     def read() -> str:
@@ -204,6 +206,7 @@ def run(
         return text
 
     options.check_positive(max_tokens=max_tokens)
+    check_logprobs(logprobs)
     check_peaks(peak_flops, peak_bandwidth)  # before the weights are read
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     text = share(read)  # the first process reads it (its stdin, its files)
@@ -234,6 +237,7 @@ def run(
         seed,
         stops,
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
     )
     try:
         if json_output:
@@ -256,6 +260,8 @@ def run(
         result["timings"]["roofline"] = options.roofline(loaded, gen.timings, peak_flops, peak_bandwidth)
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
+    if logprobs is not None and not json_output:
+        render.logprobs(result["logprobs"])
     if show_stats:
         render.stats(result)
     if result["finish_reason"] == "interrupted":

@@ -36,6 +36,7 @@ FLAGS = {
     "top_p": "--top-p",
     "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty",
+    "logprobs": "--logprobs",
     "stride": "--stride",
     "on_full": "--on-full",
     "peak_flops": "--peak-flops",
@@ -94,6 +95,15 @@ PREFILL_CHUNK = typer.Option(
     "[default: 512 where the CPU attention kernel runs, else 128].",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
+LOGPROBS = typer.Option(
+    None,
+    "--logprobs",
+    metavar="N",
+    show_default=False,
+    help="Each token's log-probability and the N most likely alternatives (0-20), under the distribution it was "
+    "drawn from (after --repeat-penalty and --temp; before top-k/top-p/min-p cut it): in --json's record, else "
+    "as a table on stderr.",
+)
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")
 SYSTEM = typer.Option(
     None,

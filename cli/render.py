@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -170,6 +171,21 @@ def stats(result: dict) -> None:
             f"roofs:   {_si(roof['peak_flops'], 'FLOP/s')}, {_si(roof['peak_bandwidth'], 'B/s')} ({roof['method']})"
         )
     err.print("\n".join(lines), style="dim", markup=False)
+
+
+def logprobs(entries: list[dict]) -> None:
+    """Each generated token's log-probability and the alternatives asked for, on stderr."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, header_style="dim", pad_edge=False)
+    for column in ("#", "token", "logprob", "p", "alternatives"):
+        table.add_column(column, justify="right" if column in ("#", "logprob", "p") else "left")
+    for i, e in enumerate(entries):
+        alternatives = "  ".join(f"{a['token']!r} {math.exp(a['logprob']):.0%}" for a in e["top_logprobs"])
+        cells = (str(i), repr(e["token"]), f"{e['logprob']:.3f}", f"{math.exp(e['logprob']):.1%}", alternatives)
+        table.add_row(*map(Text, cells))  # Text: a token's "[b]" is not markup
+    err.print(table)
 
 
 def _bytes(n: float) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
-from jaxinfer.generate import TextStream
+from jaxinfer.generate import TextStream, logprob_entries
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
@@ -39,6 +39,7 @@ class Request:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculate: bool = False  # draft (where the runner speculates)
+    logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Slot:
     compiling_s: float = 0.0  # compile time (a new kv bucket) since the row's latest tokens: not its latency
     compiled_s: float = 0.0  # all compile time after its first token
     read: int = 0  # tokens of the row already passed to `text`
+    logprobs: list = field(default_factory=list)  # where asked for: the row's tokens' (`TokenStream.logprobs`)
 
 
 @dataclass
@@ -112,6 +114,8 @@ class BatchRunner:
                 )
         if not admitted:
             return
+        if any(r.logprobs is not None for _, r in admitted):
+            self.slots.record_logprobs()
         self.slots.admit(
             [
                 Admission(
@@ -130,6 +134,8 @@ class BatchRunner:
         """Pass new tokens to each live slot's text; hand over and free the finished ones."""
         tokens, length, done = self.slots.fetch()
         prefilling = self.slots.prefilling
+        asked = any(slot and slot.request.logprobs is not None for slot in slots)
+        lp = self.slots.fetch_logprobs() if asked else None
         now = time.perf_counter()
         finished = np.zeros(len(slots), bool)
         for i, slot in enumerate(slots):
@@ -143,8 +149,10 @@ class BatchRunner:
                 slot.compiled_s += slot.compiling_s
             if made:
                 slot.last_token, slot.compiling_s = now, 0.0
-            for token in tokens[i, slot.read : length[i]]:
-                slot.text.push(int(token))
+            for position in range(slot.read, int(length[i])):
+                slot.text.push(int(tokens[i, position]))
+                if slot.request.logprobs is not None:
+                    slot.logprobs.append((float(lp.chosen[i, position]), lp.ids[i, position], lp.top[i, position]))
                 if slot.text.stopped:
                     break
             self.stats.generated_tokens += made
@@ -170,8 +178,7 @@ class BatchRunner:
             self.slots.retire(finished)  # a stop string: the row stops now
         return bool(finished.any())
 
-    @staticmethod
-    def _record(slot: _Slot, eos: bool, now: float, started: float, speculated: Speculated | None) -> dict:
+    def _record(self, slot: _Slot, eos: bool, now: float, started: float, speculated: Speculated | None) -> dict:
         text = slot.text
         text.flush()
         generated = len(text.token_ids)
@@ -196,4 +203,8 @@ class BatchRunner:
                 },
             }
             | ({"speculation": speculated.as_dict()} if speculated else {}),
-        }
+        } | (
+            {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, slot.request.logprobs)}
+            if slot.request.logprobs is not None
+            else {}
+        )

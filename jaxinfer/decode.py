@@ -33,13 +33,33 @@ import numpy as np
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.kvcache import KVCache
-from jaxinfer.sampling import SamplerArrays, Sampling, sample
+from jaxinfer.sampling import TOP_LOGPROBS, SamplerArrays, Sampling, logprobs, sample
 from jaxinfer.sharding import mesh_of
 
 MAX_BACKOFF = 64  # steps a row with failing drafts waits at most before drafting again
 # Drafts a verifying pass must keep to beat plain steps: it costs about two of them (measured:
 # 1.6-2.2× on XLA CPU, the bundled model and the SmolLM-135M shape in float32), and makes 1 + accepted.
 PAYING_DRAFTS = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Logprobs:
+    """Each token's log-probability by position, as `sampling.logprobs` gives them, where a row's
+    tokens are recorded with them (prompt positions hold zeros)."""
+
+    chosen: jax.Array  # [B, S] float32: the token at the position
+    ids: jax.Array  # [B, S, N] int32: the N most likely tokens there
+    top: jax.Array  # [B, S, N] float32: theirs
+
+    @classmethod
+    def zeros(cls, batch: int, max_context: int, cfg: ModelConfig) -> Logprobs:
+        n = min(TOP_LOGPROBS, cfg.sampled_vocab or cfg.vocab_size)
+        return cls(
+            jnp.zeros((batch, max_context), jnp.float32),
+            jnp.zeros((batch, max_context, n), jnp.int32),
+            jnp.zeros((batch, max_context, n), jnp.float32),
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +85,8 @@ class DecodeState:
         # the draft model's, where one drafts: K/V of all but a row's last two tokens at least
         None
     )
+    # where log-probabilities are recorded (a static choice: the programs differ by the state's shape)
+    logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +116,10 @@ def initial_state(
     eos_ids: tuple[int, ...],
     spec: Speculation = Speculation(),
     draft_params: model.Params | None = None,
+    record_logprobs: bool = False,
 ) -> DecodeState:
-    """An empty state: zero caches in the weights' dtypes, every row done."""
+    """An empty state: zero caches in the weights' dtypes, every row done; with `record_logprobs`,
+    room for each position's log-probabilities."""
     whole = mesh_of(params) is None
     draft_cache = (
         KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
@@ -118,6 +142,7 @@ def initial_state(
         backoff=jnp.zeros((batch,), jnp.int32),
         patience=jnp.zeros((batch,), jnp.int32),
         draft_cache=draft_cache,
+        logprobs=Logprobs.zeros(batch, max_context, cfg) if record_logprobs else None,
     )
 
 
@@ -149,20 +174,32 @@ def admission(
 
 
 def _sample_at(
-    seeds: jax.Array, seen: jax.Array, sampler: SamplerArrays, logits: jax.Array, position: jax.Array, cfg: ModelConfig
-) -> jax.Array:
-    """One token per row, among the ids the tokenizer has. Keys come from the row's own seed and
-    position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
+    seeds: jax.Array,
+    seen: jax.Array,
+    sampler: SamplerArrays,
+    logits: jax.Array,
+    position: jax.Array,
+    cfg: ModelConfig,
+    record: bool = False,
+) -> tuple[jax.Array, tuple | None]:
+    """One token per row, among the ids the tokenizer has, and (`record`) its log-probabilities
+    (`sampling.logprobs`: chosen [B], ids [B, N], top [B, N]), else None. Keys come from the row's
+    own seed and position only: a result never depends on chunking, on other rows, or on which slot
+    it occupies."""
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
     n = cfg.sampled_vocab or cfg.vocab_size
-    return sample(logits[:, :n], seen[:, :n], keys, sampler)
+    token = sample(logits[:, :n], seen[:, :n], keys, sampler)
+    return token, logprobs(logits[:, :n], seen[:, :n], sampler, token) if record else None
 
 
-def _append(state: DecodeState, tokens: jax.Array, offered: jax.Array) -> tuple[DecodeState, jax.Array]:
+def _append(
+    state: DecodeState, tokens: jax.Array, offered: jax.Array, lp: tuple | None = None
+) -> tuple[DecodeState, jax.Array]:
     """Write tokens [B, T] from each row's `length` on, those `offered` [B, T] (a prefix per row)
-    up to the first that ends the row (an EOS id, or its budget reached). Returns the state and
-    how many tokens each row took [B]. One write per array whatever T (a verifying pass's K+1
-    tokens): per-op costs weigh on a small model's step."""
+    up to the first that ends the row (an EOS id, or its budget reached), with their
+    log-probabilities `lp` (chosen [B, T], ids and top [B, T, N]) where the state records them.
+    Returns the state and how many tokens each row took [B]. One write per array whatever T (a
+    verifying pass's K+1 tokens): per-op costs weigh on a small model's step."""
     B, T = tokens.shape
     j = jnp.arange(T)
     ends = (jnp.isin(tokens, state.eos) & ~state.ignore_eos[:, None]) | (
@@ -171,6 +208,13 @@ def _append(state: DecodeState, tokens: jax.Array, offered: jax.Array) -> tuple[
     made = offered & (jnp.cumsum(ends, axis=1) - ends == 0)  # [B, T]
     rows = jnp.arange(B)[:, None]
     at = jnp.where(made, state.length[:, None] + j, state.tokens.shape[1])  # past the buffer: the write is dropped
+    if state.logprobs is not None:
+        state = replace(
+            state,
+            logprobs=Logprobs(
+                *(x.at[rows, at].set(new, mode="drop") for x, new in zip(vars(state.logprobs).values(), lp))
+            ),
+        )
     state = replace(
         state,
         tokens=state.tokens.at[rows, at].set(tokens, mode="drop"),
@@ -237,7 +281,9 @@ def prefill(
     last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     # One pass over the LM head for the chunks' last tokens and the running rows'.
     logits = model.logits(params, jnp.concatenate([last] + [h[:, 0] for h in hidden[1:]]), cfg)  # [R (+ B), V]
-    stepped = _sample_at(state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg) if step_kv_len else None
+    record = state.logprobs is not None
+    if step_kv_len:
+        stepped, stepped_lp = _sample_at(state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg, record)
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
     in_sequence = jnp.arange(S)[None, :] < length[:, None]  # [R, S]
@@ -261,12 +307,14 @@ def prefill(
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    first = _sample_at(seeds, seen, sampler, logits[:R], length, cfg)
+    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record)
     started = jnp.zeros(B, bool).at[rows].set(final)
     token = jnp.zeros(B, jnp.int32).at[rows].set(first)
+    lp = first_lp and tuple(jnp.zeros((B, *x.shape[1:]), x.dtype).at[rows].set(x) for x in first_lp)
     if step_kv_len:  # the running rows' tokens (no row both starts and steps: a prefilling row is done)
         token = jnp.where(active, stepped, token)
-    return _append(state, token[:, None], (started | active)[:, None])[0]
+        lp = lp and tuple(jnp.where(active.reshape(-1, *[1] * (x.ndim - 1)), s, x) for x, s in zip(lp, stepped_lp))
+    return _append(state, token[:, None], (started | active)[:, None], lp and tuple(x[:, None] for x in lp))[0]
 
 
 def _steps(state: DecodeState, cfg: ModelConfig) -> jax.Array:
@@ -306,10 +354,16 @@ def decode_step(
     last, write_at = _feed(state, 1, 1)  # [B, 1]
     hidden, cache = model.forward(params, cfg, last, write_at, state.cache, kv_len)
     state = replace(state, cache=cache, passes=state.passes + active, backoff=jnp.maximum(state.backoff - 1, 0))
-    token = _sample_at(
-        state.seeds, state.seen, state.sampler, model.logits(params, hidden[:, 0], cfg), state.length, cfg
+    token, lp = _sample_at(
+        state.seeds,
+        state.seen,
+        state.sampler,
+        model.logits(params, hidden[:, 0], cfg),
+        state.length,
+        cfg,
+        state.logprobs is not None,
     )
-    return _append(state, token[:, None], active[:, None])[0]
+    return _append(state, token[:, None], active[:, None], lp and tuple(x[:, None] for x in lp))[0]
 
 
 def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -364,7 +418,7 @@ def model_drafts(
     for k in range(spec.draft):
         hidden, cache = model.forward(draft_params, spec.model, feed, write_at, cache, kv_len)
         logits = model.logits(draft_params, hidden[:, -1], spec.model)
-        tokens.append(_sample_at(state.seeds, seen, state.sampler, logits, state.length + k, spec.model))
+        tokens.append(_sample_at(state.seeds, seen, state.sampler, logits, state.length + k, spec.model)[0])
         seen = seen.at[jnp.arange(seen.shape[0]), tokens[-1]].set(True)
         feed, write_at = tokens[-1][:, None], write_at[:, -1:] + 1
     return jnp.stack(tokens, axis=1), cache
@@ -406,18 +460,21 @@ def verify_step(
         seen.append(seen[-1].at[rows, draft[:, d]].set(True))
     flat = lambda x: x.reshape(B * (K + 1), *x.shape[2:])  # noqa: E731
     each = lambda x: jnp.repeat(x, K + 1, axis=0)  # noqa: E731
-    target = _sample_at(
+    target, lp = _sample_at(
         each(state.seeds),
         flat(jnp.stack(seen, 1)),
         jax.tree.map(each, state.sampler),
         flat(model.logits(params, hidden, cfg)),
         flat(state.length[:, None] + j),
         cfg,
-    ).reshape(B, K + 1)
+        state.logprobs is not None,
+    )
+    target = target.reshape(B, K + 1)
+    lp = lp and tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)
     agree = jnp.cumprod((draft == target[:, :K]) & (j[:K] < count[:, None]), axis=1, dtype=jnp.int32).sum(1)  # [B]
     state = replace(state, cache=cache, passes=state.passes + active, drafted=state.drafted + count)
     # the kept drafts and the model's own token
-    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]))
+    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]), lp)
     kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid

@@ -105,6 +105,8 @@ class TokenStream:
     timings: Timings
     finish_reason: str | None = None
     chunks: Iterator[list[int]] = iter(())
+    # where asked for: each new token's log-probabilities as they came (chosen, ids [N], top [N])
+    logprobs: list[tuple[float, np.ndarray, np.ndarray]] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
         return self.chunks
@@ -151,12 +153,16 @@ class Engine:
         seed: int | None = None,
         stream: bool = True,
         ignore_eos: bool = False,
+        logprobs: bool = False,
     ) -> TokenStream:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
-        call per kv bucket the sequence passes through)."""
+        call per kv bucket the sequence passes through). With `logprobs`, the stream's `logprobs`
+        gather each token's (`sampling.logprobs`); the first such request compiles its programs again."""
         check_fits(len(prompt), max_tokens, self.max_context)
         seed = shared_seed() if seed is None else seed
-        result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)))
+        result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)), logprobs=[] if logprobs else None)
+        if logprobs:
+            self.slots.record_logprobs()
         result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, result)
         return result
 
@@ -177,6 +183,7 @@ class Engine:
         tokens, length, done = self._fetch()
         timings.ttft_s = time.perf_counter() - started - (timings.compile.seconds - compiling)
         timings.generated_tokens = 1
+        self._gather_logprobs(result, n, length)
         yield [int(tokens[n])]
 
         steps = 1 if stream else max_tokens
@@ -206,9 +213,16 @@ class Engine:
             if stream:  # size the next chunk to take about STREAM_INTERVAL_S
                 # processes run in step
                 steps = agree(max(1, min(1024, int(STREAM_INTERVAL_S * made / max(elapsed, 1e-6)))))
+            self._gather_logprobs(result, length, new_length)
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
         result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"
+
+    def _gather_logprobs(self, result: TokenStream, start: int, end: int) -> None:
+        """The log-probabilities of row 0's tokens at positions start:end, where the stream asks."""
+        if result.logprobs is not None and end > start:
+            lp = self.slots.fetch_logprobs()
+            result.logprobs += [(float(lp.chosen[0, p]), lp.ids[0, p], lp.top[0, p]) for p in range(start, end)]
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
         """Row 0's tokens, length and done flag. Also records what the caches now hold: K/V of

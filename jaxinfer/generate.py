@@ -72,6 +72,22 @@ class TextStream:
         return piece
 
 
+def logprob_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list, top_n: int) -> list[dict]:
+    """Each token with its log-probability and the `top_n` most likely tokens at its position, in
+    the shape of OpenAI's chat completions (`logprobs.content`): token text, logprob, UTF-8 bytes
+    (a token may hold part of a character: its text then shows U+FFFD, its bytes are exact).
+    `logprobs`: per token (chosen, ids [N], top [N]), as `TokenStream.logprobs` gathers them."""
+
+    def entry(token: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [
+        entry(token, chosen) | {"top_logprobs": [entry(int(i), float(x)) for i, x in zip(ids[:top_n], top[:top_n])]}
+        for token, (chosen, ids, top) in zip(tokens, logprobs)
+    ]
+
+
 class Generation:
     def __init__(
         self,
@@ -84,11 +100,15 @@ class Generation:
         stop: tuple[str, ...] = (),
         stream: bool = True,
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ):
+        """`logprobs`: None, or how many most likely alternatives (≤ `sampling.TOP_LOGPROBS`) the
+        result gives beside each token's own log-probability."""
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.finish_reason: str | None = None
+        self._tokenizer, self._top_n = model.tokenizer, logprobs
         self._tokens = engine.generate(
-            self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos
+            self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos, logprobs is not None
         )
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 
@@ -121,7 +141,14 @@ class Generation:
     def timings(self):
         return self._tokens.timings
 
+    def logprobs(self) -> list[dict] | None:
+        """Where asked for, each generated token's (`logprob_entries`)."""
+        if self._top_n is None:
+            return None
+        return logprob_entries(self._tokenizer, self.token_ids, self._tokens.logprobs, self._top_n)
+
     def result(self) -> dict:
+        logprobs = self.logprobs()
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -130,4 +157,4 @@ class Generation:
             "finish_reason": self.finish_reason,
             "seed": self._tokens.seed,
             "timings": self.timings.as_dict(),
-        }
+        } | ({"logprobs": logprobs} if logprobs is not None else {})

@@ -2,8 +2,9 @@
 
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
-seed, stop, ignore_eos and speculate (false: this request does not draft, in a job run with --speculate
-or --draft-model); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape ({"custom_id",
+seed, stop, ignore_eos, speculate (false: this request does not draft, in a job run with --speculate
+or --draft-model) and logprobs (N: each token's log-probability and the N most likely alternatives,
+0 to 20); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape ({"custom_id",
 "method", "url", "body"}) gets its result in that API's output shape. A bad line, unknown fields
 included, becomes an error record in the output and the job goes on. The output is locked while a job
 writes it. On resume, ids already in the output are skipped (and bad lines already recorded), and a last
@@ -27,6 +28,7 @@ from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
+from jaxinfer.sampling import check_logprobs
 from jaxinfer.slots import check_fits, check_text_fits
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
@@ -40,6 +42,7 @@ FIELDS = {
     "stop",
     "ignore_eos",
     "speculate",
+    "logprobs",
     *SAMPLING_FIELDS,
 }
 
@@ -62,8 +65,6 @@ OPENAI_ACCEPTED = {
     "stream_options": (None,),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "response_format": ({"type": "text"},),
     "tools": ([],),
@@ -301,7 +302,9 @@ class Job:
             raise JaxinferError('"speculate" must be true or false')
         if speculate and not self.speculating:
             raise JaxinferError('"speculate": true needs a job that speculates (ngram or a draft model)')
-        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate)
+        logprobs = item.get("logprobs")
+        check_logprobs(logprobs)
+        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs)
 
 
 def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
@@ -328,7 +331,15 @@ def _from_openai(line: dict) -> tuple[str, dict]:
         raise JaxinferError(f'"url" must be one of {", ".join(OPENAI_ENDPOINTS)}, not {url!r}')
     if not isinstance(body, dict):
         raise JaxinferError('"body" must be a JSON object')
-    item = {}
+    body, item = dict(body), {}
+    if url == "/v1/chat/completions":  # logprobs: true, top_logprobs: N (the completions endpoint: logprobs: N)
+        asked, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
+        if asked not in (None, True, False):
+            raise JaxinferError('"logprobs" must be true or false')
+        if top is not None and not asked:
+            raise JaxinferError('"top_logprobs" needs "logprobs": true')
+        if asked:
+            item["logprobs"] = 0 if top is None else top
     for name, value in body.items():
         if name in OPENAI_ACCEPTED:
             neutral = OPENAI_ACCEPTED[name]
@@ -342,6 +353,19 @@ def _from_openai(line: dict) -> tuple[str, dict]:
     return url, item
 
 
+def _completions_logprobs(entries: list[dict]) -> dict:
+    """Our logprob entries in the completions endpoint's (legacy) shape."""
+    offsets = [0]
+    for e in entries[:-1]:
+        offsets.append(offsets[-1] + len(e["token"]))
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def _batch_id() -> str:
     return f"batch_req_{secrets.token_hex(12)}"
 
@@ -351,10 +375,14 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
     if "text" not in record:
         return record
     chat = url == "/v1/chat/completions"
+    logprobs = record.get("logprobs")
     output = (
-        {"message": {"role": "assistant", "content": record["text"]}}
+        {
+            "message": {"role": "assistant", "content": record["text"]},
+            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        }
         if chat
-        else {"text": record["text"], "logprobs": None}
+        else {"text": record["text"], "logprobs": None if logprobs is None else _completions_logprobs(logprobs)}
     )
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",

@@ -207,14 +207,47 @@ def _argmax(logits: jax.Array) -> jax.Array:
     return jnp.minimum(first, V - 1).astype(jnp.int32)  # NaN logits: the last id, still a valid one
 
 
+def _penalized(logits: jax.Array, seen: jax.Array, p: SamplerArrays) -> jax.Array:
+    """The repetition penalty (transformers' rule): the tokens `seen` [B, V] made less likely."""
+    penalty = p.repeat_penalty[:, None]
+    return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
 def sample(logits: jax.Array, seen: jax.Array, keys: jax.Array, p: SamplerArrays) -> jax.Array:
     """Next tokens [B] from float32 logits [B, V]; `seen` [B, V] marks tokens for the repetition
     penalty; `keys` [B] are this position's PRNG keys, one per row."""
-    penalty = p.repeat_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+    logits = _penalized(logits, seen, p)
     greedy = _argmax(logits)
     sampled = lambda: jnp.where(p.temperature > 0, _draw(logits, keys, p), greedy)  # noqa: E731
     return jax.lax.cond(jnp.all(p.temperature == 0), lambda: greedy, sampled)
+
+
+# Alternatives recorded at each position where log-probabilities are asked for: the most OpenAI's
+# API returns (`top_logprobs` ≤ 20). Fixed, so asking for fewer never compiles another program.
+TOP_LOGPROBS = 20
+
+
+def check_logprobs(n: int | None) -> None:
+    """`logprobs`: None (off), or how many alternatives to give beside each token (0 to TOP_LOGPROBS)."""
+    if n is not None and not (_whole(n) and 0 <= n <= TOP_LOGPROBS):
+        raise JaxinferError(
+            f"logprobs must be a whole number from 0 to {TOP_LOGPROBS} (alternatives per token)", "logprobs"
+        )
+
+
+def logprobs(
+    logits: jax.Array, seen: jax.Array, p: SamplerArrays, token: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the distribution each row's token is drawn from: the logits [B, V]
+    after the repetition penalty and the temperature (1 for a greedy row: the model's own), before
+    top-k, top-p and min-p cut it (a cut only renormalises what it keeps). Returns the chosen
+    `token`'s [B], and the TOP_LOGPROBS most likely ids [B, N] with theirs [B, N]."""
+    scaled = _penalized(logits, seen, p) / jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    # one barrier per output, as in `_draw`: XLA CPU keeps its TopK custom call instead of a full sort
+    top, ids = map(jax.lax.optimization_barrier, jax.lax.top_k(scaled, min(TOP_LOGPROBS, scaled.shape[-1])))
+    lse = _logsumexp(scaled, top[:, 0])
+    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0] - lse
+    return chosen, ids.astype(jnp.int32), top - lse[:, None]
 
 
 def _whole(value) -> bool:

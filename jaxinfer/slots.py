@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.decode import DecodeState, Speculation, admission, decode, initial_state, prefill, retire
+from jaxinfer.decode import DecodeState, Logprobs, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
@@ -200,11 +200,8 @@ class Slots:
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
-        self._empty = partial(initial_state, cfg, params, batch, max_context, eos_ids, speculation, draft_params)
-        mesh = mesh_of(params)  # over a mesh, the state is made in place on its devices and stays there
-        self._placed = (
-            None if mesh is None else state_shardings(jax.eval_shape(self._empty), cfg, mesh, speculation.model)
-        )
+        self.recording = False  # each token's log-probabilities (`record_logprobs`)
+        self._shape()
         self.reset()
         prefill_chunk = decoding.prefill_chunk
         if prefill_chunk is None:  # the path's own: the kernel's flash attention keeps large chunks cheap
@@ -212,6 +209,46 @@ class Slots:
         self.prefill_chunk = chunk_size(prefill_chunk)
         # the chunk beside decoding rows: from the clock (`_pace`)
         self.beside_chunk = min(MIN_BUCKET, self.prefill_chunk)
+
+    def _shape(self) -> None:
+        """How `reset` makes an empty state, and over a mesh where it is placed (made in place on
+        its devices, and kept there)."""
+        self._empty = partial(
+            initial_state,
+            self.cfg,
+            self.params,
+            self.batch,
+            self.max_context,
+            self.eos_ids,
+            self.speculation,
+            self.draft_params,
+            self.recording,
+        )
+        mesh = mesh_of(self.params)
+        self._placed = (
+            None
+            if mesh is None
+            else state_shardings(jax.eval_shape(self._empty), self.cfg, mesh, self.speculation.model)
+        )
+
+    def record_logprobs(self) -> None:
+        """From now on, record each new token's log-probabilities (`fetch_logprobs`) in every row:
+        the state grows by [B, S, 2 × TOP_LOGPROBS] values and the programs compile once more.
+        Rows already running keep their place (their earlier tokens read zeros)."""
+        if self.recording:
+            return
+        self.recording = True
+        self._shape()
+        logprobs = Logprobs.zeros(self.batch, self.max_context, self.cfg)
+        if self._placed is not None:
+            logprobs = jax.device_put(logprobs, self._placed.logprobs)
+        with interrupts_held():  # as `_call`
+            self.state = replace(self.state, logprobs=logprobs)
+
+    def fetch_logprobs(self) -> Logprobs:
+        """Every row's recorded log-probabilities on the host (numpy arrays: chosen [B, S], ids and
+        top [B, S, N], by position)."""
+        return Logprobs(*jax.device_get(tuple(vars(self.state.logprobs).values())))
 
     def reset(self) -> None:
         """An empty cache, every row free."""
@@ -398,6 +435,7 @@ class Slots:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed
             )
+        key += (self.recording,)  # the state's shape
         return self._programs.get(key, report, phase, self.params, self.state, *args, **static)
 
     def _prefill_long_again(self, switch: int) -> None:

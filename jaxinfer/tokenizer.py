@@ -20,6 +20,27 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read back: each of 256 printable characters → its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+def _piece_bytes(piece: str | None, kind: str) -> bytes:
+    if piece is None:
+        return b""
+    if kind == "byte-level":
+        table = _byte_decoder()
+        return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+    if kind == "piece":
+        if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
+            return bytes([int(m[1], 16)])
+        return piece.replace("▁", " ").encode()
+    return piece.encode()
+
+
 class Tokenizer:
     vocab_size: int  # one past the highest id: what decode can turn into text
 
@@ -116,6 +137,29 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.get_vocab(with_added_tokens=True)
         return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` adds to a text, as llama.cpp's `token_to_piece` and OpenAI's
+        `logprobs` give them: a byte-level BPE piece mapped back to its bytes, a sentencepiece one
+        with "▁" as a space and <0xNN> as that byte (a token may hold part of a character); special
+        and added tokens as their text; b"" for an id the tokenizer does not have."""
+        return self._token_bytes[i] if 0 <= i < len(self._token_bytes) else b""
+
+    @functools.cached_property
+    def _token_bytes(self) -> list[bytes]:
+        if self._hf is not None:
+            added = {i: t.content for i, t in self._hf.get_added_tokens_decoder().items()}
+            byte_level = '"ByteLevel"' in json.dumps(json.loads(self._hf.to_str()).get("decoder"))
+            pieces = [added.get(i, self._hf.id_to_token(i)) for i in range(self.vocab_size)]
+            kinds = ["added" if i in added else "byte-level" if byte_level else "piece" for i in range(self.vocab_size)]
+        else:
+            sp = self._sp
+            pieces = [sp.id_to_piece(i) for i in range(self.vocab_size)]
+            kinds = [
+                "piece" if sp.is_byte(i) or not (sp.is_control(i) or sp.is_unknown(i)) else "added"
+                for i in range(self.vocab_size)
+            ]
+        return [_piece_bytes(piece, kind) for piece, kind in zip(pieces, kinds)]
 
     def _special_tokens(self) -> dict[str, str | None]:
         """bos_token, eos_token, unk_token, pad_token as text."""
