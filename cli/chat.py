@@ -42,6 +42,11 @@ def chat(
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
+    json_schema: Optional[str] = options.JSON_SCHEMA,
+    json_object: bool = options.JSON_OBJECT,
+    regex: Optional[str] = options.REGEX,
+    choice: Optional[str] = options.CHOICE,
+    grammar: Optional[Path] = options.GRAMMAR,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
     speculate: Optional[str] = options.SPECULATE,
@@ -67,6 +72,7 @@ def chat(
     from jaxinfer.processes import share
 
     options.check_positive(max_tokens=max_tokens)
+    constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
@@ -76,7 +82,16 @@ def chat(
     )
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
     session = ChatSession(
-        loaded, engine, sampling, budget, system, on_full, seed, tuple(map(options.unescape, stop)), ignore_eos
+        loaded,
+        engine,
+        sampling,
+        budget,
+        system,
+        on_full,
+        seed,
+        tuple(map(options.unescape, stop)),
+        ignore_eos,
+        constraint,
     )
     if session.template.is_fallback:
         render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")

@@ -162,6 +162,11 @@ def run(
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
     logprobs: Optional[int] = options.LOGPROBS,
+    json_schema: Optional[str] = options.JSON_SCHEMA,
+    json_object: bool = options.JSON_OBJECT,
+    regex: Optional[str] = options.REGEX,
+    choice: Optional[str] = options.CHOICE,
+    grammar: Optional[Path] = options.GRAMMAR,
     escape: bool = options.ESCAPE,
     max_context: Optional[int] = options.MAX_CONTEXT,
     prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
@@ -207,6 +212,7 @@ def run(
 
     options.check_positive(max_tokens=max_tokens)
     check_logprobs(logprobs)
+    constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     check_peaks(peak_flops, peak_bandwidth)  # before the weights are read
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     text = share(read)  # the first process reads it (its stdin, its files)
@@ -238,6 +244,7 @@ def run(
         stops,
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        constraint=constraint,
     )
     try:
         if json_output:

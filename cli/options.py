@@ -37,6 +37,11 @@ FLAGS = {
     "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty",
     "logprobs": "--logprobs",
+    "json_schema": "--json-schema",
+    "json_object": "--json-object",
+    "regex": "--regex",
+    "choice": "--choice",
+    "grammar": "--grammar-file",
     "stride": "--stride",
     "on_full": "--on-full",
     "peak_flops": "--peak-flops",
@@ -95,6 +100,30 @@ PREFILL_CHUNK = typer.Option(
     "[default: 512 where the CPU attention kernel runs, else 128].",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
+JSON_SCHEMA = typer.Option(
+    None,
+    "--json-schema",
+    "-j",
+    metavar="FILE|JSON",
+    show_default=False,
+    help="Output JSON that validates against this schema (a file, or the schema itself), valid by construction "
+    "(llama.cpp's -j).",
+)
+JSON_OBJECT = typer.Option(
+    False, "--json-object", help="Output one JSON object, any (OpenAI's response_format json_object)."
+)
+REGEX = typer.Option(None, "--regex", metavar="PATTERN", show_default=False, help="Output text that matches PATTERN.")
+CHOICE = typer.Option(
+    None, "--choice", metavar="A,B,...", show_default=False, help="Output exactly one of these comma-separated choices."
+)
+GRAMMAR = typer.Option(
+    None,
+    "--grammar-file",
+    "--grammar",
+    metavar="FILE",
+    show_default=False,
+    help="Output text of this grammar: llama.cpp's GBNF (root ::= ...) or Lark (start: ...).",
+)
 LOGPROBS = typer.Option(
     None,
     "--logprobs",
@@ -248,6 +277,31 @@ def read_prompt(argument: Optional[str], option: Optional[str], file: Optional[P
     if text is None:
         raise JaxinferError("give a prompt (PROMPT, -p or -f FILE), or '-' to read it from stdin")
     return unescape(text) if escape else text
+
+
+def constraint(
+    json_schema: Optional[str], json_object: bool, regex: Optional[str], choice: Optional[str], grammar: Optional[Path]
+):
+    """The output constraint the flags give (`jaxinfer.constrain`), its files read and checked
+    before any weights are."""
+    from jaxinfer import constrain
+    from jaxinfer.errors import JaxinferError
+
+    def read(path: Path, flag: str) -> str:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise JaxinferError(f"{flag} {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+    if json_schema is not None and not json_schema.lstrip().startswith("{"):
+        json_schema = read(Path(json_schema), "--json-schema")
+    return constrain.from_flags(
+        json_schema,
+        json_object,
+        regex,
+        None if choice is None else choice.split(","),
+        None if grammar is None else read(grammar, "--grammar-file"),
+    )
 
 
 def check_positive(**flags: Optional[int]) -> None:

@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from jaxinfer.engine import Speculated, percentile
+from jaxinfer.constrain import Constraint
+from jaxinfer.engine import Speculated, finish_reason, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream, logprob_entries
 from jaxinfer.loading import LoadedModel
@@ -40,6 +41,7 @@ class Request:
     ignore_eos: bool = False
     speculate: bool = False  # draft (where the runner speculates)
     logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
+    constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
 
 
 @dataclass
@@ -116,10 +118,19 @@ class BatchRunner:
             return
         if any(r.logprobs is not None for _, r in admitted):
             self.slots.record_logprobs()
+        if any(r.constraint is not None for _, r in admitted):
+            self.slots.constrain(self.model.tokenizer)
         self.slots.admit(
             [
                 Admission(
-                    i, r.prompt_ids, r.max_tokens, r.seed, r.sampling, ignore_eos=r.ignore_eos, speculate=r.speculate
+                    i,
+                    r.prompt_ids,
+                    r.max_tokens,
+                    r.seed,
+                    r.sampling,
+                    ignore_eos=r.ignore_eos,
+                    speculate=r.speculate,
+                    constraint=r.constraint,
                 )
                 for i, r in admitted
             ],
@@ -172,13 +183,16 @@ class BatchRunner:
                     int(c.passes[i]),
                     int(length[i]) - len(slot.request.prompt_ids) - 1,
                 )
-                on_result(self._record(slot, eos, now, started, spec if slot.request.speculate else None))
+                unfinished = slot.request.constraint is not None and not self.slots.matchers.complete(i)
+                on_result(self._record(slot, eos, unfinished, now, started, spec if slot.request.speculate else None))
                 slots[i] = None
         if finished.any():
             self.slots.retire(finished)  # a stop string: the row stops now
         return bool(finished.any())
 
-    def _record(self, slot: _Slot, eos: bool, now: float, started: float, speculated: Speculated | None) -> dict:
+    def _record(
+        self, slot: _Slot, eos: bool, unfinished: bool, now: float, started: float, speculated: Speculated | None
+    ) -> dict:
         text = slot.text
         text.flush()
         generated = len(text.token_ids)
@@ -189,7 +203,9 @@ class BatchRunner:
             "text": text.text,
             "prompt_tokens": len(slot.request.prompt_ids),
             "generated_tokens": generated,
-            "finish_reason": "stop" if text.stopped else "eos" if eos else "length",
+            "finish_reason": "stop"
+            if text.stopped
+            else finish_reason(eos, generated >= slot.request.max_tokens, unfinished),
             "seed": slot.request.seed,
             "timings": {
                 "queued_s": round(slot.admitted - started, 4),

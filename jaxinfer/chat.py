@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -33,13 +34,14 @@ class ChatSession:
         seed: int | None = None,
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
+        constraint: Constraint | None = None,
     ):
         if on_full not in ON_FULL:
             raise JaxinferError(f"on_full must be one of {', '.join(ON_FULL)}, not {on_full!r}", "on_full")
         self.model, self.engine, self.sampling = model, engine, sampling
         self.max_tokens, self.on_full, self.seed = max_tokens, on_full, seed
         self.stop, self.ignore_eos = stop, ignore_eos  # on top of the template's own stop strings
-        self.system = system
+        self.system, self.constraint = system, constraint  # every reply matches the constraint
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate.of(model)
         self.context_used = 0  # tokens of the last turn's prompt and reply
@@ -74,6 +76,7 @@ class ChatSession:
             seed,
             self.template.stop + self.stop,
             ignore_eos=self.ignore_eos,
+            constraint=self.constraint,
         )
         return gen, notices
 

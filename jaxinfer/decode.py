@@ -29,6 +29,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
@@ -87,6 +88,9 @@ class DecodeState:
     )
     # where log-probabilities are recorded (a static choice: the programs differ by the state's shape)
     logprobs: Logprobs | None = None
+    # where rows are constrained (`jaxinfer.constrain`): [B, W] int32 bitmasks of the tokens each row
+    # may sample next (bit t % 32 of word t // 32), every bit set in a free row
+    allowed: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,10 @@ def initial_state(
     spec: Speculation = Speculation(),
     draft_params: model.Params | None = None,
     record_logprobs: bool = False,
+    constrained: bool = False,
 ) -> DecodeState:
     """An empty state: zero caches in the weights' dtypes, every row done; with `record_logprobs`,
-    room for each position's log-probabilities."""
+    room for each position's log-probabilities; with `constrained`, every row's token mask."""
     whole = mesh_of(params) is None
     draft_cache = (
         KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
@@ -143,7 +148,13 @@ def initial_state(
         patience=jnp.zeros((batch,), jnp.int32),
         draft_cache=draft_cache,
         logprobs=Logprobs.zeros(batch, max_context, cfg) if record_logprobs else None,
+        allowed=jnp.full((batch, mask_words(cfg)), -1, jnp.int32) if constrained else None,
     )
+
+
+def mask_words(cfg: ModelConfig) -> int:
+    """int32 words of a row's token mask: a bit per id the model samples from."""
+    return ((cfg.sampled_vocab or cfg.vocab_size) + 31) // 32
 
 
 def admission(
@@ -157,10 +168,12 @@ def admission(
     ignore_eos: list[bool],
     speculate: list[bool],
     bucket: int,
+    allowed: np.ndarray | None = None,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
-    `bucket`; the chunk is final where `end` is the prompt's end. Host values go over with one
-    device_put (jnp.asarray would compile a conversion program per call)."""
+    `bucket`; the chunk is final where `end` is the prompt's end; where rows are constrained, their
+    first token's masks `allowed` [R, W]. Host values go over with one device_put (jnp.asarray would
+    compile a conversion program per call)."""
     chunk = np.zeros((len(rows), bucket), np.int32)
     for i, (prompt, start, end) in enumerate(zip(prompts, starts, ends)):
         chunk[i, : end - start] = prompt[start:end]
@@ -170,7 +183,10 @@ def admission(
     host += (np.asarray([len(prompt) for prompt in prompts], np.int32),)  # picks longrope's factors
     seeds = np.asarray([seed % 2**32 for seed in seeds], np.uint32).view(np.int32)  # any integer: its low 32 bits
     host += (np.asarray(limits, np.int32), seeds, np.asarray(ignore_eos, bool), np.asarray(speculate, bool))
-    return jax.device_put(host) + (SamplerArrays.from_settings(samplings),)
+    return jax.device_put(host) + (
+        SamplerArrays.from_settings(samplings),
+        None if allowed is None else jax.device_put(allowed),
+    )
 
 
 def _sample_at(
@@ -181,23 +197,30 @@ def _sample_at(
     position: jax.Array,
     cfg: ModelConfig,
     record: bool = False,
+    allowed: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple | None]:
-    """One token per row, among the ids the tokenizer has, and (`record`) its log-probabilities
-    (`sampling.logprobs`: chosen [B], ids [B, N], top [B, N]), else None. Keys come from the row's
-    own seed and position only: a result never depends on chunking, on other rows, or on which slot
-    it occupies."""
+    """One token per row, among the ids the tokenizer has (and its mask `allowed` [B, W] lets it
+    take), and (`record`) its log-probabilities (`sampling.logprobs`: chosen [B], ids [B, N], top
+    [B, N]; a masked row's over the tokens it may take), else None. Keys come from the row's own seed
+    and position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
     n = cfg.sampled_vocab or cfg.vocab_size
-    token = sample(logits[:, :n], seen[:, :n], keys, sampler)
-    return token, logprobs(logits[:, :n], seen[:, :n], sampler, token) if record else None
+    logits = logits[:, :n]
+    if allowed is not None:
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+        logits = jnp.where(bits.reshape(bits.shape[0], -1)[:, :n] > 0, logits, -jnp.inf)
+    token = sample(logits, seen[:, :n], keys, sampler)
+    return token, logprobs(logits, seen[:, :n], sampler, token) if record else None
 
 
 def _append(
-    state: DecodeState, tokens: jax.Array, offered: jax.Array, lp: tuple | None = None
+    state: DecodeState, tokens: jax.Array, offered: jax.Array, lp: tuple | None = None, constrain=None
 ) -> tuple[DecodeState, jax.Array]:
     """Write tokens [B, T] from each row's `length` on, those `offered` [B, T] (a prefix per row)
     up to the first that ends the row (an EOS id, or its budget reached), with their
     log-probabilities `lp` (chosen [B, T], ids and top [B, T, N]) where the state records them.
+    Where rows are constrained, `constrain` (`constrain.Matchers.advance`, on the host) takes the
+    tokens made and gives the next masks, and the rows whose grammar is complete end.
     Returns the state and how many tokens each row took [B]. One write per array whatever T (a
     verifying pass's K+1 tokens): per-op costs weigh on a small model's step."""
     B, T = tokens.shape
@@ -222,10 +245,14 @@ def _append(
         done=state.done | jnp.any(made & ends, axis=1),
         seen=state.seen.at[rows, tokens].max(made),
     )
+    if constrain is not None:
+        shapes = (jax.ShapeDtypeStruct(state.allowed.shape, jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_))
+        allowed, ended = io_callback(constrain, shapes, tokens, made)
+        state = replace(state, allowed=allowed, done=state.done | ended)
     return state, made.sum(1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec", "step_kv_len"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec", "step_kv_len", "constrain"), donate_argnames=("state",))
 def prefill(
     params: model.Params,
     state: DecodeState,
@@ -240,12 +267,14 @@ def prefill(
     ignore_eos: jax.Array,
     speculate: jax.Array,
     sampler: SamplerArrays,
+    allowed: jax.Array | None = None,
     draft_params: model.Params | None = None,
     *,
     cfg: ModelConfig,
     kv_len: int,
     spec: Speculation = Speculation(),
     step_kv_len: int = 0,
+    constrain=None,
 ) -> DecodeState:
     """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
     `start` [R] on (chunk [R, T], padded to a bucket; true lengths [R]) on top of the first `start`
@@ -262,6 +291,9 @@ def prefill(
     With `step_kv_len` (static, the decode bucket), the same pass also takes one plain decode step
     of every live row (`decode_step`'s, attending over that many positions): the chunk and the
     running rows' token share one read of the weights (Sarathi's piggybacking).
+
+    Where rows are constrained, `allowed` [R, W] masks the new rows' first token and `constrain`
+    (static) is the host's callback (`_append`).
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
@@ -283,7 +315,9 @@ def prefill(
     logits = model.logits(params, jnp.concatenate([last] + [h[:, 0] for h in hidden[1:]]), cfg)  # [R (+ B), V]
     record = state.logprobs is not None
     if step_kv_len:
-        stepped, stepped_lp = _sample_at(state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg, record)
+        stepped, stepped_lp = _sample_at(
+            state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg, record, state.allowed
+        )
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
     in_sequence = jnp.arange(S)[None, :] < length[:, None]  # [R, S]
@@ -307,14 +341,15 @@ def prefill(
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record)
+    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record, allowed)
     started = jnp.zeros(B, bool).at[rows].set(final)
     token = jnp.zeros(B, jnp.int32).at[rows].set(first)
     lp = first_lp and tuple(jnp.zeros((B, *x.shape[1:]), x.dtype).at[rows].set(x) for x in first_lp)
     if step_kv_len:  # the running rows' tokens (no row both starts and steps: a prefilling row is done)
         token = jnp.where(active, stepped, token)
         lp = lp and tuple(jnp.where(active.reshape(-1, *[1] * (x.ndim - 1)), s, x) for x, s in zip(lp, stepped_lp))
-    return _append(state, token[:, None], (started | active)[:, None], lp and tuple(x[:, None] for x in lp))[0]
+    lp = lp and tuple(x[:, None] for x in lp)
+    return _append(state, token[:, None], (started | active)[:, None], lp, constrain)[0]
 
 
 def _steps(state: DecodeState, cfg: ModelConfig) -> jax.Array:
@@ -341,6 +376,7 @@ def decode_step(
     kv_len: int,
     spec: Speculation = Speculation(),
     draft_params=None,
+    constrain=None,
 ) -> DecodeState:
     """Feed each live row's last token, sample the next, attending over the first `kv_len` cache
     positions (every live row's last token must sit below it). A draft model takes the token before
@@ -362,8 +398,9 @@ def decode_step(
         state.length,
         cfg,
         state.logprobs is not None,
+        state.allowed,
     )
-    return _append(state, token[:, None], active[:, None], lp and tuple(x[:, None] for x in lp))[0]
+    return _append(state, token[:, None], active[:, None], lp and tuple(x[:, None] for x in lp), constrain)[0]
 
 
 def lookup(tokens: jax.Array, length: jax.Array, spec: Speculation, kv_len: int) -> tuple[jax.Array, jax.Array]:
@@ -425,7 +462,13 @@ def model_drafts(
 
 
 def verify_step(
-    params: model.Params, state: DecodeState, cfg: ModelConfig, kv_len: int, spec: Speculation, draft_params=None
+    params: model.Params,
+    state: DecodeState,
+    cfg: ModelConfig,
+    kv_len: int,
+    spec: Speculation,
+    draft_params=None,
+    constrain=None,
 ) -> DecodeState:
     """One pass that emits 1 to K+1 tokens per live row: its last token and its drafts go in at
     their positions; at each, the token plain decoding would sample there is sampled (given the
@@ -468,13 +511,14 @@ def verify_step(
         flat(state.length[:, None] + j),
         cfg,
         state.logprobs is not None,
+        None if state.allowed is None else each(state.allowed),  # a constrained row drafts nothing
     )
     target = target.reshape(B, K + 1)
     lp = lp and tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)
     agree = jnp.cumprod((draft == target[:, :K]) & (j[:K] < count[:, None]), axis=1, dtype=jnp.int32).sum(1)  # [B]
     state = replace(state, cache=cache, passes=state.passes + active, drafted=state.drafted + count)
     # the kept drafts and the model's own token
-    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]), lp)
+    state, n = _append(state, target, active[:, None] & (j <= agree[:, None]), lp, constrain)
     kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid
@@ -483,7 +527,7 @@ def verify_step(
     return replace(state, accepted=state.accepted + kept, backoff=backoff, patience=patience)
 
 
-@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec", "constrain"), donate_argnames=("state",))
 def decode(
     params: model.Params,
     state: DecodeState,
@@ -494,6 +538,7 @@ def decode(
     cfg: ModelConfig,
     kv_len: int,
     spec: Speculation = Speculation(),
+    constrain=None,
 ) -> DecodeState:
     """Up to `steps` decode steps, ending early once every row is done, or (`stop_on_finish`, a
     traced flag) as soon as any row finishes, so a batch can hand its slot to a waiting request.
@@ -512,7 +557,7 @@ def decode(
 
     def plain(carry):
         i, s = carry
-        return i + 1, decode_step(params, s, cfg, kv_len, spec, draft_params)
+        return i + 1, decode_step(params, s, cfg, kv_len, spec, draft_params, constrain)
 
     if not spec.draft:
         return jax.lax.while_loop(live, plain, (jnp.int32(0), state))[1]
@@ -527,7 +572,7 @@ def decode(
 
     def verify(carry):
         i, s = carry
-        return i + 1, verify_step(params, s, cfg, kv_len, spec, draft_params)
+        return i + 1, verify_step(params, s, cfg, kv_len, spec, draft_params, constrain)
 
     def alternate(carry):
         carry = jax.lax.while_loop(lambda c: live(c) & ~drafting(c), plain, carry)

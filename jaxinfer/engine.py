@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.constrain import Constraint
 from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -26,6 +27,15 @@ from jaxinfer.slots import MIN_BUCKET, Admission, Decoding, Slots, check_fits
 
 STREAM_INTERVAL_S = 0.05
 MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
+
+
+def finish_reason(eos: bool, budget_spent: bool, unfinished: bool) -> str:
+    """Why a row ended: "eos", "length" (its budget), "unfinished" (a constrained row whose budget
+    ran out, or that could go no further, before its match was whole), else "stop" (a constraint's
+    match, complete)."""
+    if unfinished:
+        return "unfinished"
+    return "eos" if eos else "length" if budget_spent else "stop"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -154,19 +164,28 @@ class Engine:
         stream: bool = True,
         ignore_eos: bool = False,
         logprobs: bool = False,
+        constraint: Constraint | None = None,
+        tokenizer=None,
     ) -> TokenStream:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
         call per kv bucket the sequence passes through). With `logprobs`, the stream's `logprobs`
-        gather each token's (`sampling.logprobs`); the first such request compiles its programs again."""
+        gather each token's (`sampling.logprobs`); the first such request compiles its programs again.
+        A `constraint` (`jaxinfer.constrain`, with the model's `tokenizer`) makes the output match it;
+        the stream's finish reason is then "stop" where the match ended it, "unfinished" where the
+        budget ran out inside it."""
         check_fits(len(prompt), max_tokens, self.max_context)
         seed = shared_seed() if seed is None else seed
         result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)), logprobs=[] if logprobs else None)
         if logprobs:
             self.slots.record_logprobs()
-        result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, result)
+        if constraint is not None:
+            self.slots.constrain(tokenizer)
+        result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, constraint, result)
         return result
 
-    def _run(self, prompt, sampling, max_tokens, stream, ignore_eos, result: TokenStream) -> Iterator[list[int]]:
+    def _run(
+        self, prompt, sampling, max_tokens, stream, ignore_eos, constraint, result: TokenStream
+    ) -> Iterator[list[int]]:
         timings, slots = result.timings, self.slots
         if slots.lost:  # a previous call was interrupted while it held the state
             self.reset()
@@ -174,7 +193,15 @@ class Engine:
         start = timings.cached_tokens = self.cached_prefix(prompt)
         self._cached = self._cached[:start]  # prefill overwrites what follows
         admit = Admission(
-            0, prompt, max_tokens, result.seed, sampling, start, ignore_eos, speculate=slots.speculation.draft > 0
+            0,
+            prompt,
+            max_tokens,
+            result.seed,
+            sampling,
+            start,
+            ignore_eos,
+            speculate=slots.speculation.draft > 0,
+            constraint=constraint,
         )
         compiling = timings.compile.seconds
         started = time.perf_counter()
@@ -216,7 +243,11 @@ class Engine:
             self._gather_logprobs(result, length, new_length)
             yield [int(t) for t in tokens[length:new_length]]
             length = new_length
-        result.finish_reason = "eos" if int(tokens[length - 1]) in self.eos_ids and not ignore_eos else "length"
+        result.finish_reason = finish_reason(
+            int(tokens[length - 1]) in self.eos_ids and not ignore_eos,
+            length - n >= max_tokens,
+            constraint is not None and not slots.matchers.complete(0),
+        )
 
     def _gather_logprobs(self, result: TokenStream, start: int, end: int) -> None:
         """The log-probabilities of row 0's tokens at positions start:end, where the stream asks."""

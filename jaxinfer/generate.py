@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
+
+from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
 from jaxinfer.loading import LoadedModel
 from jaxinfer.sampling import Sampling
@@ -76,6 +79,7 @@ def logprob_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list, top
     """Each token with its log-probability and the `top_n` most likely tokens at its position, in
     the shape of OpenAI's chat completions (`logprobs.content`): token text, logprob, UTF-8 bytes
     (a token may hold part of a character: its text then shows U+FFFD, its bytes are exact).
+    Alternatives a constraint forbids (log-probability -inf) are left out.
     `logprobs`: per token (chosen, ids [N], top [N]), as `TokenStream.logprobs` gathers them."""
 
     def entry(token: int, logprob: float) -> dict:
@@ -83,7 +87,8 @@ def logprob_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list, top
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
     return [
-        entry(token, chosen) | {"top_logprobs": [entry(int(i), float(x)) for i, x in zip(ids[:top_n], top[:top_n])]}
+        entry(token, chosen)
+        | {"top_logprobs": [entry(int(i), float(x)) for i, x in zip(ids[:top_n], top[:top_n]) if x > -np.inf]}
         for token, (chosen, ids, top) in zip(tokens, logprobs)
     ]
 
@@ -101,14 +106,24 @@ class Generation:
         stream: bool = True,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ):
         """`logprobs`: None, or how many most likely alternatives (≤ `sampling.TOP_LOGPROBS`) the
-        result gives beside each token's own log-probability."""
+        result gives beside each token's own log-probability. `constraint`: what the output must
+        match (`jaxinfer.constrain`)."""
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.finish_reason: str | None = None
         self._tokenizer, self._top_n = model.tokenizer, logprobs
         self._tokens = engine.generate(
-            self.prompt_ids, sampling or model.sampling, max_tokens, seed, stream, ignore_eos, logprobs is not None
+            self.prompt_ids,
+            sampling or model.sampling,
+            max_tokens,
+            seed,
+            stream,
+            ignore_eos,
+            logprobs is not None,
+            constraint,
+            model.tokenizer,
         )
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 

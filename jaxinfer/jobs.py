@@ -3,9 +3,11 @@
 An input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} (rendered with the
 model's chat template), with optional max_tokens, temperature, top_p, top_k, min_p, repeat_penalty,
 seed, stop, ignore_eos, speculate (false: this request does not draft, in a job run with --speculate
-or --draft-model) and logprobs (N: each token's log-probability and the N most likely alternatives,
-0 to 20); "custom_id" is accepted for "id". A line in the OpenAI Batch API shape ({"custom_id",
-"method", "url", "body"}) gets its result in that API's output shape. A bad line, unknown fields
+or --draft-model), logprobs (N: each token's log-probability and the N most likely alternatives,
+0 to 20) and a constraint (OpenAI's response_format, vLLM's guided_json / guided_regex /
+guided_choice / guided_grammar: `jaxinfer.constrain`); "custom_id" is accepted for "id". A line in
+the OpenAI Batch API shape ({"custom_id", "method", "url", "body"}) gets its result in that API's
+output shape. A bad line, unknown fields
 included, becomes an error record in the output and the job goes on. The output is locked while a job
 writes it. On resume, ids already in the output are skipped (and bad lines already recorded), and a last
 record cut short by a kill is removed first, so every id ends up there exactly once.
@@ -25,6 +27,8 @@ from typing import Iterable, Iterator, TextIO
 from jaxinfer import defaults
 from jaxinfer.batch import Request
 from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
+from jaxinfer.constrain import from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
@@ -43,6 +47,7 @@ FIELDS = {
     "ignore_eos",
     "speculate",
     "logprobs",
+    *CONSTRAINT_FIELDS,
     *SAMPLING_FIELDS,
 }
 
@@ -66,7 +71,6 @@ OPENAI_ACCEPTED = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
 }
@@ -304,7 +308,9 @@ class Job:
             raise JaxinferError('"speculate": true needs a job that speculates (ngram or a draft model)')
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
-        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs)
+        constraint = from_request(dict(item))
+        speculate &= constraint is None  # a constrained row drafts nothing
+        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint)
 
 
 def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
@@ -384,14 +390,13 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
         if chat
         else {"text": record["text"], "logprobs": None if logprobs is None else _completions_logprobs(logprobs)}
     )
+    finish = {"length": "length", "unfinished": "length"}.get(record["finish_reason"], "stop")
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, **output, "finish_reason": "length" if record["finish_reason"] == "length" else "stop"}
-        ],
+        "choices": [{"index": 0, **output, "finish_reason": finish}],
         "usage": {
             "prompt_tokens": record["prompt_tokens"],
             "completion_tokens": record["generated_tokens"],

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
+from jaxinfer.constrain import Constraint, Matchers
 from jaxinfer.decode import DecodeState, Logprobs, Speculation, admission, decode, initial_state, prefill, retire
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
@@ -160,6 +161,7 @@ class Admission:
     start: int = 0
     ignore_eos: bool = False
     speculate: bool = False  # draft, where the Slots speculate
+    constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`; the Slots `constrain`)
 
 
 @dataclass
@@ -201,6 +203,7 @@ class Slots:
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.recording = False  # each token's log-probabilities (`record_logprobs`)
+        self.matchers: Matchers | None = None  # where rows may be constrained (`constrain`)
         self._shape()
         self.reset()
         prefill_chunk = decoding.prefill_chunk
@@ -223,6 +226,7 @@ class Slots:
             self.speculation,
             self.draft_params,
             self.recording,
+            self.matchers is not None,
         )
         mesh = mesh_of(self.params)
         self._placed = (
@@ -244,6 +248,20 @@ class Slots:
             logprobs = jax.device_put(logprobs, self._placed.logprobs)
         with interrupts_held():  # as `_call`
             self.state = replace(self.state, logprobs=logprobs)
+
+    def constrain(self, tokenizer) -> None:
+        """Let admissions carry a `constraint` from now on: the state gains every row's token mask
+        and the programs compile once more, with the host callback that advances the matchers
+        (`jaxinfer.constrain`). Not over a mesh: the callback would run in every device's program."""
+        if self.matchers is not None:
+            return
+        if mesh_of(self.params) is not None:
+            raise JaxinferError("constrained output runs on one device: drop devices (or the constraint)", "devices")
+        self.matchers = Matchers(tokenizer, self.cfg.sampled_vocab or self.cfg.vocab_size, self.batch, self.eos_ids)
+        self._shape()
+        allowed = jax.device_put(self.matchers.masks)
+        with interrupts_held():  # as `_call`
+            self.state = replace(self.state, allowed=allowed)
 
     def fetch_logprobs(self) -> Logprobs:
         """Every row's recorded log-probabilities on the host (numpy arrays: chosen [B, S], ids and
@@ -288,6 +306,12 @@ class Slots:
         rows[[a.row for a in admissions]] = True
         if (self._live & rows).any():  # their earlier sequences stop decoding now
             self.retire(rows)
+        if self.matchers is not None:
+            jax.block_until_ready(self.state)  # the callbacks of calls in flight have run
+            for a in admissions:
+                self.matchers.start(a.row, a.constraint)
+        elif any(a.constraint for a in admissions):
+            raise ValueError("a constraint needs Slots.constrain first")
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
             admissions = [
                 a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions
@@ -338,8 +362,9 @@ class Slots:
             [a.seed for a in admissions],
             [a.sampling for a in admissions],
             [a.ignore_eos for a in admissions],
-            [a.speculate for a in admissions],
+            [a.speculate and a.constraint is None for a in admissions],  # a constrained row drafts nothing
             bucket,
+            None if self.matchers is None else self.matchers.masks[[a.row for a in admissions]],
         )
         args += (self.draft_params,)
         static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation, step_kv_len=step_kv_len)
@@ -435,7 +460,9 @@ class Slots:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed
             )
-        key += (self.recording,)  # the state's shape
+        key += (self.recording, self.matchers is not None)  # the state's shape
+        if self.matchers is not None:
+            static["constrain"] = self.matchers.advance
         return self._programs.get(key, report, phase, self.params, self.state, *args, **static)
 
     def _prefill_long_again(self, switch: int) -> None:

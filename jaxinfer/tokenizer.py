@@ -146,6 +146,13 @@ class Tokenizer:
         return self._token_bytes[i] if 0 <= i < len(self._token_bytes) else b""
 
     @functools.cached_property
+    def special_ids(self) -> list[int]:
+        """The ids of special tokens (BOS, EOS, a chat template's markers): never text a constraint matches."""
+        if self._hf is not None:
+            return sorted(i for i, t in self._hf.get_added_tokens_decoder().items() if t.special)
+        return [i for i in range(self.vocab_size) if self._sp.is_control(i) or self._sp.is_unknown(i)]
+
+    @functools.cached_property
     def _token_bytes(self) -> list[bytes]:
         if self._hf is not None:
             added = {i: t.content for i, t in self._hf.get_added_tokens_decoder().items()}
