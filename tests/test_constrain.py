@@ -1,0 +1,231 @@
+"""Constrained decoding: every output of a suite of 20 JSON schemas parses and validates
+(`jsonschema`, not ours, is the judge) on the bundled model, greedy and sampled, alone and in one
+mixed batch; regex, choice and grammars; a constrained row's batch-mates and speculation unchanged;
+no recompile per schema; bad constraints one line each."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+from cli_helpers import assert_one_line_error, jaxinfer
+
+from jaxinfer.batch import BatchRunner, Request
+from jaxinfer.constrain import Constraint, from_request
+from jaxinfer.decode import Speculation
+from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.runtime import watch_compiles
+from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Decoding
+
+PROMPT = "import json\n\nCONFIG = "
+NAME = {"type": "string", "maxLength": 12}
+SMALL = {"type": "integer", "minimum": 0, "maximum": 999}
+
+
+def _object(properties: dict, required=None, **more) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+        **more,
+    }
+
+
+SCHEMAS = [
+    _object({"name": NAME}),
+    _object({"ok": {"type": "boolean"}}),
+    _object({"n": SMALL}),
+    _object({"x": {"type": "number", "minimum": -10, "maximum": 10}}),
+    _object({"color": {"enum": ["red", "green", "blue"]}}),
+    _object({"kind": {"const": "point"}, "x": SMALL, "y": SMALL}),
+    _object({"tags": {"type": "array", "items": NAME, "maxItems": 3}}),
+    _object({"pair": {"type": "array", "items": SMALL, "minItems": 2, "maxItems": 2}}),
+    _object({"inner": _object({"a": SMALL, "b": {"type": "boolean"}})}),
+    _object({"outer": _object({"inner": _object({"leaf": NAME})})}),
+    _object({"name": NAME, "age": SMALL, "email": NAME}, required=["name"]),  # optional fields
+    _object({"maybe": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}),
+    _object({"v": {"anyOf": [SMALL, {"type": "boolean"}]}}),
+    _object({"items": {"type": "array", "items": _object({"id": SMALL}), "maxItems": 2}}),
+    _object({"p": {"$ref": "#/$defs/point"}}, **{"$defs": {"point": _object({"x": SMALL, "y": SMALL})}}),
+    _object({"a": {"$ref": "#/$defs/id"}, "b": {"$ref": "#/$defs/id"}}, **{"$defs": {"id": SMALL}}),
+    _object({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}),
+    _object({"score": {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 9}}),
+    {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4},
+    _object({"mode": {"enum": ["a", "b"]}, "level": {"type": "integer", "minimum": 1, "maximum": 3}}),
+]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model()
+
+
+def _generate(model, engine, constraint, sampling=Sampling(), seed=0, max_tokens=160, **kw) -> Generation:
+    gen = Generation(model, engine, PROMPT, sampling, max_tokens, seed, constraint=constraint, **kw)
+    list(gen)
+    return gen
+
+
+def test_the_schema_suite_always_parses_and_validates(bundled):
+    """20 schemas (nested objects, arrays, enums, bounds, optional fields, $defs, anyOf, patterns),
+    each greedy and sampled: every output is JSON its schema validates, ended by the match."""
+    assert len(SCHEMAS) == 20
+    engine = Engine(bundled.config, bundled.params, 512, bundled.eos_ids)
+    hot = Sampling(temperature=1.0, top_p=0.95)
+    for i, schema in enumerate(SCHEMAS):
+        jsonschema.Draft202012Validator.check_schema(schema)
+        for sampling in (Sampling(), hot):
+            gen = _generate(bundled, engine, Constraint("json_schema", schema), sampling, seed=i)
+            assert gen.finish_reason in ("stop", "eos"), (schema, gen.text, gen.finish_reason)
+            jsonschema.validate(json.loads(gen.text), schema)
+
+
+def test_regex_choice_and_grammars(bundled):
+    engine = Engine(bundled.config, bundled.params, 512, bundled.eos_ids)
+    for seed in range(3):
+        hot = Sampling(temperature=1.2)
+        assert re.fullmatch(
+            r"[0-9]{3}-[a-z]{2,4}",
+            _generate(bundled, engine, Constraint("regex", r"[0-9]{3}-[a-z]{2,4}"), hot, seed).text,
+        )
+        assert _generate(bundled, engine, Constraint("choice", ("alpha", "beta", "gamma")), hot, seed).text in (
+            "alpha",
+            "beta",
+            "gamma",
+        )
+    gbnf = 'root ::= "x = " digit digit? ";"\ndigit ::= [0-9]'
+    assert re.fullmatch(r"x = [0-9]{1,2};", _generate(bundled, engine, Constraint("grammar", gbnf)).text)
+    lark = 'start: "def " NAME "():"\nNAME: /[a-z_]{1,8}/'
+    assert re.fullmatch(r"def [a-z_]{1,8}\(\):", _generate(bundled, engine, Constraint("grammar", lark)).text)
+    any_object = _generate(bundled, engine, Constraint("json_object"), max_tokens=400)
+    if any_object.finish_reason != "unfinished":
+        assert isinstance(json.loads(any_object.text), dict)
+    cut = _generate(bundled, engine, Constraint("json_schema", _object({"s": {"type": "string"}})), max_tokens=3)
+    assert cut.finish_reason == "unfinished"  # the budget ran out inside the value: said so
+
+
+def test_a_new_schema_compiles_nothing_and_logprobs_stay_inside_the_mask(bundled):
+    engine = Engine(bundled.config, bundled.params, 256, bundled.eos_ids)
+    _generate(bundled, engine, Constraint("json_schema", SCHEMAS[0]), max_tokens=60)  # all in one kv bucket
+    with watch_compiles() as later:
+        for schema in SCHEMAS[1:4]:
+            _generate(bundled, engine, Constraint("json_schema", schema), max_tokens=60)
+        _generate(bundled, engine, None, max_tokens=60)  # an unconstrained request through the same programs
+    assert later.programs == 0
+    gen = _generate(bundled, engine, Constraint("choice", ("yes", "no")), logprobs=20)
+    first = gen.logprobs()[0]
+    spelled = [bytes(a["bytes"]).decode("utf-8", "replace") for a in first["top_logprobs"]]
+    assert spelled and all("yes".startswith(s) or "no".startswith(s) for s in spelled), spelled
+    assert abs(sum(np.exp(a["logprob"]) for a in first["top_logprobs"]) - 1) < 1e-4  # the mass is the allowed tokens'
+
+
+def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
+    """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, in a job
+    that speculates: each row's text as the row's alone; the free rows' as in a job without constraints."""
+    schema = SCHEMAS[8]
+    prompt = bundled.tokenizer.encode(PROMPT + "{'a': 1, 'b': True}\nCONFIG = {'a': 1, 'b': True}\nCONFIG = ")
+    requests = [
+        Request("json", prompt, Sampling(), 120, 1, constraint=Constraint("json_schema", schema)),
+        Request("free", prompt, Sampling(), 40, 2, speculate=True),
+        Request("hot json", prompt, Sampling(temperature=0.9), 120, 3, constraint=Constraint("json_schema", schema)),
+        Request("hot", prompt, Sampling(temperature=0.9), 40, 4, speculate=True),
+        Request("choice", prompt, Sampling(), 8, 5, constraint=Constraint("choice", ("on", "off"))),
+    ]
+    decoding = Decoding(speculation=Speculation(draft=4))
+    mixed, plain = {}, {}
+    BatchRunner(bundled, 4, 256, decoding).run(requests, lambda r: mixed.__setitem__(r["id"], r))
+    free = [r for r in requests if r.constraint is None]
+    BatchRunner(bundled, 2, 256, decoding).run(free, lambda r: plain.__setitem__(r["id"], r))
+    for r in requests:
+        engine = Engine(bundled.config, bundled.params, 256, bundled.eos_ids)
+        alone = Generation(bundled, engine, r.prompt_ids, r.sampling, r.max_tokens, r.seed, constraint=r.constraint)
+        list(alone)
+        assert mixed[r.id]["text"] == alone.text, r.id
+        if r.constraint is None:
+            assert mixed[r.id]["text"] == plain[r.id]["text"]
+            assert mixed[r.id]["timings"]["speculation"]["drafted"] > 0  # the free rows still speculate
+        else:
+            assert mixed[r.id]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(mixed["json"]["text"]), schema)
+    jsonschema.validate(json.loads(mixed["hot json"]["text"]), schema)
+
+
+def test_bad_constraints_say_what_is_wrong():
+    for bad in (
+        {"guided_regex": "[a-"},
+        {"guided_json": "{not json"},
+        {"guided_json": {"type": "objec"}},
+        {"guided_grammar": 'root ::= ("a"'},
+        {"guided_grammar": "start: missing"},
+        {"guided_choice": []},
+        {"guided_choice": ["a", ""]},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "xml"}},
+        {"guided_regex": "a", "guided_choice": ["b"]},
+    ):
+        with pytest.raises(JaxinferError) as e:
+            from_request(dict(bad))
+        assert "\n" not in str(e.value)
+    assert from_request({"response_format": {"type": "text"}}) is None
+    assert from_request({"response_format": {"type": "json_object"}}) == Constraint("json_object")
+
+
+@pytest.mark.slow
+def test_cli_constraints_in_run_and_batch(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[5]))
+    run = jaxinfer("run", PROMPT, "--json-schema", str(schema), "--json", "--no-stats")
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    jsonschema.validate(json.loads(record["text"]), SCHEMAS[5])
+    assert record["finish_reason"] == "stop"
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "n = " [0-9]+')
+    run = jaxinfer("run", PROMPT, "--grammar-file", str(grammar), "-n", "6", "--no-stats")
+    assert run.returncode == 0 and re.fullmatch(r"n = [0-9]*", run.stdout.strip()), run.stdout
+    assert jaxinfer("run", PROMPT, "--choice", "red,green", "--no-stats").stdout.strip() in ("red", "green")
+
+    assert_one_line_error(jaxinfer("run", PROMPT, "--regex", "[a-"), "regex")
+    assert_one_line_error(jaxinfer("run", PROMPT, "--regex", "a", "--choice", "b"), "--regex", "--choice")
+    assert_one_line_error(jaxinfer("run", PROMPT, "--json-schema", str(tmp_path / "none.json")), "none.json")
+    assert_one_line_error(jaxinfer("run", PROMPT, "--json-schema", '{"type": "objec"}'), "objec")
+
+    lines = [
+        {"id": "schema", "prompt": PROMPT, "max_tokens": 120, "guided_json": SCHEMAS[2]},
+        {"id": "free", "prompt": PROMPT, "max_tokens": 8},
+        {"id": "bad", "prompt": PROMPT, "guided_regex": "(("},
+        {
+            "custom_id": "openai",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": PROMPT,
+                "max_tokens": 120,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[1]}},
+            },
+        },
+        {
+            "custom_id": "cut",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": PROMPT,
+                "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0]}},
+            },
+        },
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = jaxinfer("batch", str(source), "-b", "3")
+    records = {r.get("custom_id", r["id"]): r for r in map(json.loads, done.stdout.splitlines())}
+    jsonschema.validate(json.loads(records["schema"]["text"]), SCHEMAS[2])
+    assert "regex" in records["bad"]["error"] and done.returncode == 1
+    choice = records["openai"]["response"]["body"]["choices"][0]
+    jsonschema.validate(json.loads(choice["text"]), SCHEMAS[1])
+    assert records["cut"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert records["cut"]["response"]["body"]["jaxinfer"]["finish_reason"] == "unfinished"
