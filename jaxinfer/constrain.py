@@ -219,24 +219,26 @@ class Matchers:
         mask = self.masks[row]
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
 
-    def advance(self, tokens: np.ndarray, made: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Feed each constrained row the tokens [B, T] it `made` [B, T]; return the bitmasks for the
-        next step [B, W] and which rows must end now [B] (their grammar is complete, or can go no
-        further: the row's text is what it is)."""
-        tokens, made = np.asarray(tokens), np.asarray(made)  # indexing a jax.Array would dispatch a program
-        ended = np.zeros(len(self._rows), bool)
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed each constrained row the tokens [B, T] it made (the others -1); return the bitmasks
+        for the next step [B, W] and, as word W, 1 where the row must end now [B] (its grammar is
+        complete, or can go no further: the row's text is what it is)."""
+        tokens = np.asarray(tokens)  # indexing a jax.Array would dispatch a program
+        out = np.zeros((len(self._rows), self.words + 1), np.int32)
         for row, matcher in enumerate(self._rows):
-            if matcher is None or not made[row].any() or self._ended[row]:
+            made = tokens[row][tokens[row] >= 0]
+            if matcher is None or not len(made) or self._ended[row]:
                 continue
-            for token in tokens[row][made[row]]:
+            for token in made:
                 if not matcher.consume_token(int(token)):
                     break
             if matcher.is_stopped() or matcher.is_error():
-                self._ended[row] = ended[row] = True
+                self._ended[row] = out[row, -1] = True
                 continue
             self._fill(row)
-            self._ended[row] = ended[row] = not self.masks[row].any()
-        return self.masks.copy(), ended
+            self._ended[row] = out[row, -1] = not self.masks[row].any()
+        out[:, :-1] = self.masks
+        return out
 
     def complete(self, row: int) -> bool:
         """Whether the row's text so far is a whole match (a JSON value closed, the regex matched)."""

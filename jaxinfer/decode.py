@@ -245,10 +245,10 @@ def _append(
         done=state.done | jnp.any(made & ends, axis=1),
         seen=state.seen.at[rows, tokens].max(made),
     )
-    if constrain is not None:
-        shapes = (jax.ShapeDtypeStruct(state.allowed.shape, jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_))
-        allowed, ended = io_callback(constrain, shapes, tokens, made)
-        state = replace(state, allowed=allowed, done=state.done | ended)
+    if constrain is not None:  # one array each way: each costs the callback a conversion
+        W = state.allowed.shape[1]
+        fed = io_callback(constrain, jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
+        state = replace(state, allowed=fed[:, :W], done=state.done | (fed[:, W] != 0))
     return state, made.sum(1)
 
 
