@@ -232,11 +232,12 @@ class Matchers:
             for token in made:
                 if not matcher.consume_token(int(token)):
                     break
-            if matcher.is_stopped() or matcher.is_error():
+            if not (matcher.is_stopped() or matcher.is_error()):
+                self._fill(row)
+            if matcher.is_stopped() or matcher.is_error() or not self.masks[row].any():
+                # ended: its steps are discarded from now on; all bits set keeps their sampling finite
                 self._ended[row] = out[row, -1] = True
-                continue
-            self._fill(row)
-            self._ended[row] = out[row, -1] = not self.masks[row].any()
+                self.masks[row] = -1
         out[:, :-1] = self.masks
         return out
 

@@ -342,10 +342,12 @@ def _from_openai(line: dict) -> tuple[str, dict]:
         asked, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
         if asked not in (None, True, False):
             raise JaxinferError('"logprobs" must be true or false')
-        if top is not None and not asked:
+        if top and not asked:  # 0, the API's default, changes nothing
             raise JaxinferError('"top_logprobs" needs "logprobs": true')
         if asked:
             item["logprobs"] = 0 if top is None else top
+    elif body.get("logprobs") is False:  # the completions endpoint's is N or null; false is read as off
+        del body["logprobs"]
     for name, value in body.items():
         if name in OPENAI_ACCEPTED:
             neutral = OPENAI_ACCEPTED[name]

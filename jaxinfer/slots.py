@@ -201,7 +201,6 @@ class Slots:
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
-        self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self.recording = False  # each token's log-probabilities (`record_logprobs`)
         self.matchers: Matchers | None = None  # where rows may be constrained (`constrain`)
         self._shape()
@@ -215,7 +214,9 @@ class Slots:
 
     def _shape(self) -> None:
         """How `reset` makes an empty state, and over a mesh where it is placed (made in place on
-        its devices, and kept there)."""
+        its devices, and kept there). A state of another shape needs programs of its own: those
+        compiled for the last shape are dropped (it never comes back)."""
+        self._programs = Programs()  # prefill per (rows, bucket, kv_len); decode per kv_len
         self._empty = partial(
             initial_state,
             self.cfg,
@@ -460,7 +461,6 @@ class Slots:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed
             )
-        key += (self.recording, self.matchers is not None)  # the state's shape
         if self.matchers is not None:
             static["constrain"] = self.matchers.advance
         return self._programs.get(key, report, phase, self.params, self.state, *args, **static)

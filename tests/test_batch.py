@@ -350,6 +350,7 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
                 n=1,
                 stream=False,
                 logprobs=False,
+                top_logprobs=0,
                 response_format={"type": "text"},
                 tool_choice="auto",
                 metadata={"job": "x"},
@@ -368,9 +369,7 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
             line("unknown", completion, prompt="x", best_of=3),
             line("two", completion, prompt="x", n=2),
             line("wrong key", chat, prompt="x"),
-            line(
-                "json mode", chat, messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
-            ),
+            line("xml mode", chat, messages=[{"role": "user", "content": "x"}], response_format={"type": "xml"}),
             line(7, completion, prompt="x"),  # OpenAI's custom_id is a string
             {"id": "own unknown", "prompt": "x", "extra": 1},
         ],
@@ -397,14 +396,14 @@ def test_openai_batch_lines_in_and_out_beside_our_own_shape(tiny, tmp_path):
         "length",
     )
     errors = {
-        key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key", "json mode")
+        key: records[key]["error"]["message"] for key in ("embeddings", "unknown", "two", "wrong key", "xml mode")
     }
     assert (
         "/v1/completions" in errors["embeddings"]
         and "'best_of'" in errors["unknown"]
         and '"n"' in errors["two"]
         and '"messages"' in errors["wrong key"]
-        and '"response_format"' in errors["json mode"]
+        and '"response_format"' in errors["xml mode"]
     )
     assert '"custom_id" must be a string' in records[7]["error"]["message"]
     assert all(records[key]["response"] is None and records[key]["id"].startswith("batch_req_") for key in errors)

@@ -86,6 +86,30 @@ def test_the_schema_suite_always_parses_and_validates(bundled):
             jsonschema.validate(json.loads(gen.text), schema)
 
 
+def test_the_schema_suite_in_one_mixed_batch(bundled):
+    """All 20 schemas greedy and sampled, with free rows among them, through one batch of 8 slots:
+    every constrained record validates, and each equals its row's run alone (checked for a few)."""
+    prompt = bundled.tokenizer.encode(PROMPT)
+    hot = Sampling(temperature=1.0, top_p=0.95)
+    requests = [
+        Request((i, s.temperature), prompt, s, 160, i, constraint=Constraint("json_schema", schema))
+        for i, schema in enumerate(SCHEMAS)
+        for s in (Sampling(), hot)
+    ]
+    requests[5:5] = [Request(("free", i), prompt, hot, 24, i) for i in range(3)]
+    records = {}
+    BatchRunner(bundled, 8, 512).run(requests, lambda r: records.__setitem__(r["id"], r))
+    assert len(records) == len(requests)
+    for (i, _), record in ((k, r) for k, r in records.items() if k[0] != "free"):
+        assert record["finish_reason"] in ("stop", "eos"), record
+        jsonschema.validate(json.loads(record["text"]), SCHEMAS[i])
+    engine = Engine(bundled.config, bundled.params, 512, bundled.eos_ids)
+    for r in requests[:2] + requests[5:6] + requests[-1:]:
+        alone = Generation(bundled, engine, r.prompt_ids, r.sampling, r.max_tokens, r.seed, constraint=r.constraint)
+        list(alone)
+        assert records[r.id]["text"] == alone.text
+
+
 def test_regex_choice_and_grammars(bundled):
     engine = Engine(bundled.config, bundled.params, 512, bundled.eos_ids)
     for seed in range(3):
