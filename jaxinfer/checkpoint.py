@@ -5,6 +5,7 @@ another dtype happens on load."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -71,11 +72,22 @@ def _quiet_leftovers():
             previous_except(kind, value, traceback)
 
     sys.unraisablehook, sys.excepthook = unraisable_hook, except_hook
+    # and asyncio logs each read's task as it is collected ("Task exception was never retrieved"):
+    # when, depends on the garbage collector (one run in several printed one after our line)
+    unretrieved = logging.getLogger("asyncio")
+    never_retrieved = _NeverRetrieved()
+    unretrieved.addFilter(never_retrieved)
 
     def undo() -> None:
         sys.unraisablehook, sys.excepthook = previous_unraisable, previous_except
+        unretrieved.removeFilter(never_retrieved)
 
     return undo
+
+
+class _NeverRetrieved(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in record.getMessage()
 
 
 def _check_side_files(directory: Path) -> None:
