@@ -231,7 +231,8 @@ class StreamDecoder:
 
     Each push decodes a short window that starts a little before the new ids, and emits what the new
     ids added to it. Windowing keeps the cost per token constant; starting the window a token back
-    keeps tokenizer effects that depend on the left neighbour (sentencepiece's leading space) right.
+    keeps tokenizer effects that depend on the left neighbour (sentencepiece's leading space) right,
+    and a token back that added text: after a control token, its left neighbour is the one before.
     Text ending in U+FFFD is held back: the ids so far end inside a multi-byte character.
     """
 
@@ -255,5 +256,8 @@ class StreamDecoder:
             return ""
         if not text.startswith(done_text) and not final:  # the new ids rewrote the window: widen it
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done_text) :]
+        piece = text[len(done_text) :]
+        if piece:  # ids that add no text (a control token) are no left context: the window keeps its start
+            self._prefix = self._read
+        self._read = len(self._ids)
+        return piece

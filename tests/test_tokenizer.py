@@ -33,6 +33,15 @@ def test_stream_of_real_text_one_token_at_a_time(tokenizer, text):
     assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids) == text
 
 
+def test_a_control_token_between_pushes_is_no_left_context(tokenizer):
+    """A token that adds no text (BOS here) between two words: the second keeps its space (the
+    window reaches back past the control token; hypothesis found this with sentencepiece)."""
+    first, second = tokenizer.encode("The capital", add_special_tokens=False)[:2]
+    decoder = StreamDecoder(tokenizer)
+    pieces = [decoder.push(ids) for ids in ([first], [tokenizer.bos_id], [second])]
+    assert "".join(pieces) + decoder.flush() == tokenizer.decode([first, tokenizer.bos_id, second])
+
+
 def test_continuation_keeps_its_leading_space(tokenizer):
     prompt = tokenizer.encode("The capital of France is")
     rest = tokenizer.encode("The capital of France is Paris", add_special_tokens=True)[len(prompt) :]
