@@ -28,7 +28,7 @@ from jaxinfer import defaults
 from jaxinfer.batch import Request
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
-from jaxinfer.constrain import from_request
+from jaxinfer.constrain import check_for, from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
@@ -309,6 +309,9 @@ class Job:
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
         constraint = from_request(dict(item))
+        if constraint is not None:  # with this model's vocabulary: a row that cannot start would end the job
+            cfg = self.model.config
+            check_for(constraint, tokenizer, cfg.sampled_vocab or cfg.vocab_size, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
         return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint)
 
