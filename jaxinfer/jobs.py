@@ -33,6 +33,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
+from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import check_fits, check_text_fits
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
@@ -309,7 +310,9 @@ class Job:
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
         constraint = from_request(dict(item))
-        if constraint is not None:  # with this model's vocabulary: a row that cannot start would end the job
+        if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
+            if mesh_of(self.model.params) is not None:
+                raise JaxinferError("constrained output runs on one device: this job runs over several")
             cfg = self.model.config
             check_for(constraint, tokenizer, cfg.sampled_vocab or cfg.vocab_size, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
