@@ -163,7 +163,7 @@ class BatchRunner:
             for position in range(slot.read, int(length[i])):
                 slot.text.push(int(tokens[i, position]))
                 if slot.request.logprobs is not None:
-                    slot.logprobs.append((float(lp.chosen[i, position]), lp.ids[i, position], lp.top[i, position]))
+                    slot.logprobs.append(lp.at(i, position))
                 if slot.text.stopped:
                     break
             self.stats.generated_tokens += made

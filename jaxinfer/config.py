@@ -52,6 +52,12 @@ class ModelConfig:
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
+
+    @property
+    def sampled_ids(self) -> int:
+        """How many ids a token is sampled from (and masked, and scored over): `sampled_vocab`, else all."""
+        return self.sampled_vocab or self.vocab_size
+
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
     kv_dtype: str | None = None

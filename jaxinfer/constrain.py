@@ -127,9 +127,9 @@ def from_flags(
 def from_request(item: dict) -> Constraint | None:
     """The constraint of a request's fields: OpenAI's `response_format` ({"type": "text" |
     "json_object" | "json_schema", "json_schema": {"schema": ...}}) or vLLM's `guided_json`,
-    `guided_regex`, `guided_choice`, `guided_grammar`. Removes the fields it reads from `item`."""
+    `guided_regex`, `guided_choice`, `guided_grammar`."""
     found = []
-    response_format = item.pop("response_format", None)
+    response_format = item.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in (
             "text",
@@ -153,7 +153,7 @@ def from_request(item: dict) -> Constraint | None:
     ):
         if field not in item:
             continue
-        value = item.pop(field)
+        value = item[field]
         ok = {
             "json_schema": isinstance(value, (dict, str)),
             "regex": isinstance(value, str),
@@ -174,6 +174,11 @@ def from_request(item: dict) -> Constraint | None:
     if found:
         found[0].check()
     return found[0] if found else None
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a row's token mask: a bit per id sampled from."""
+    return (vocab + 31) // 32
 
 
 def check_for(constraint: Constraint, tokenizer, vocab: int, eos_ids: tuple[int, ...]) -> None:
@@ -202,7 +207,7 @@ def _matcher(constraint: Constraint, vocabulary) -> tuple:
     matcher = llguidance.LLMatcher(vocabulary, _compiled(constraint, vocabulary), log_level=0)
     if matcher.is_error():
         raise JaxinferError(f"the {what}: {_first_line(matcher.get_error())}")
-    mask = np.full((vocabulary.vocab_size + 31) // 32, -1, np.int32)
+    mask = np.full(mask_words(vocabulary.vocab_size), -1, np.int32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     if not mask.any():
         raise JaxinferError(f"no token of this model's vocabulary can begin the {what}")
@@ -217,7 +222,7 @@ class Matchers:
     and the host changes rows (`start`) only between calls, after their results are back."""
 
     def __init__(self, tokenizer, vocab: int, batch: int, eos_ids: tuple[int, ...]):
-        self.vocab, self.words = vocab, (vocab + 31) // 32
+        self.words = mask_words(vocab)
         self._vocabulary = _vocabulary(tokenizer, vocab, eos_ids)
         self._rows: list = [None] * batch
         self._ended = np.zeros(batch, bool)  # the row's grammar is complete: nothing more may follow

@@ -33,6 +33,7 @@ from jax.experimental import io_callback
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
+from jaxinfer.constrain import mask_words
 from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import TOP_LOGPROBS, SamplerArrays, Sampling, logprobs, sample
 from jaxinfer.sharding import mesh_of
@@ -55,12 +56,16 @@ class Logprobs:
 
     @classmethod
     def zeros(cls, batch: int, max_context: int, cfg: ModelConfig) -> Logprobs:
-        n = min(TOP_LOGPROBS, cfg.sampled_vocab or cfg.vocab_size)
+        n = min(TOP_LOGPROBS, cfg.sampled_ids)
         return cls(
             jnp.zeros((batch, max_context), jnp.float32),
             jnp.zeros((batch, max_context, n), jnp.int32),
             jnp.zeros((batch, max_context, n), jnp.float32),
         )
+
+    def at(self, row: int, position: int) -> tuple:
+        """One token's, as the host keeps them: (chosen, ids [N], top [N])."""
+        return float(self.chosen[row, position]), self.ids[row, position], self.top[row, position]
 
 
 @jax.tree_util.register_dataclass
@@ -148,13 +153,8 @@ def initial_state(
         patience=jnp.zeros((batch,), jnp.int32),
         draft_cache=draft_cache,
         logprobs=Logprobs.zeros(batch, max_context, cfg) if record_logprobs else None,
-        allowed=jnp.full((batch, mask_words(cfg)), -1, jnp.int32) if constrained else None,
+        allowed=jnp.full((batch, mask_words(cfg.sampled_ids)), -1, jnp.int32) if constrained else None,
     )
-
-
-def mask_words(cfg: ModelConfig) -> int:
-    """int32 words of a row's token mask: a bit per id the model samples from."""
-    return ((cfg.sampled_vocab or cfg.vocab_size) + 31) // 32
 
 
 def admission(
@@ -204,7 +204,7 @@ def _sample_at(
     [B, N]; a masked row's over the tokens it may take), else None. Keys come from the row's own seed
     and position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
-    n = cfg.sampled_vocab or cfg.vocab_size
+    n = cfg.sampled_ids
     logits = logits[:, :n]
     if allowed is not None:
         bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]

@@ -253,7 +253,7 @@ class Engine:
         """The log-probabilities of row 0's tokens at positions start:end, where the stream asks."""
         if result.logprobs is not None and end > start:
             lp = self.slots.fetch_logprobs()
-            result.logprobs += [(float(lp.chosen[0, p]), lp.ids[0, p], lp.top[0, p]) for p in range(start, end)]
+            result.logprobs += [lp.at(0, p) for p in range(start, end)]
 
     def _fetch(self) -> tuple[np.ndarray, int, bool]:
         """Row 0's tokens, length and done flag. Also records what the caches now hold: K/V of

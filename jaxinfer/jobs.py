@@ -309,12 +309,11 @@ class Job:
             raise JaxinferError('"speculate": true needs a job that speculates (ngram or a draft model)')
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
-        constraint = from_request(dict(item))
+        constraint = from_request(item)
         if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
             if mesh_of(self.model.params) is not None:
                 raise JaxinferError("constrained output runs on one device: this job runs over several")
-            cfg = self.model.config
-            check_for(constraint, tokenizer, cfg.sampled_vocab or cfg.vocab_size, self.model.eos_ids)
+            check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
         return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint)
 

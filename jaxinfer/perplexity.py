@@ -53,7 +53,7 @@ def _window_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.A
     tokenizer has (as sampling)."""
     T = tokens.shape[0]
     hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1)
-    logits = model.logits(params, hidden[0], cfg)[:, : cfg.sampled_vocab or cfg.vocab_size]
+    logits = model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids]
     return jax.nn.log_softmax(logits, -1)
 
 

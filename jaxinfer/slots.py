@@ -240,15 +240,9 @@ class Slots:
         """From now on, record each new token's log-probabilities (`fetch_logprobs`) in every row:
         the state grows by [B, S, 2 × TOP_LOGPROBS] values and the programs compile once more.
         Rows already running keep their place (their earlier tokens read zeros)."""
-        if self.recording:
-            return
-        self.recording = True
-        self._shape()
-        logprobs = Logprobs.zeros(self.batch, self.max_context, self.cfg)
-        if self._placed is not None:
-            logprobs = jax.device_put(logprobs, self._placed.logprobs)
-        with interrupts_held():  # as `_call`
-            self.state = replace(self.state, logprobs=logprobs)
+        if not self.recording:
+            self.recording = True
+            self._grow(logprobs=Logprobs.zeros(self.batch, self.max_context, self.cfg))
 
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
@@ -258,11 +252,19 @@ class Slots:
             return
         if mesh_of(self.params) is not None:
             raise JaxinferError("constrained output runs on one device: drop devices (or the constraint)", "devices")
-        self.matchers = Matchers(tokenizer, self.cfg.sampled_vocab or self.cfg.vocab_size, self.batch, self.eos_ids)
+        self.matchers = Matchers(tokenizer, self.cfg.sampled_ids, self.batch, self.eos_ids)
+        self._grow(allowed=self.matchers.masks)
+
+    def _grow(self, **fields) -> None:
+        """The state of the new shape (`_shape`): the running one with these fields added, placed
+        as the new shape's state is."""
         self._shape()
-        allowed = jax.device_put(self.matchers.masks)
+        if self._placed is not None:
+            fields = {name: jax.device_put(value, getattr(self._placed, name)) for name, value in fields.items()}
+        else:
+            fields = jax.device_put(fields)
         with interrupts_held():  # as `_call`
-            self.state = replace(self.state, allowed=allowed)
+            self.state = replace(self.state, **fields)
 
     def fetch_logprobs(self) -> Logprobs:
         """Every row's recorded log-probabilities on the host (numpy arrays: chosen [B, S], ids and

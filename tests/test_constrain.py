@@ -192,7 +192,7 @@ def test_bad_constraints_say_what_is_wrong():
         {"guided_regex": "a", "guided_choice": ["b"]},
     ):
         with pytest.raises(JaxinferError) as e:
-            from_request(dict(bad))
+            from_request(bad)
         assert "\n" not in str(e.value)
     assert from_request({"response_format": {"type": "text"}}) is None
     assert from_request({"response_format": {"type": "json_object"}}) == Constraint("json_object")
