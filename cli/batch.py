@@ -1,5 +1,5 @@
 """`jaxinfer batch`: reads the JSONL input, runs the job, reports progress. The job itself (parsing,
-records, resume) is jaxinfer.jobs; the slots and continuous batching are jaxinfer.batch."""
+records, resume) is jaxinfer.jobs; the slots and continuous batching are jaxinfer.scheduler."""
 
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ def batch(
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
 ) -> None:
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
-    from jaxinfer.batch import BatchRunner
     from jaxinfer.errors import JaxinferError
     from jaxinfer.forms import layout_for_batch
     from jaxinfer.jobs import Job
     from jaxinfer.processes import share
+    from jaxinfer.scheduler import Scheduler
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens)
     to_stdout = output_path == "-"
@@ -87,7 +87,7 @@ def batch(
     requests = list(job.requests(lines))
     if job.skipped:
         render.notice(f"resuming: {job.skipped} requests already done in {output}")
-    runner = BatchRunner(loaded, batch_size, context, opened.decoding)
+    runner = Scheduler(loaded, batch_size, context, opened.decoding)
     started = time.perf_counter()
     interrupted = False
     with render.job_progress(len(requests)) as update:

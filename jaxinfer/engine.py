@@ -23,10 +23,9 @@ from jaxinfer.constrain import Constraint
 from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import MIN_BUCKET, Admission, Decoding, Slots, check_fits
+from jaxinfer.slots import Admission, Decoding, Slots, check_fits, reusable
 
 STREAM_INTERVAL_S = 0.05
-MIN_REUSE = MIN_BUCKET  # a shorter cached prefix saves less than a second prefill program costs
 
 
 def finish_reason(eos: bool, budget_spent: bool, unfinished: bool) -> str:
@@ -147,13 +146,8 @@ class Engine:
         self._cached = self._cached[:0]
 
     def cached_prefix(self, prompt: list[int]) -> int:
-        """How many leading prompt tokens to take from the cache instead of prefilling them: the
-        common prefix with what it holds (all but the prompt's last token at most, whose logits
-        prefill must compute), or 0 if that is under MIN_REUSE."""
-        n = min(len(prompt) - 1, len(self._cached))
-        differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != self._cached[:n])
-        common = int(differ[0]) if len(differ) else max(n, 0)
-        return common if common >= MIN_REUSE else 0
+        """How many leading prompt tokens to take from the cache instead of prefilling them (`reusable`)."""
+        return reusable(prompt, self._cached)
 
     def generate(
         self,

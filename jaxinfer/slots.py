@@ -1,5 +1,5 @@
 """The one owner of the device state: B sequence rows over one preallocated cache, and the compiled
-programs that advance them. `Engine` (run, chat: one row) and `BatchRunner` (batch: B rows) and
+programs that advance them. `Engine` (run, chat: one row) and `Scheduler` (batch: B rows) and
 `jaxinfer bench` all drive generation through `admit` / `step` / `fetch` / `retire`.
 
 Both phases attend over a power-of-two prefix of the cache (a *kv bucket*) that covers the longest
@@ -118,6 +118,19 @@ class Decoding:
     @property
     def speculating(self) -> bool:
         return self.speculation.draft > 0
+
+
+MIN_REUSE = MIN_BUCKET  # a shorter held prefix saves less than a second prefill program costs
+
+
+def reusable(prompt: list[int], held: np.ndarray) -> int:
+    """How many leading prompt tokens a row whose cache holds the K/V of the tokens `held` (from
+    position 0) can take instead of prefilling them: their common prefix (all but the prompt's last
+    token at most, whose logits prefill must compute), or 0 if that is under MIN_REUSE."""
+    n = min(len(prompt) - 1, len(held))
+    differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != held[:n])
+    common = int(differ[0]) if len(differ) else max(n, 0)
+    return common if common >= MIN_REUSE else 0
 
 
 def check_text_fits(text: str, tokenizer, max_context: int) -> None:

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_batch import models_for  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
-from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
+from jaxinfer.scheduler import Request, Scheduler  # noqa: E402
 from jaxinfer.slots import Decoding  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     )
     print(f"{'chunk':>6} {'ITL p50 ms':>11} {'max ms':>8} {'max/p50':>8} {'TTFT in job s':>14} {'TTFT alone s':>13}")
     for chunk in (int(c) for c in args.chunks.split(",")):
-        runner = BatchRunner(batched, 2, args.context, Decoding(chunk))
+        runner = Scheduler(batched, 2, args.context, Decoding(chunk))
         for _ in range(2):  # the first compiles
             records = {}
             runner.run(requests, lambda r: records.__setitem__(r["id"], r))

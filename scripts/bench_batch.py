@@ -5,7 +5,7 @@
     python scripts/bench_batch.py --model tinyllama-1.1b --sizes 4,16,32 --requests 32 --dtype bfloat16
 
 A fixed request set (seeded random prompts of 32–96 tokens, 64 new tokens each, EOS off so every request
-costs the same) runs through `BatchRunner` at each batch size, after a warm-up of the same requests cut
+costs the same) runs through `Scheduler` at each batch size, after a warm-up of the same requests cut
 to 2 tokens (compile time of programs first needed later is subtracted). Then requests of mixed output
 lengths (8 to 256 new tokens, long-tailed) run at one batch size with continuous and with static
 batching. Run from the repository root.
@@ -25,10 +25,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES, loaded  # noqa: E402
 
-from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.forms import layout_for_batch  # noqa: E402
 from jaxinfer.loading import LoadedModel, load_model  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
+from jaxinfer.scheduler import Request, Scheduler  # noqa: E402
 
 
 def models_for(name: str, dtype: str, sizes) -> dict[int, LoadedModel]:
@@ -65,7 +65,7 @@ def request_set(model: LoadedModel, count: int, new_tokens, seed: int = 0) -> li
 def tokens_per_s(
     model: LoadedModel, batch_size: int, requests: list[Request], context: int, continuous: bool = True
 ) -> tuple[float, float]:
-    runner = BatchRunner(model, batch_size, context)
+    runner = Scheduler(model, batch_size, context)
     warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests]  # compiles most programs used
     runner.run(warm_up, lambda r: None)
     done, compiling = runner.stats.generated_tokens, runner.stats.compile.seconds

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.kernel import isa
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 
 WORDS = Constraint("regex", r"([a-z]+ )+")  # never complete: each row runs its whole budget
 PROMPT = "The list of the words we keep:"
@@ -64,7 +64,7 @@ def main() -> None:
         runners[constrained].run(requests, records.append)
         return statistics.median(r["timings"]["decode_tok_s"] for r in records if r["id"] != 0)
 
-    runners = {c: BatchRunner(model, args.batch, context) for c in (False, True)}
+    runners = {c: Scheduler(model, args.batch, context) for c in (False, True)}
     alone(WORDS), alone(None), batch(True), batch(False)  # compile every program first
     rows = {
         "free row": [],

@@ -15,13 +15,13 @@ if __name__ == "__main__":  # not when the test imports its prompts: that proces
     jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxinfer import kernel  # noqa: E402
-from jaxinfer.batch import BatchRunner, Request  # noqa: E402
 from jaxinfer.convert import convert  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
 from jaxinfer.roofline import Storage, weight_bytes  # noqa: E402
 from jaxinfer.sampling import Sampling  # noqa: E402
+from jaxinfer.scheduler import Request, Scheduler  # noqa: E402
 from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E402
 from jaxinfer.slots import Decoding  # noqa: E402
 
@@ -90,7 +90,7 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
         Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()
     ]
     records = []
-    BatchRunner(model, 2, 256, Decoding(CHUNK)).run(requests, records.append)
+    Scheduler(model, 2, 256, Decoding(CHUNK)).run(requests, records.append)
     return {
         "run": run,
         "again": again,

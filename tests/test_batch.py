@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from reference import alone
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out
 from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 
@@ -47,7 +47,7 @@ def requests(model, sampling=Sampling(), stop=()):
 
 def run_batch(model, reqs, batch_size, continuous=True):
     out = []
-    BatchRunner(model, batch_size, 128).run(reqs, out.append, continuous)
+    Scheduler(model, batch_size, 128).run(reqs, out.append, continuous)
     return out
 
 

@@ -14,7 +14,6 @@ from reference import alone, assert_close, greedy_reference, hf_logits, our_prom
 
 from jaxinfer import kernel
 from jaxinfer import model as M
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.cli import options
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
@@ -22,6 +21,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.model import KEY_BLOCK
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import (
     PREFILL_CHUNK,
     PREFILL_CHUNK_KERNEL,
@@ -176,7 +176,7 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
-    BatchRunner(model, 2, S, Decoding(16)).run(reqs, out.append)
+    Scheduler(model, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
     assert all(r["generated_tokens"] == reqs[r["id"]].max_tokens for r in out)
     itl = {r["id"]: r["timings"]["itl_ms"] for r in out}
@@ -195,7 +195,7 @@ def test_the_step_inside_a_chunk_on_an_int8_cache_equals_run(models):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(int8, r, S)]}
     out = []
-    BatchRunner(int8, 2, S, Decoding(16)).run(reqs, out.append)
+    Scheduler(int8, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 
@@ -217,7 +217,7 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
-    BatchRunner(model, 2, S, Decoding(16)).run(reqs, out.append)
+    Scheduler(model, 2, S, Decoding(16)).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.constrain import Constraint, from_request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
@@ -20,6 +19,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
 
 PROMPT = "import json\n\nCONFIG = "
@@ -98,7 +98,7 @@ def test_the_schema_suite_in_one_mixed_batch(bundled):
     ]
     requests[5:5] = [Request(("free", i), prompt, hot, 24, i) for i in range(3)]
     records = {}
-    BatchRunner(bundled, 8, 512).run(requests, lambda r: records.__setitem__(r["id"], r))
+    Scheduler(bundled, 8, 512).run(requests, lambda r: records.__setitem__(r["id"], r))
     assert len(records) == len(requests)
     for (i, _), record in ((k, r) for k, r in records.items() if k[0] != "free"):
         assert record["finish_reason"] in ("stop", "eos"), record
@@ -163,7 +163,7 @@ def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
     ]
     decoding = Decoding(speculation=Speculation(draft=4))
     mixed = {}
-    BatchRunner(bundled, 4, 256, decoding).run(requests, lambda r: mixed.__setitem__(r["id"], r))
+    Scheduler(bundled, 4, 256, decoding).run(requests, lambda r: mixed.__setitem__(r["id"], r))
     free, constrained = (Engine(bundled.config, bundled.params, 256, bundled.eos_ids) for _ in range(2))
     for r in requests:
         engine = constrained if r.constraint else free  # the free rows: programs that never constrained

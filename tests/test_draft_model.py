@@ -15,13 +15,13 @@ from cli_helpers import assert_one_line_error, jaxinfer
 from reference import greedy_reference, reference
 
 from jaxinfer import forms
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import check_draft, load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
@@ -124,7 +124,7 @@ def test_batch_rows_draft_independently_of_their_mates(models):
     }
     out = []
     spec = dict(speculation=Speculation(draft=3, model=near.config), draft_params=near.params)
-    BatchRunner(target, 3, S, Decoding(16, **spec)).run(reqs, out.append)
+    Scheduler(target, 3, S, Decoding(16, **spec)).run(reqs, out.append)
     assert {r["id"]: r["text"] for r in out} == expected
     records = {r["id"]: r for r in out}
     assert "speculation" not in records[2]["timings"]

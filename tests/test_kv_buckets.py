@@ -8,12 +8,12 @@ import jax
 import pytest
 from reference import alone, greedy_reference, reference
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import MIN_KV_BUCKET, kv_bucket
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
@@ -96,6 +96,6 @@ def test_batch_rows_crossing_buckets_equal_run(models):
     ]
     expected = {r.id: (gen.text, len(gen.token_ids)) for r in reqs for gen in [alone(model, r, S)]}
     out = []
-    BatchRunner(model, 2, S).run(reqs, out.append)
+    Scheduler(model, 2, S).run(reqs, out.append)
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
     assert all(r["generated_tokens"] == reqs[r["id"]].max_tokens for r in out)

@@ -12,12 +12,12 @@ import transformers
 from cli_helpers import assert_one_line_error, jaxinfer
 from reference import alone, hf_logits, reference
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import TOP_LOGPROBS, Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
 
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
@@ -92,7 +92,7 @@ def test_a_row_s_logprobs_do_not_depend_on_its_batch_mates_or_on_speculation(tin
         Request(3, prompt, Sampling(), 20, seed=4, speculate=True, logprobs=3),
     ]
     records = {}
-    runner = BatchRunner(model, 4, 128, Decoding(speculation=Speculation(draft=4)))
+    runner = Scheduler(model, 4, 128, Decoding(speculation=Speculation(draft=4)))
     runner.run(requests, lambda r: records.__setitem__(r["id"], r))
     engine = Engine(model.config, model.params, 128, model.eos_ids)
     for request in requests:

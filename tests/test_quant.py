@@ -325,8 +325,8 @@ def test_quantized_batch_rows_equal_run_alone(tiny, arch):
     result does not depend on its batch-mates (greedy, as test_batch holds for float)."""
     from reference import alone
 
-    from jaxinfer.batch import BatchRunner, Request
     from jaxinfer.sampling import Sampling
+    from jaxinfer.scheduler import Request, Scheduler
 
     model = load_model(tiny(arch), quantize="int8", kv_dtype="int8")
     prompts = ["The capital of France is", "def fibonacci(n):", "x", "a b c d e f g h i j k l", "Hello"]
@@ -335,5 +335,5 @@ def test_quantized_batch_rows_equal_run_alone(tiny, arch):
         for i, p in enumerate(prompts)
     ]
     out = []
-    BatchRunner(model, 3, 128).run(reqs, out.append, True)
+    Scheduler(model, 3, 128).run(reqs, out.append, True)
     assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r).text for r in reqs}

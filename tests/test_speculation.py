@@ -9,13 +9,13 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer
 from reference import greedy_reference, reference
 
-from jaxinfer.batch import BatchRunner, Request
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
@@ -125,7 +125,7 @@ def test_batch_rows_speculate_independently_of_their_mates(model):
         r.id: generate(model, r.prompt_ids, n=r.max_tokens, sampling=r.sampling, seed=r.seed).text for r in reqs
     }
     out = []
-    BatchRunner(model, 3, S, Decoding(16, SPEC)).run(reqs, out.append)
+    Scheduler(model, 3, S, Decoding(16, SPEC)).run(reqs, out.append)
     assert {r["id"]: r["text"] for r in out} == expected
     records = {r["id"]: r for r in out}
     assert "speculation" not in records[2]["timings"]  # that request asked for none

@@ -1,0 +1,294 @@
+"""What a request may say, and what its result looks like, for every driver that takes requests as
+data: `jaxinfer batch` lines and `jaxinfer serve` bodies both go through `Parser.parse` (one set of
+defaults, one set of errors), in our own shape or OpenAI's (`from_openai`), and results leave in
+OpenAI's shapes (`openai_body`, `openai_chunk`).
+
+Our shape: {"prompt": "..."} or {"messages": [...]} (rendered with the model's chat template; a
+message's content a string or OpenAI's text parts), with optional max_tokens, temperature, top_p,
+top_k, min_p, repeat_penalty, seed, stop, ignore_eos, speculate (false: this request does not
+draft, where the runner speculates), logprobs (N: each token's log-probability and the N most
+likely alternatives, 0 to 20) and a constraint (OpenAI's response_format, vLLM's guided_json /
+guided_regex / guided_choice / guided_grammar: `jaxinfer.constrain`). Unknown fields are refused:
+a misspelt one would silently change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import replace
+
+from jaxinfer import defaults
+from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
+from jaxinfer.constrain import check_for, from_request
+from jaxinfer.errors import JaxinferError
+from jaxinfer.loading import LoadedModel
+from jaxinfer.processes import shared_seed
+from jaxinfer.sampling import check_logprobs
+from jaxinfer.scheduler import Request
+from jaxinfer.sharding import mesh_of
+from jaxinfer.slots import check_fits, check_text_fits
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
+FIELDS = {
+    "prompt",
+    "messages",
+    "max_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "speculate",
+    "logprobs",
+    *CONSTRAINT_FIELDS,
+    *SAMPLING_FIELDS,
+}
+
+# OpenAI's endpoints: each decides prompt or messages, and the shape of its result. vLLM's
+# extensions (top_k, min_p, repetition_penalty, guided_*) are read as well.
+ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+RENAMED = {"max_completion_tokens": "max_tokens", "repetition_penalty": "repeat_penalty"}
+# what the API's fields may hold where they change nothing here (None: anything; "model" names the
+# model asked for, the result says the one that ran); other values are refused, not ignored. A
+# driver reads the fields it handles itself (the server's stream, stream_options, n) before these.
+ACCEPTED = {
+    "model": None,
+    "user": None,
+    "metadata": None,
+    "store": None,
+    "service_tier": None,
+    "parallel_tool_calls": None,
+    "n": (1,),
+    "stream": (False,),
+    "stream_options": (None,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
+}
+
+
+class Parser:
+    """Requests for one model and context. `max_tokens`: the budget where a request gives none;
+    None: the model's default (generation_config.json's, else `defaults.MAX_TOKENS`), which shrinks
+    to the room a prompt leaves, as `run`'s does. A budget given that the context cannot hold after
+    the prompt is refused, never clipped: the caller asked for it. `speculating`: the runner drafts."""
+
+    def __init__(self, model: LoadedModel, context: int, max_tokens: int | None = None, speculating: bool = False):
+        self.model, self.context, self.max_tokens, self.speculating = model, context, max_tokens, speculating
+        self._template: ChatTemplate | None = None
+
+    @property
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate.of(self.model)
+        return self._template
+
+    def parse(self, request_id, item: dict) -> Request:
+        """The request `item` (our shape) asks for; a JaxinferError says what is wrong with it."""
+        refuse_unknown(item, FIELDS)
+        tokenizer = self.model.tokenizer
+        if ("prompt" in item) == ("messages" in item):
+            raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
+        if "prompt" in item:
+            if not isinstance(item["prompt"], str) or not item["prompt"]:
+                raise JaxinferError('"prompt" must be a non-empty string')
+            check_text_fits(item["prompt"], tokenizer, self.context)
+            ids = tokenizer.encode(item["prompt"])
+        else:
+            text = self.template.render(_messages(item["messages"]))
+            check_text_fits(text, tokenizer, self.context)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
+        if max_tokens is None:  # the default shrinks to fit, as run's
+            default = self.model.max_new_tokens or defaults.MAX_TOKENS
+            max_tokens = max(1, min(default, self.context - len(ids)))
+        seed = _whole(item, "seed", shared_seed(), minimum=None)
+        check_fits(len(ids), max_tokens, self.context)
+        given = {k: item[k] for k in SAMPLING_FIELDS if k in item}
+        for name, value in given.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise JaxinferError(f'"{name}" must be a number')
+        sampling = replace(self.model.sampling, **given)
+        stop = item.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise JaxinferError('"stop" must be a string or a list of strings')
+        stop = tuple(stop) + (self.template.stop if "messages" in item else ())
+        ignore_eos = item.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise JaxinferError('"ignore_eos" must be true or false')
+        speculate = item.get("speculate", self.speculating)
+        if not isinstance(speculate, bool):
+            raise JaxinferError('"speculate" must be true or false')
+        if speculate and not self.speculating:
+            raise JaxinferError('"speculate": true needs a runner that speculates (ngram or a draft model)')
+        logprobs = item.get("logprobs")
+        check_logprobs(logprobs)
+        constraint = from_request(item)
+        if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
+            if mesh_of(self.model.params) is not None:
+                raise JaxinferError("constrained output runs on one device: this model runs over several")
+            check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
+        speculate &= constraint is None  # a constrained row drafts nothing
+        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint)
+
+
+def _messages(messages) -> list[dict]:
+    """Chat messages for the template: each {"role", "content"}, the content a string or a list of
+    OpenAI's text parts ({"type": "text", "text": ...}, joined); other parts (images, audio) are
+    refused, since the model reads text only."""
+    if not isinstance(messages, list) or not messages:
+        raise JaxinferError('"messages" must be a non-empty list of {"role", "content"} objects')
+    rendered = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise JaxinferError('"messages" must be a non-empty list of {"role", "content"} objects')
+        content = m["content"]
+        if isinstance(content, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"})
+                raise JaxinferError(
+                    'a message\'s content parts must be text ({"type": "text", "text": ...})'
+                    + (f"; this model reads no {', '.join(kinds)}" if kinds else "")
+                )
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise JaxinferError("a message's content must be a string or a list of text parts")
+        rendered.append({**m, "content": content})
+    return rendered
+
+
+def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
+    value = item.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        raise JaxinferError(f'"{name}" must be a whole number' + (f" ≥ {minimum}" if minimum is not None else ""))
+    return value
+
+
+def refuse_unknown(item: dict, known: set[str], where: str = "") -> None:
+    unknown = sorted(set(item) - known)
+    if unknown:
+        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}{where}")
+
+
+def from_openai(url: str, body: dict) -> dict:
+    """An OpenAI request body for `url` (one of ENDPOINTS) as our request fields; the API's fields
+    that change nothing here are accepted and dropped (`ACCEPTED`), the rest refused."""
+    if not isinstance(body, dict):
+        raise JaxinferError("the request body must be a JSON object")
+    body, item = dict(body), {}
+    if url == "/v1/chat/completions":  # logprobs: true, top_logprobs: N (the completions endpoint: logprobs: N)
+        asked, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
+        if asked not in (None, True, False):
+            raise JaxinferError('"logprobs" must be true or false')
+        if top and not asked:  # 0, the API's default, changes nothing
+            raise JaxinferError('"top_logprobs" needs "logprobs": true')
+        if asked:
+            item["logprobs"] = 0 if top is None else top
+    elif body.get("logprobs") in (False, None):  # the completions endpoint's is N or null; false is read as off
+        body.pop("logprobs", None)
+    for name, value in body.items():
+        if name in ACCEPTED:
+            neutral = ACCEPTED[name]
+            if neutral is not None and value is not None and value not in neutral:
+                said = " or ".join(json.dumps(v) for v in neutral)
+                raise JaxinferError(f'"{name}": only {said} is supported (any other value would change the answer)')
+        elif name in ("prompt", "messages") and name != ENDPOINTS[url]:
+            raise JaxinferError(f'{url} takes "{ENDPOINTS[url]}", not "{name}"')
+        else:
+            item[RENAMED.get(name, name)] = value
+    return item
+
+
+def _completions_logprobs(entries: list[dict]) -> dict:
+    """Our logprob entries in the completions endpoint's (legacy) shape."""
+    offsets = [0]
+    for e in entries[:-1]:
+        offsets.append(offsets[-1] + len(e["token"]))
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _logprobs(url: str, entries: list[dict] | None) -> dict | None:
+    if entries is None:
+        return None
+    return {"content": entries, "refusal": None} if url == "/v1/chat/completions" else _completions_logprobs(entries)
+
+
+def finish_reason(ours: str) -> str:
+    """Our finish reason in OpenAI's words: an unfinished constrained answer ran out of budget."""
+    return {"length": "length", "unfinished": "length"}.get(ours, "stop")
+
+
+def response_id(url: str) -> str:
+    return f"{'chatcmpl' if url == '/v1/chat/completions' else 'cmpl'}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def openai_body(records: list[dict], url: str, model: str) -> dict:
+    """Result records (`Scheduler`'s, one per choice) as the endpoint's response body."""
+    chat = url == "/v1/chat/completions"
+
+    def choice(index: int, record: dict) -> dict:
+        logprobs = _logprobs(url, record.get("logprobs"))
+        said = {"message": {"role": "assistant", "content": record["text"]}} if chat else {"text": record["text"]}
+        return {"index": index, **said, "logprobs": logprobs, "finish_reason": finish_reason(record["finish_reason"])}
+
+    first = records[0]
+    return {
+        "id": response_id(url),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice(i, r) for i, r in enumerate(records)],
+        "usage": usage(
+            first["prompt_tokens"],
+            sum(r["generated_tokens"] for r in records),
+            first.get("cached_tokens", 0),
+        ),
+        "jaxinfer": {"finish_reason": first["finish_reason"], "seed": first["seed"], "timings": first["timings"]}
+        if len(records) == 1
+        else {
+            "choices": [
+                {"finish_reason": r["finish_reason"], "seed": r["seed"], "timings": r["timings"]} for r in records
+            ]
+        },
+    }
+
+
+def openai_chunk(
+    url: str,
+    response: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str | None,
+    logprobs: list[dict] | None = None,
+    finish: str | None = None,
+) -> dict:
+    """One streamed chunk of choice `index`: new text (the chat endpoint's first chunk, text None,
+    says the role), the log-probabilities of its tokens where asked for, the finish reason at the end."""
+    if url == "/v1/chat/completions":
+        delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+        said, kind = {"delta": delta}, "chat.completion.chunk"
+    else:
+        said, kind = {"text": text or ""}, "text_completion"
+    choice = {"index": index, **said, "logprobs": _logprobs(url, logprobs), "finish_reason": finish}
+    return {"id": response, "object": kind, "created": created, "model": model, "choices": [choice]}

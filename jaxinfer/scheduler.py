@@ -1,0 +1,328 @@
+"""The one scheduler under every driver that takes many requests: B sequence slots over one
+preallocated cache (`kvcache`), continuous batching, fed by a batch job's list or a server's inbox.
+
+Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows only;
+a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the
+same `decode` loop as `run`, which here stops as soon as any row finishes: its result is handed over at
+once and a waiting request takes the slot while the others keep going. Every row samples with keys from
+its own seed and positions, so a result does not depend on its batch-mates, the batch size or its slot.
+`continuous=False` is static batching (a new group only once every slot is free), kept to measure the
+difference.
+
+A finished row keeps its K/V: a request whose prompt begins with tokens a free row holds (the same
+system prompt, a chat's earlier turns) is admitted to that row and prefills only the rest, as a chat
+does within one conversation (`Slots.reusable`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from jaxinfer.constrain import Constraint
+from jaxinfer.engine import Speculated, finish_reason, percentile
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import TextStream, logprob_entries
+from jaxinfer.loading import LoadedModel
+from jaxinfer.processes import stop_point
+from jaxinfer.runtime import CompileReport
+from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Admission, Decoding, Slots, reusable
+
+CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
+
+
+@dataclass
+class Request:
+    id: object
+    prompt_ids: list[int]
+    sampling: Sampling
+    max_tokens: int
+    seed: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculate: bool = False  # draft (where the runner speculates)
+    logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
+    constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
+    # where the text is wanted as it is made: called from the scheduler's thread with each new piece,
+    # the number of tokens that made it, and (where logprobs are asked for) their entries
+    on_text: Callable[[str, int, list[dict]], None] | None = None
+    cancelled: bool = False  # set from any thread: the row stops at the next step, its result says "cancelled"
+    arrived: float | None = None  # perf_counter when it came (None: when the run started)
+
+
+class Inbox:
+    """Requests arriving from other threads (a server's handlers), taken by the scheduler as slots
+    free up. `close` ends the scheduler's `run` once what was put is done."""
+
+    def __init__(self):
+        self._queue: deque[Request] = deque()
+        self._ready = threading.Condition()
+        self.closed = False
+
+    def put(self, request: Request) -> None:
+        with self._ready:
+            if self.closed:
+                raise JaxinferError("the scheduler is shutting down")
+            self._queue.append(request)
+            self._ready.notify()
+
+    def close(self) -> None:
+        with self._ready:
+            self.closed = True
+            self._ready.notify()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def take(self) -> Request | None:
+        """The next request not cancelled while it waited, or None if none is waiting."""
+        with self._ready:
+            while self._queue:
+                request = self._queue.popleft()
+                if not request.cancelled:
+                    return request
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.closed and not self._queue
+
+    def wait(self) -> None:
+        """Until a request waits or the inbox is closed."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._queue or self.closed)
+
+
+class _Listed(Inbox):
+    """A batch job's requests: all there from the start, taken in order."""
+
+    def __init__(self, requests: Iterable[Request]):
+        super().__init__()
+        self._queue.extend(requests)
+        self.closed = True
+
+
+@dataclass
+class _Slot:
+    request: Request
+    text: TextStream
+    admitted: float  # perf_counter at admission
+    cached: int = 0  # prompt tokens the row already held (not prefilled)
+    first_token: float | None = None
+    last_token: float = 0.0  # perf_counter when the row's latest tokens reached the host
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    compiling_s: float = 0.0  # compile time (a new kv bucket) since the row's latest tokens: not its latency
+    compiled_s: float = 0.0  # all compile time after its first token
+    read: int = 0  # tokens of the row already passed to `text`
+    logprobs: list = field(default_factory=list)  # where asked for: the row's tokens' (`TokenStream.logprobs`)
+
+
+@dataclass
+class BatchStats:
+    generated_tokens: int = 0
+    finished: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from rows' caches instead of prefilled
+    compile: CompileReport = field(default_factory=CompileReport)
+
+
+class Scheduler:
+    """`interval_s`: where results stream (a server), each dispatch runs as many decode steps as fit
+    in about that long, so text reaches clients and new requests their slots that often; None
+    (a batch job) runs CHUNK_STEPS per dispatch."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        batch_size: int,
+        max_context: int,
+        decoding: Decoding = Decoding(),
+        interval_s: float | None = None,
+    ):
+        self.model, self.batch_size, self.max_context = model, batch_size, max_context
+        self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, decoding)
+        self.stats = BatchStats()
+        self.interval_s = interval_s
+        self.busy = 0  # rows running a request
+        self._held = [np.zeros(0, np.int32)] * batch_size  # per row: the tokens whose K/V it holds, from 0
+
+    def run(self, requests: Iterable[Request] | Inbox, on_result: Callable[[dict], None], continuous: bool = True):
+        """Generate every request (those of a list, or those put in an `Inbox` until it is closed);
+        `on_result(record)` is called as each one finishes."""
+        inbox = requests if isinstance(requests, Inbox) else _Listed(requests)
+        slots: list[_Slot | None] = [None] * self.batch_size
+        started = time.perf_counter()
+        steps, dispatched = CHUNK_STEPS if self.interval_s is None else 1, None
+        while True:
+            if continuous or not any(slots):
+                self._admit(inbox, slots)
+            self.busy = sum(slot is not None for slot in slots)
+            if not any(slots):
+                if inbox.done:
+                    return
+                inbox.wait()
+                continue
+            made = self._collect(slots, on_result, started)
+            if made < 0 and len(inbox) and continuous:
+                continue  # fill the freed slots before decoding on
+            if any(slots):
+                if self.interval_s is not None and dispatched is not None and made > 0:  # the next takes ~interval_s
+                    per_token = (time.perf_counter() - dispatched) / made
+                    steps = max(1, min(CHUNK_STEPS, int(self.interval_s / max(per_token, 1e-6))))
+                stop_point()  # joined processes: a Ctrl-C in the first stops all here
+                before = self.stats.compile.seconds
+                dispatched = time.perf_counter()
+                self.slots.step(steps, self.stats.compile, stop_on_finish=True)
+                for slot in filter(None, slots):
+                    slot.compiling_s += self.stats.compile.seconds - before
+
+    def _admit(self, inbox: Inbox, slots: list[_Slot | None]) -> None:
+        """Take a request for every free slot and prefill them in one call (grouped by
+        `Slots.admit`); each goes to the free row that holds the longest prefix of its prompt."""
+        free = [i for i in range(self.batch_size) if slots[i] is None]
+        admitted: list[tuple[int, int, Request]] = []
+        while free and (request := inbox.take()) is not None:
+            n = len(request.prompt_ids)
+            if not 0 < n < n + request.max_tokens <= self.max_context:
+                raise JaxinferError(
+                    f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the "
+                    f"context of {self.max_context}"
+                )
+            held = [reusable(request.prompt_ids, self._held[i]) for i in free]
+            best = int(np.argmax(held))
+            admitted.append((free.pop(best), held[best], request))
+        if not admitted:
+            return
+        if any(r.logprobs is not None for _, _, r in admitted):
+            self.slots.record_logprobs()
+        if any(r.constraint is not None for _, _, r in admitted):
+            self.slots.constrain(self.model.tokenizer)
+        for i, start, request in admitted:
+            self._held[i] = self._held[i][:start]  # prefill overwrites what follows
+        self.slots.admit(
+            [
+                Admission(
+                    i,
+                    r.prompt_ids,
+                    r.max_tokens,
+                    r.seed,
+                    r.sampling,
+                    start,
+                    ignore_eos=r.ignore_eos,
+                    speculate=r.speculate,
+                    constraint=r.constraint,
+                )
+                for i, start, r in admitted
+            ],
+            self.stats.compile,
+        )
+        now = time.perf_counter()
+        for i, _, request in admitted:
+            text = TextStream(self.model.tokenizer, request.prompt_ids, request.stop)
+            cached = self.slots.admitted(i).start  # none where longrope's factors changed
+            slots[i] = _Slot(request, text, now, cached, read=len(request.prompt_ids))
+            self.stats.cached_tokens += cached
+
+    def _collect(self, slots: list[_Slot | None], on_result, started: float) -> int:
+        """Pass new tokens to each live slot's text; hand over and free the finished ones. Returns
+        the most tokens a row made since the last call, or -1 if a row was freed."""
+        tokens, length, done = self.slots.fetch()
+        prefilling = self.slots.prefilling
+        asked = any(slot and slot.request.logprobs is not None for slot in slots)
+        lp = self.slots.fetch_logprobs() if asked else None
+        now = time.perf_counter()
+        finished = np.zeros(len(slots), bool)
+        most = 0
+        for i, slot in enumerate(slots):
+            if slot is None or prefilling[i]:  # a long prompt between chunks: no token yet
+                continue
+            request = slot.request
+            made = int(length[i]) - slot.read
+            most = max(most, made)
+            if slot.first_token is None:
+                slot.first_token = now
+            elif made:  # the wait since the row's last tokens, admissions of others included, spread over the new ones
+                slot.itl_s += [(now - slot.last_token - slot.compiling_s) / made] * made
+                slot.compiled_s += slot.compiling_s
+            if made:
+                slot.last_token, slot.compiling_s = now, 0.0
+            pieces, first = [], len(slot.text.token_ids)
+            for position in range(slot.read, int(length[i])):
+                pieces.append(slot.text.push(int(tokens[i, position])))
+                if request.logprobs is not None:
+                    slot.logprobs.append(lp.at(i, position))
+                if slot.text.stopped:
+                    break
+            self.stats.generated_tokens += made
+            slot.read = int(length[i])
+            if request.on_text and pieces:
+                request.on_text("".join(pieces), len(pieces), self._entries(slot, first))
+            if done[i] or slot.text.stopped or request.cancelled:
+                finished[i] = True
+                self.stats.finished += 1
+                eos = bool(done[i]) and not request.ignore_eos and int(tokens[i, length[i] - 1]) in self.model.eos_ids
+                c = self.slots.counters
+                spec = Speculated(
+                    int(c.drafted[i]),
+                    int(c.accepted[i]),
+                    int(c.passes[i]),
+                    int(length[i]) - len(request.prompt_ids) - 1,
+                )
+                unfinished = request.constraint is not None and not self.slots.matchers.complete(i)
+                on_result(self._record(slot, eos, unfinished, now, started, spec if request.speculate else None))
+                slots[i] = None
+                self._held[i] = tokens[i, : int(length[i]) - self.slots.speculation.uncached].copy()
+        if finished.any():
+            self.slots.retire(finished)  # a stop string: the row stops now
+        return -1 if finished.any() else most
+
+    def _entries(self, slot: _Slot, first: int) -> list[dict]:
+        """The logprob entries of the slot's tokens from `first` on, where its request asks."""
+        if slot.request.logprobs is None:
+            return []
+        tokens = slot.text.token_ids[first:]
+        return logprob_entries(self.model.tokenizer, tokens, slot.logprobs[first:], slot.request.logprobs)
+
+    def _record(
+        self, slot: _Slot, eos: bool, unfinished: bool, now: float, started: float, speculated: Speculated | None
+    ) -> dict:
+        text, request = slot.text, slot.request
+        text.flush()
+        generated = len(text.token_ids)
+        arrived = started if request.arrived is None else request.arrived
+        decode_s = now - slot.first_token - slot.compiled_s
+        itl_ms = [1000 * s for s in slot.itl_s] or [0.0]
+        return {
+            "id": slot.request.id,
+            "text": text.text,
+            "prompt_tokens": len(slot.request.prompt_ids),
+            "generated_tokens": generated,
+            "cached_tokens": slot.cached,
+            "finish_reason": "cancelled"
+            if request.cancelled
+            else "stop"
+            if text.stopped
+            else finish_reason(eos, generated >= request.max_tokens, unfinished),
+            "seed": slot.request.seed,
+            "timings": {
+                "queued_s": round(slot.admitted - arrived, 4),
+                "ttft_s": round(slot.first_token - slot.admitted, 4),
+                "total_s": round(now - slot.admitted, 4),
+                "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
+                "itl_ms": {
+                    "p50": round(percentile(itl_ms, 0.5), 3),
+                    "p99": round(percentile(itl_ms, 0.99), 3),
+                    "max": round(max(itl_ms), 3),
+                },
+            }
+            | ({"speculation": speculated.as_dict()} if speculated else {}),
+        } | (
+            {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, slot.request.logprobs)}
+            if slot.request.logprobs is not None
+            else {}
+        )
