@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from jaxinfer import defaults
-from jaxinfer.cli import batch, chat, options, render, tools
+from jaxinfer.cli import batch, chat, options, render, serve, tools
 
 app = typer.Typer(
     help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
@@ -37,6 +37,10 @@ EXAMPLES = {
         "jaxinfer batch requests.jsonl -o results.jsonl -b 16",
         "jaxinfer batch requests.jsonl -o results.jsonl --resume",
         "cat requests.jsonl | jaxinfer batch - > results.jsonl",
+    ],
+    "serve": [
+        "jaxinfer serve -m path/to/instruct-model --port 8000 -b 16",
+        'curl localhost:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
     ],
     "convert": ["jaxinfer convert path/to/hf-model path/to/converted", 'jaxinfer run -m path/to/converted "Hello"'],
     "info": ["jaxinfer info -m path/to/hf-model", "jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json"],
@@ -277,6 +281,7 @@ def run(
 
 app.command(epilog=_epilog("chat"))(chat.chat)
 app.command(epilog=_epilog("batch"))(batch.batch)
+app.command(epilog=_epilog("serve"))(serve.serve)
 
 
 app.command(epilog=_epilog("convert"))(tools.convert)

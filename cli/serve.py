@@ -1,0 +1,91 @@
+"""`jaxinfer serve`: flags → `jaxinfer.server.Server` on uvicorn."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from jaxinfer.cli import options, render
+
+
+def serve(
+    model: Optional[Path] = options.MODEL,
+    gguf_file: Optional[str] = options.GGUF_FILE,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free one, printed)."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="JAXINFER_API_KEY",
+        help="Require this key (Authorization: Bearer KEY) on every endpoint but /health.",
+    ),
+    batch_size: int = typer.Option(
+        8, "--batch-size", "-b", "--parallel", "-np", help="Sequences decoded together (slots)."
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        "--n-predict",
+        "-n",
+        help="Default tokens per request [default: generation_config.json's, shrunk to the room each prompt leaves].",
+    ),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests waiting for a slot at most; more get 429."),
+    max_context: Optional[int] = options.MAX_CONTEXT,
+    prefill_chunk: Optional[int] = options.PREFILL_CHUNK,
+    speculate: Optional[str] = options.SPECULATE,
+    num_draft: Optional[int] = options.NUM_DRAFT,
+    draft_model: Optional[Path] = options.DRAFT_MODEL,
+    dtype: str = options.DTYPE,
+    quantize: Optional[str] = options.QUANTIZE,
+    kv_dtype: Optional[str] = options.KV_DTYPE,
+    devices: Optional[int] = options.DEVICES,
+) -> None:
+    """Serve OpenAI's API (chat and text completions, streaming) to many clients at once, batched continuously."""
+    import uvicorn
+
+    from jaxinfer.api import Parser
+    from jaxinfer.errors import JaxinferError
+    from jaxinfer.forms import layout_for_batch
+    from jaxinfer.scheduler import Scheduler
+    from jaxinfer.server import INTERVAL_S, Server
+
+    options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue)
+    if not 0 <= port <= 65535:
+        raise JaxinferError("--port must be from 0 to 65535")
+    mesh = options.mesh(devices)
+    opened = options.open_model(
+        model, layout=layout_for_batch(batch_size, mesh is not None), mesh=mesh, **options.model_flags(locals())
+    )
+    loaded, context = opened.model, opened.context
+    server = Server(
+        lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),
+        Parser(loaded, context, max_tokens, opened.decoding.speculating),
+        loaded.path.name,
+        api_key,
+        max_queue,
+    )
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                if sig == signal.SIGINT:  # Ctrl-C: stop now, answering what was made; SIGTERM drains
+                    server.cancel_all()
+                running = server.scheduler.busy + len(server.inbox)
+                render.notice(f"{'stopping' if sig == signal.SIGINT else 'draining'}: {running} requests to finish")
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()
+                render.notice(f"serving {loaded.path.name} on http://{bound[0]}:{bound[1]}/v1 ({batch_size} slots)")
+
+    config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning", lifespan="off")
+    server.start()
+    try:
+        _Uvicorn(config).run()
+    finally:
+        server.stop()

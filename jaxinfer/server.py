@@ -1,0 +1,377 @@
+"""`jaxinfer serve`: OpenAI's HTTP API over the one scheduler.
+
+Every request of every client joins the same device batch as it arrives (`Scheduler` over an
+`Inbox`: continuous batching, chunked prefill beside running rows, prefix reuse across requests),
+parsed by the same `api.Parser` as a batch job's lines. The scheduler runs in a thread of its own;
+the HTTP side is Starlette on uvicorn (asyncio), and the two meet in thread-safe hand-overs: a
+handler puts its requests in the inbox, the scheduler's thread calls each request's `on_text` and
+the result callback, which post events to the handler's asyncio queue.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
+`"stream": true`), GET /v1/models, /health (open without the key) and /metrics (Prometheus text).
+A client that goes away cancels its requests: their rows stop at the scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+
+from jaxinfer.api import ENDPOINTS, Parser, finish_reason, from_openai, openai_body, openai_chunk, response_id, usage
+from jaxinfer.errors import JaxinferError
+from jaxinfer.scheduler import Inbox, Request, Scheduler
+
+MAX_N = 16  # choices per request at most
+INTERVAL_S = 0.05  # decode steps per dispatch: about this long, so text streams and new requests start that often
+# Prometheus buckets: TTFT from a few ms (a cached prompt) to a minute in a deep queue; ITL on any CPU or GPU
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class HTTPError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        error = {"message": str(self), "type": self.kind, "param": self.param, "code": None}
+        return JSONResponse({"error": error}, status_code=self.status)
+
+
+@dataclass
+class _Pending:
+    """One HTTP request's choices on their way: the scheduler's thread posts ("text", index, piece,
+    tokens, entries) and ("done", index, record) events to `events`, in the handler's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    requests: list[Request]
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_token: list[float] = field(default_factory=list)  # per choice, for the ITL histogram
+
+    def post(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        for request in self.requests:
+            request.cancelled = True
+
+
+class Server:
+    """`make_scheduler()`: a fresh scheduler (its thread makes another where one fails).
+    `api_key`: required as a bearer token on every endpoint but /health; `max_queue`: requests
+    waiting for a slot at most (more are refused with 429); `max_body`: bytes a request body may hold."""
+
+    def __init__(
+        self,
+        make_scheduler,
+        parser: Parser,
+        model_name: str,
+        api_key: str | None = None,
+        max_queue: int = 256,
+        max_body: int = 16 << 20,
+    ):
+        self.parser, self.model_name, self.api_key = parser, model_name, api_key
+        self.max_queue, self.max_body = max_queue, max_body
+        self.inbox = Inbox()
+        self.scheduler: Scheduler = make_scheduler()
+        self._make_scheduler = make_scheduler
+        self._pending: dict[str, _Pending] = {}  # request id → its handler's hand-over
+        self._thread = threading.Thread(target=self._work, name="jaxinfer-scheduler", daemon=True)
+        self._metrics()
+
+    # the scheduler's side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No new requests; those taken finish; then the scheduler's thread ends."""
+        self.inbox.close()
+        self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot: those put that the free slots will not take at once."""
+        return max(0, len(self.inbox) - (self.scheduler.batch_size - self.scheduler.busy))
+
+    def cancel_all(self) -> None:
+        for pending in list(self._pending.values()):
+            pending.cancel()
+
+    def _work(self) -> None:
+        while not self.inbox.done:
+            try:
+                self.scheduler.run(self.inbox, self._finished)
+            except Exception as e:  # the device or a bug: fail what was running, keep serving on a fresh state
+                traceback.print_exc(file=sys.stderr)
+                for pending in list(self._pending.values()):
+                    for i, request in enumerate(pending.requests):
+                        pending.post("failed", i, f"generation failed: {type(e).__name__}: {e}")
+                self.scheduler = self._make_scheduler()
+
+    def _finished(self, record: dict) -> None:
+        request_id, index = record["id"]
+        pending = self._pending.get(request_id)
+        self.generated.inc(record["generated_tokens"])
+        self.prompt_tokens.inc(record["prompt_tokens"])
+        self.cached_tokens.inc(record["cached_tokens"])
+        if pending is not None:
+            pending.post("done", index, record)
+
+    def _on_text(self, pending: _Pending, index: int):
+        def on_text(piece: str, tokens: int, entries: list[dict]) -> None:
+            now = time.perf_counter()
+            if pending.last_token[index]:
+                for _ in range(tokens):
+                    self.itl.observe((now - pending.last_token[index]) / tokens)
+            else:
+                self.ttft.observe(now - pending.requests[index].arrived)
+            pending.last_token[index] = now
+            pending.post("text", index, piece, entries)
+
+        return on_text
+
+    # the HTTP side -------------------------------------------------------------------------------
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        async def http_exception(request, e: HTTPException):
+            return HTTPError(e.status_code, e.detail or "").response()
+
+        routes = [Route(url, self._completions, methods=["POST"]) for url in ENDPOINTS]
+        routes += [
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics_text, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_exception})
+
+    def _authorize(self, request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+
+    async def _health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "draining" if self.inbox.closed else "ok"})
+
+    async def _models(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            self._authorize(request)
+        except HTTPError as e:
+            return e.response()
+        model = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _metrics_text(self, request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+
+        try:
+            self._authorize(request)
+        except HTTPError as e:
+            return e.response()
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _completions(self, request):
+        url = request.url.path
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            stream, include_usage, n = _driver_fields(body)
+            item = from_openai(url, body)
+            # tokenizing a long prompt takes a while: not in the event loop
+            from starlette.concurrency import run_in_threadpool
+
+            request_id = response_id(url)
+            base = await run_in_threadpool(self.parser.parse, None, item)
+            if self.inbox.closed:
+                raise HTTPError(503, "the server is shutting down", "server_error")
+            if self.waiting + n > self.max_queue:
+                raise HTTPError(
+                    429, f"{self.waiting} requests are waiting for a slot (the queue holds {self.max_queue})"
+                )
+            pending = _Pending(asyncio.get_running_loop(), [])
+            now = time.perf_counter()
+            for i in range(n):
+                choice = replace(base, id=(request_id, i), seed=base.seed + i, arrived=now)
+                choice.on_text = self._on_text(pending, i)  # the TTFT and ITL histograms, and streaming
+                pending.requests.append(choice)
+            pending.last_token = [0.0] * n
+        except HTTPError as e:
+            self.requests.labels(url, str(e.status)).inc()
+            return e.response()
+        except JaxinferError as e:
+            self.requests.labels(url, "400").inc()
+            return HTTPError(400, str(e), param=e.names[0] if e.names else None).response()
+        self._pending[request_id] = pending
+        for choice in pending.requests:
+            self.inbox.put(choice)
+        if stream:
+            return self._stream(request, url, request_id, pending, include_usage)
+        return await self._whole(request, url, request_id, pending)
+
+    async def _body(self, request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise HTTPError(413, f"the request body is over {self.max_body} bytes")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.max_body:
+                raise HTTPError(413, f"the request body is over {self.max_body} bytes")
+        try:
+            body = json.loads(data)
+        except ValueError as e:
+            raise HTTPError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        return body
+
+    async def _whole(self, request, url: str, request_id: str, pending: _Pending):
+        """Wait for every choice; a client that goes away first cancels them."""
+        from starlette.responses import JSONResponse
+
+        records: dict[int, dict] = {}
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while len(records) < len(pending.requests):
+                got = asyncio.ensure_future(pending.events.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    pending.cancel()
+                    self.requests.labels(url, "499").inc()
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                kind, index, *rest = got.result()
+                if kind == "failed":
+                    self.requests.labels(url, "500").inc()
+                    return HTTPError(500, rest[0], "server_error").response()
+                if kind == "done":
+                    records[index] = rest[0]
+        finally:
+            gone.cancel()
+            self._pending.pop(request_id, None)
+        self.requests.labels(url, "200").inc()
+        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name))
+
+    def _stream(self, request, url: str, request_id: str, pending: _Pending, include_usage: bool):
+        """Server-sent events in OpenAI's chunk shape, `data: [DONE]` at the end."""
+        from starlette.responses import StreamingResponse
+
+        created, n = int(time.time()), len(pending.requests)
+
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def chunk(index: int, text: str | None, entries=None, finish=None) -> str:
+            return event(openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish))
+
+        async def events():
+            sent, records, status = [""] * n, {}, "200"
+            try:
+                if url == "/v1/chat/completions":
+                    for i in range(n):
+                        yield chunk(i, None)
+                while len(records) < n:
+                    kind, index, *rest = await pending.events.get()
+                    if kind == "failed":
+                        status = "500"
+                        yield event(
+                            {"error": {"message": rest[0], "type": "server_error", "param": None, "code": None}}
+                        )
+                        break
+                    if kind == "text":
+                        piece, entries = rest
+                        sent[index] += piece
+                        yield chunk(index, piece, entries or None)
+                    else:
+                        record = records[index] = rest[0]
+                        tail = record["text"][len(sent[index]) :]  # what the end let through (held text)
+                        yield chunk(index, tail, finish=finish_reason(record["finish_reason"]))
+                if include_usage and len(records) == n:
+                    first = records[0]
+                    total = sum(r["generated_tokens"] for r in records.values())
+                    said = usage(first["prompt_tokens"], total, first["cached_tokens"])
+                    yield event(
+                        {
+                            "id": request_id,
+                            "object": "chat.completion.chunk" if "chat" in url else "text_completion",
+                            "created": created,
+                            "model": self.model_name,
+                            "choices": [],
+                            "usage": said,
+                        }
+                    )
+                yield "data: [DONE]\n\n"
+            finally:
+                if len(records) < n:  # the client went away (or the scheduler failed): free the rows
+                    pending.cancel()
+                    status = "499" if status == "200" else status
+                self._pending.pop(request_id, None)
+                self.requests.labels(url, status).inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("jaxinfer_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "jaxinfer_cached_prompt_tokens", "Prompt tokens taken from a slot's cache, not prefilled", registry=r
+        )
+        self.generated = Counter("jaxinfer_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "jaxinfer_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jaxinfer_inter_token_latency_seconds", "Between a choice's tokens", buckets=ITL_BUCKETS, registry=r
+        )
+        busy = Gauge("jaxinfer_slots_busy", "Slots running a request", registry=r)
+        busy.set_function(lambda: self.scheduler.busy)
+        Gauge("jaxinfer_slots", "Slots (sequences decoded together)", registry=r).set(self.scheduler.batch_size)
+        waiting = Gauge("jaxinfer_queue_length", "Requests waiting for a slot", registry=r)
+        waiting.set_function(lambda: self.waiting)
+
+
+def _driver_fields(body: dict) -> tuple[bool, bool, int]:
+    """The fields the server itself reads (removed from `body`): stream, stream_options' include_usage, n."""
+    stream = body.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise HTTPError(400, '"stream" must be true or false', param="stream")
+    options = body.pop("stream_options", None)
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise HTTPError(400, '"stream_options" must be an object, with "stream": true', param="stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
+    n = body.pop("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise HTTPError(400, f'"n" must be a whole number from 1 to {MAX_N}', param="n")
+    return stream, include_usage, n
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client goes away (the body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

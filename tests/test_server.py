@@ -1,0 +1,253 @@
+"""`jaxinfer serve`: the real server on a free loopback port, driven by the official `openai` client
+(sync and async, streaming and not) and by raw HTTP (bad bodies, auth, disconnects, the queue bound,
+SIGTERM's drain). Greedy answers are compared with `jaxinfer run` on the same prompt."""
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from cli_helpers import jaxinfer
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-key"
+PROMPT = "def fibonacci(n):"
+LONG = {"max_tokens": 400, "ignore_eos": True}  # our extension: a row that runs until it is cancelled or done
+WAIT_S = 240  # a bound on waiting for an event, never a pause
+
+
+class Served:
+    """A `jaxinfer serve` process on a free port (read from its first line), its stderr kept."""
+
+    def __init__(self, *flags):
+        self.process = subprocess.Popen(["jaxinfer", "serve", "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
+        first = self.process.stderr.readline()
+        found = re.search(r"http://([\d.]+):(\d+)/v1", first)
+        assert found, first + self.process.stderr.read()
+        self.url = f"http://{found[1]}:{found[2]}"
+        self.stderr = [first]
+        self._reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
+        self._reader.start()
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(WAIT_S)
+        self._reader.join(WAIT_S)
+        return code
+
+
+@pytest.fixture(scope="module")
+def server():
+    served = Served("-b", "2", "--max-queue", "2", "--api-key", KEY, "-c", "512")
+    yield served
+    assert served.stop() == 128 + signal.SIGTERM, "".join(served.stderr)
+    assert "Traceback" not in "".join(served.stderr)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=WAIT_S, max_retries=0)
+
+
+def http(server, method, path, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, server.url + path, headers=headers, timeout=WAIT_S, **kwargs)
+
+
+def busy(server) -> float:
+    metrics = http(server, "GET", "/metrics").text
+    return float(re.search(r"^jaxinfer_slots_busy (\S+)$", metrics, re.M)[1])
+
+
+def until(condition) -> None:
+    """Wait for `condition()` (checked as events come), at most WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_greedy_completion_equals_run(server, client):
+    said = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+    ran = jaxinfer("run", PROMPT, "-n", 24, "--temp", 0, "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert said.choices[0].text == json.loads(ran.stdout)["text"]
+    assert said.choices[0].finish_reason == "length"
+    assert said.usage.completion_tokens == 24 and said.usage.prompt_tokens == json.loads(ran.stdout)["prompt_tokens"]
+    streamed = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == said.choices[0].text
+
+
+def test_chat_streamed_equals_whole_sync_and_async(server, client):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    whole = client.chat.completions.create(model="any", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="any",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    async def both():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=WAIT_S, max_retries=0)
+        said = await aclient.chat.completions.create(model="any", messages=messages, max_tokens=20, temperature=0)
+        stream = await aclient.chat.completions.create(
+            model="any", messages=messages, max_tokens=20, temperature=0, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return said.choices[0].message.content, text
+
+    assert asyncio.run(both()) == (whole.choices[0].message.content,) * 2
+
+
+def test_choices_seeds_logprobs_and_schema(server, client):
+    two = client.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
+    again = client.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    assert two.usage.completion_tokens == 24
+    said = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = said.choices[0].logprobs.content
+    assert len(content) == said.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    typed = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "A number."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert isinstance(json.loads(typed.choices[0].message.content)["n"], int)
+
+
+def test_prefix_reuse_across_requests(server, client):
+    prompt = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n"
+    first = client.completions.create(model="any", prompt=prompt, max_tokens=16, temperature=0)
+    second = client.completions.create(model="any", prompt=prompt, max_tokens=16, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"prompt": PROMPT, "temperature": "hot"}).encode(), 400, '"temperature" must be a number'),
+        (json.dumps({"prompt": PROMPT, "max_tokens": 600}).encode(), 400, "exceeds the context of 512"),
+        (json.dumps({"prompt": "x " * 5000}).encode(), 400, "context"),
+        (json.dumps({"prompt": PROMPT, "bogus": 1}).encode(), 400, "unknown field 'bogus'"),
+        (json.dumps({"prompt": PROMPT, "n": 0}).encode(), 400, '"n" must be'),
+        (json.dumps({"prompt": PROMPT, "presence_penalty": 1}).encode(), 400, "presence_penalty"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, 'takes "prompt"'),
+        (b'{"prompt": "' + b"x" * (17 << 20) + b'"}', 413, "over"),
+    ],
+)
+def test_bad_requests_are_openai_errors(server, body, status, words):
+    answer = http(server, "POST", "/v1/completions", content=body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert words in error["message"] and error["type"]
+    assert http(server, "GET", "/health").json() == {"status": "ok"}  # still serving
+
+
+def test_auth_and_unknown_paths(server):
+    assert http(server, "GET", "/v1/models", key=None).status_code == 401
+    assert http(server, "GET", "/v1/models", key="wrong").status_code == 401
+    assert http(server, "POST", "/v1/completions", key=None, json={"prompt": PROMPT}).status_code == 401
+    assert http(server, "GET", "/health", key=None).status_code == 200
+    assert http(server, "GET", "/v1/models").json()["data"][0]["id"] == "stdlib-llama-11m"
+    missing = http(server, "GET", "/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_a_client_that_leaves_frees_its_slot(server):
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": PROMPT, "stream": True, **LONG},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=WAIT_S,
+    ) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert busy(server) == 1
+    until(lambda: busy(server) == 0)
+    with httpx.Client(timeout=WAIT_S, headers={"Authorization": f"Bearer {KEY}"}) as c:  # not streamed
+        thread = threading.Thread(target=lambda: _leave(c, server))
+        thread.start()
+        until(lambda: busy(server) == 1)
+        c.close()
+        thread.join(WAIT_S)
+    until(lambda: busy(server) == 0)
+
+
+def _leave(c: httpx.Client, server) -> None:
+    try:
+        c.post(server.url + "/v1/completions", json={"prompt": PROMPT, **LONG, "max_tokens": 500})
+    except httpx.HTTPError:
+        pass  # the client closed under it: the point
+
+
+def test_the_queue_bound_answers_429(server):
+    """Two slots and a queue of two: a fifth long request at once is refused, the others run."""
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=WAIT_S, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            body = {"prompt": PROMPT, **LONG, "max_tokens": 60}
+            answers = await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body) for _ in range(6)))
+            return sorted(a.status_code for a in answers)
+
+    codes = asyncio.run(flood())
+    assert 429 in codes and codes.count(200) >= 4, codes
+
+
+def test_sigterm_drains_then_exits():
+    served = Served("-b", "1", "-c", "512")
+    got = []
+
+    def stream():
+        with httpx.stream(
+            "POST", served.url + "/v1/completions", json={"prompt": PROMPT, "stream": True, **LONG}, timeout=WAIT_S
+        ) as answer:
+            got.extend(line for line in answer.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    until(lambda: any(line.startswith("data: {") for line in got))
+    code = served.stop()
+    reader.join(WAIT_S)
+    assert code == 128 + signal.SIGTERM
+    assert got[-1] == "data: [DONE]"  # the running request finished whole
+    final = json.loads([line for line in got if line.startswith("data: {")][-1][6:])
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert "draining: 1 requests to finish" in "".join(served.stderr)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(served.url + "/health")
