@@ -30,6 +30,7 @@ from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import check_fits, check_text_fits
+from jaxinfer.tools import check_tools, format_of, split, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
 FIELDS = {
@@ -41,6 +42,8 @@ FIELDS = {
     "ignore_eos",
     "speculate",
     "logprobs",
+    "tools",
+    "tool_choice",
     *CONSTRAINT_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -65,8 +68,6 @@ ACCEPTED = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
 }
 
 
@@ -92,13 +93,18 @@ class Parser:
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
+        tools, tool_format = check_tools(item.get("tools"), item.get("tool_choice")), None
         if "prompt" in item:
             if not isinstance(item["prompt"], str) or not item["prompt"]:
                 raise JaxinferError('"prompt" must be a non-empty string')
+            if tools:
+                raise JaxinferError('"tools" go with "messages": the chat template offers them to the model', "tools")
             check_text_fits(item["prompt"], tokenizer, self.context)
             ids = tokenizer.encode(item["prompt"])
         else:
-            text = self.template.render(_messages(item["messages"]))
+            if tools and (tool_format := format_of(self.template.source)) is None:
+                raise JaxinferError("this model's chat template offers no tools (in a format parsed here)", "tools")
+            text = self.template.render(template_messages(_messages(item["messages"])), tools=tools)
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
@@ -133,7 +139,9 @@ class Parser:
                 raise JaxinferError("constrained output runs on one device: this model runs over several")
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
-        return Request(request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint)
+        return Request(
+            request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint, tool_format
+        )
 
 
 def _messages(messages) -> list[dict]:
@@ -144,9 +152,16 @@ def _messages(messages) -> list[dict]:
         raise JaxinferError('"messages" must be a non-empty list of {"role", "content"} objects')
     rendered = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or "content" not in m
+            and "tool_calls" not in m
+        ):
             raise JaxinferError('"messages" must be a non-empty list of {"role", "content"} objects')
-        content = m["content"]
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):  # an assistant's turn that only called tools
+            content = ""
         if isinstance(content, list):
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -225,8 +240,10 @@ def _logprobs(url: str, entries: list[dict] | None) -> dict | None:
 
 
 def finish_reason(ours: str) -> str:
-    """Our finish reason in OpenAI's words: an unfinished constrained answer ran out of budget."""
-    return {"length": "length", "unfinished": "length"}.get(ours, "stop")
+    """Our finish reason in OpenAI's words: "length" for an answer cut short (its budget spent, a
+    constrained answer unfinished, or cancelled), "stop" for one that ended (EOS, a stop string, a
+    constraint's match complete)."""
+    return "length" if ours in ("length", "unfinished", "cancelled") else "stop"
 
 
 def response_id(url: str) -> str:
@@ -242,14 +259,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def openai_body(records: list[dict], url: str, model: str) -> dict:
-    """Result records (`Scheduler`'s, one per choice) as the endpoint's response body."""
+def openai_body(records: list[dict], url: str, model: str, tools: str | None = None) -> dict:
+    """Result records (`Scheduler`'s, one per choice) as the endpoint's response body; `tools`: the
+    format of the tool calls to parse out of the text, where tools were offered."""
     chat = url == "/v1/chat/completions"
 
     def choice(index: int, record: dict) -> dict:
         logprobs = _logprobs(url, record.get("logprobs"))
-        said = {"message": {"role": "assistant", "content": record["text"]}} if chat else {"text": record["text"]}
-        return {"index": index, **said, "logprobs": logprobs, "finish_reason": finish_reason(record["finish_reason"])}
+        finish = finish_reason(record["finish_reason"])
+        if not chat:
+            return {"index": index, "text": record["text"], "logprobs": logprobs, "finish_reason": finish}
+        content, calls = split(record["text"], tools) if tools else (record["text"], [])
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": "tool_calls" if calls else finish,
+        }
 
     first = records[0]
     return {
@@ -282,11 +309,15 @@ def openai_chunk(
     text: str | None,
     logprobs: list[dict] | None = None,
     finish: str | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     """One streamed chunk of choice `index`: new text (the chat endpoint's first chunk, text None,
-    says the role), the log-probabilities of its tokens where asked for, the finish reason at the end."""
+    says the role), the log-probabilities of its tokens where asked for, the finish reason at the
+    end; a chat's `tool_calls` (`tools.split`'s) whole, in one chunk."""
     if url == "/v1/chat/completions":
         delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         said, kind = {"delta": delta}, "chat.completion.chunk"
     else:
         said, kind = {"text": text or ""}, "text_completion"

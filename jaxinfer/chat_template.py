@@ -68,6 +68,7 @@ class ChatTemplate:
         import jinja2
 
         self.is_fallback = source is None
+        self.source = source
         self.stop = (FALLBACK_STOP,) if self.is_fallback else ()
         self._special_tokens = special_tokens
         try:
@@ -75,12 +76,13 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise JaxinferError(f"the model's chat template does not parse: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's function definitions, for templates that offer them to the model (`jaxinfer.tools`)."""
         import jinja2
 
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self._special_tokens
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template, or a template bug
             raise JaxinferError(f"chat template: {e}") from None

@@ -129,7 +129,8 @@ class Job:
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self._seen: set[str] = set()
-        self._openai: dict[str, tuple[str, str]] = {}  # key → endpoint and the model that ran, for OpenAI lines
+        # key → endpoint, the model that ran and the tool-call format, for OpenAI lines
+        self._openai: dict[str, tuple[str, str, str | None]] = {}
 
     def write(self, record: dict) -> None:
         """Write one record as it finishes: a result, or an error; in the OpenAI shape where the
@@ -184,8 +185,10 @@ class Job:
                     raise JaxinferError('"custom_id" must be a string, as OpenAI\'s batch input requires')
                 if openai:
                     url, item = _from_openai(item)
-                    self._openai[key] = (url, self.model.path.name)  # the model that ran, not the one asked for
-                yield self.parser.parse(request_id, {k: v for k, v in item.items() if k not in ("id", "custom_id")})
+                request = self.parser.parse(request_id, {k: v for k, v in item.items() if k not in ("id", "custom_id")})
+                if openai:  # the model that ran, not the one asked for
+                    self._openai[key] = (url, self.model.path.name, request.tools)
+                yield request
             except JaxinferError as e:
                 self._fail(number, request_id, str(e), openai)
             except (ValueError, TypeError, ArithmeticError) as e:  # a value no check foresaw: still this line only
@@ -226,7 +229,7 @@ def _batch_id() -> str:
     return f"batch_req_{secrets.token_hex(12)}"
 
 
-def _openai_result(record: dict, url: str, model: str) -> dict:
+def _openai_result(record: dict, url: str, model: str, tools: str | None) -> dict:
     """Our result record in the OpenAI batch output shape (error records already are)."""
     if "text" not in record:
         return record
@@ -236,7 +239,7 @@ def _openai_result(record: dict, url: str, model: str) -> dict:
         "response": {
             "status_code": 200,
             "request_id": f"req_{secrets.token_hex(16)}",
-            "body": openai_body([record], url, model),
+            "body": openai_body([record], url, model, tools),
         },
         "error": None,
     }

@@ -49,6 +49,7 @@ class Request:
     speculate: bool = False  # draft (where the runner speculates)
     logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
+    tools: str | None = None  # where tools were offered, the format of the calls in the text (`jaxinfer.tools`)
     # where the text is wanted as it is made: called from the scheduler's thread with each new piece,
     # the number of tokens that made it, and (where logprobs are asked for) their entries
     on_text: Callable[[str, int, list[dict]], None] | None = None

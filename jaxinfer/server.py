@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from jaxinfer.api import ENDPOINTS, Parser, finish_reason, from_openai, openai_body, openai_chunk, response_id, usage
 from jaxinfer.errors import JaxinferError
 from jaxinfer.scheduler import Inbox, Request, Scheduler
+from jaxinfer.tools import split, streamable
 
 MAX_N = 16  # choices per request at most
 INTERVAL_S = 0.05  # decode steps per dispatch: about this long, so text streams and new requests start that often
@@ -271,22 +272,24 @@ class Server:
             gone.cancel()
             self._pending.pop(request_id, None)
         self.requests.labels(url, "200").inc()
-        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name))
+        tools = pending.requests[0].tools
+        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name, tools))
 
     def _stream(self, request, url: str, request_id: str, pending: _Pending, include_usage: bool):
         """Server-sent events in OpenAI's chunk shape, `data: [DONE]` at the end."""
         from starlette.responses import StreamingResponse
 
         created, n = int(time.time()), len(pending.requests)
+        tools = pending.requests[0].tools if url == "/v1/chat/completions" else None  # calls come whole at the end
 
         def event(data: dict) -> str:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        def chunk(index: int, text: str | None, entries=None, finish=None) -> str:
-            return event(openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish))
+        def chunk(index: int, text: str | None, entries=None, finish=None, calls=None) -> str:
+            return event(openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish, calls))
 
         async def events():
-            sent, records, status = [""] * n, {}, "200"
+            made, sent, records, status = [""] * n, [0] * n, {}, "200"  # per choice: its text, and how much was sent
             try:
                 if url == "/v1/chat/completions":
                     for i in range(n):
@@ -301,12 +304,17 @@ class Server:
                         break
                     if kind == "text":
                         piece, entries = rest
-                        sent[index] += piece
-                        yield chunk(index, piece, entries or None)
+                        made[index] += piece
+                        upto = streamable(made[index], tools) if tools else len(made[index])
+                        if upto > sent[index] or entries:
+                            yield chunk(index, made[index][sent[index] : upto], entries or None)
+                            sent[index] = max(sent[index], upto)
                     else:
                         record = records[index] = rest[0]
-                        tail = record["text"][len(sent[index]) :]  # what the end let through (held text)
-                        yield chunk(index, tail, finish=finish_reason(record["finish_reason"]))
+                        content, calls = split(record["text"], tools) if tools else (record["text"], [])
+                        finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
+                        tail = (content or "")[sent[index] :]  # what the end let through (held text)
+                        yield chunk(index, tail, finish=finish, calls=calls)
                 if include_usage and len(records) == n:
                     first = records[0]
                     total = sum(r["generated_tokens"] for r in records.values())
@@ -352,6 +360,10 @@ class Server:
         Gauge("jaxinfer_slots", "Slots (sequences decoded together)", registry=r).set(self.scheduler.batch_size)
         waiting = Gauge("jaxinfer_queue_length", "Requests waiting for a slot", registry=r)
         waiting.set_function(lambda: self.waiting)
+        handled = Gauge("jaxinfer_requests_in_flight", "HTTP requests between arrival and answer", registry=r)
+        handled.set_function(lambda: len(self._pending))
+        compiled = Gauge("jaxinfer_programs_compiled", "Programs XLA compiled (or read from its cache)", registry=r)
+        compiled.set_function(lambda: self.scheduler.stats.compile.programs)
 
 
 def _driver_fields(body: dict) -> tuple[bool, bool, int]:

@@ -5,10 +5,12 @@ SIGTERM's drain). Greedy answers are compared with `jaxinfer run` on the same pr
 import asyncio
 import json
 import re
+import shutil
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +23,10 @@ KEY = "sk-test-key"
 PROMPT = "def fibonacci(n):"
 LONG = {"max_tokens": 400, "ignore_eos": True}  # our extension: a row that runs until it is cancelled or done
 WAIT_S = 240  # a bound on waiting for an event, never a pause
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 
 
 class Served:
@@ -36,8 +42,8 @@ class Served:
         self._reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
         self._reader.start()
 
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, sig=signal.SIGTERM) -> int:
+        self.process.send_signal(sig)
         code = self.process.wait(WAIT_S)
         self._reader.join(WAIT_S)
         return code
@@ -167,6 +173,7 @@ def test_prefix_reuse_across_requests(server, client):
         (json.dumps({"prompt": PROMPT, "n": 0}).encode(), 400, '"n" must be'),
         (json.dumps({"prompt": PROMPT, "presence_penalty": 1}).encode(), 400, "presence_penalty"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, 'takes "prompt"'),
+        (json.dumps({"prompt": PROMPT, "tools": [WEATHER]}).encode(), 400, '"tools" go with "messages"'),
         (b'{"prompt": "' + b"x" * (17 << 20) + b'"}', 413, "over"),
     ],
 )
@@ -176,6 +183,50 @@ def test_bad_requests_are_openai_errors(server, body, status, words):
     error = answer.json()["error"]
     assert words in error["message"] and error["type"]
     assert http(server, "GET", "/health").json() == {"status": "ok"}  # still serving
+
+
+def test_tools_need_a_template_that_offers_them(server):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    answer = http(server, "POST", "/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and "offers no tools" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == "tools"
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """The bundled model with Qwen 2.5's chat template, which offers tools (as <tool_call> blocks)."""
+    from jaxinfer.modeldir import bundled_model_dir
+
+    model = tmp_path_factory.mktemp("tool-model") / "with-tools"
+    shutil.copytree(bundled_model_dir(), model)
+    shutil.copy(Path(__file__).parent / "chat_templates" / "qwen2.5.jinja", model / "chat_template.jinja")
+    served = Served("-m", model, "-b", "2", "-c", "512")
+    yield served
+    assert served.stop() == 128 + signal.SIGTERM
+
+
+def test_tool_calls_come_back_parsed(tool_server):
+    """The model is held to a call by a regular expression (it never learned to call tools), so the
+    text is known; the server must hand it back as a call, streamed or not, and take the next turn."""
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    asked = dict(model="any", messages=messages, tools=[WEATHER], temperature=0, max_tokens=60)
+    forced = {"guided_regex": r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'}
+    said = client.chat.completions.create(**asked, extra_body=forced)
+    (call,) = said.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert said.choices[0].finish_reason == "tool_calls" and said.choices[0].message.content is None
+    chunks = [c for c in client.chat.completions.create(**asked, extra_body=forced, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""  # the call's text is not content
+    (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    turn = messages + [said.choices[0].message.model_dump(exclude_none=True)]
+    turn += [{"role": "tool", "tool_call_id": call.id, "content": "18 °C"}]
+    after = client.chat.completions.create(model="any", messages=turn, tools=[WEATHER], temperature=0, max_tokens=8)
+    assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    plain = client.chat.completions.create(**asked | {"tool_choice": "none"}, extra_body=forced)
+    assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
 
 
 def test_auth_and_unknown_paths(server):
@@ -229,25 +280,37 @@ def test_the_queue_bound_answers_429(server):
     assert 429 in codes and codes.count(200) >= 4, codes
 
 
-def test_sigterm_drains_then_exits():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_drains_and_ctrl_c_stops(sig):
+    """SIGTERM: the running request finishes whole, then the process exits; Ctrl-C: it is answered
+    at once with what it made."""
     served = Served("-b", "1", "-c", "512")
     got = []
 
     def stream():
         with httpx.stream(
-            "POST", served.url + "/v1/completions", json={"prompt": PROMPT, "stream": True, **LONG}, timeout=WAIT_S
+            "POST",
+            served.url + "/v1/completions",
+            json={"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **LONG},
+            timeout=WAIT_S,
         ) as answer:
             got.extend(line for line in answer.iter_lines() if line)
 
     reader = threading.Thread(target=stream)
     reader.start()
     until(lambda: any(line.startswith("data: {") for line in got))
-    code = served.stop()
+    code = served.stop(sig)
     reader.join(WAIT_S)
-    assert code == 128 + signal.SIGTERM
-    assert got[-1] == "data: [DONE]"  # the running request finished whole
-    final = json.loads([line for line in got if line.startswith("data: {")][-1][6:])
-    assert final["choices"][0]["finish_reason"] == "length"
-    assert "draining: 1 requests to finish" in "".join(served.stderr)
+    assert code == 128 + sig
+    assert got[-1] == "data: [DONE]"  # answered, whole or cut
+    *chunks, usage = [json.loads(line[6:]) for line in got if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    made = usage["usage"]["completion_tokens"]
+    if sig == signal.SIGTERM:
+        assert "draining: 1 requests to finish" in "".join(served.stderr)
+        assert made == LONG["max_tokens"]
+    else:
+        assert "stopping: 1 requests to finish" in "".join(served.stderr)
+        assert 0 < made < LONG["max_tokens"]
     with pytest.raises(httpx.ConnectError):
         httpx.get(served.url + "/health")

@@ -1,0 +1,200 @@
+"""`jaxinfer serve` under load on loopback: C concurrent streaming clients against `jaxinfer batch`'s
+scheduler on the same requests, and a leak check over many requests with some clients leaving.
+
+    python scripts/bench_serve.py                      # 64 clients, 64 requests, 128 tokens each
+    python scripts/bench_serve.py --clients 16 --requests 64 --tokens 64
+    python scripts/bench_serve.py --leak 2000          # 10% of clients leave mid-stream; RSS and slots
+
+The requests: seeded slices of this repository's Python source as prompts (16–64 tokens), greedy, EOS
+off so every request makes `--tokens`. The server runs as `jaxinfer serve -b CLIENTS` (a process of its
+own, as users run it); batch is `Scheduler(model, CLIENTS, ...)`, what `jaxinfer batch -b CLIENTS`
+runs, in this process. Each side runs the whole set three times and the last round is timed:
+compiles (kv buckets, admission groups, prefills after a held prefix) fall in the first two.
+Reported: aggregate generated tokens/s of each and their ratio; the clients' time to first
+token (from sending), inter-token latency (each request's time from its first text to its last over
+its tokens after the first) and the gaps between streamed chunks (a chunk carries what a dispatch
+made, ~50 ms of steps), p50 and p99. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def prompts(count: int, seed: int = 0) -> list[str]:
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "jaxinfer").glob("*.py")))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        start = rng.randrange(len(source) - 400)
+        out.append(source[start : start + rng.randrange(60, 240)])
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+class Server:
+    def __init__(self, flags: list[str]):
+        self.process = subprocess.Popen(["jaxinfer", "serve", "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
+        first = self.process.stderr.readline()
+        found = re.search(r"http://([\d.]+):(\d+)/v1", first)
+        if not found:
+            sys.exit(first + self.process.stderr.read())
+        self.url = f"http://{found[1]}:{found[2]}"
+        threading.Thread(target=lambda: [None for _ in self.process.stderr], daemon=True).start()
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, leave: bool, seen: dict) -> int:
+    """Stream one completion; returns the tokens it got (from the usage chunk)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    sent, first, last, made = time.perf_counter(), None, None, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("usage"):
+                made = chunk["usage"]["completion_tokens"]
+                if made > 1 and last is not None and last > first:
+                    seen["itl"].append((last - first) / (made - 1))
+            elif chunk["choices"][0]["text"]:
+                if last is None:
+                    seen["ttft"].append(now - sent)
+                    first = now
+                else:
+                    seen["gaps"].append(now - last)
+                last = now
+                if leave:
+                    return 0
+    return made
+
+
+async def load(url: str, texts: list[str], tokens: int, clients: int, leave_every: int = 0) -> tuple[int, float, dict]:
+    seen = {"ttft": [], "gaps": [], "itl": []}
+    gate = asyncio.Semaphore(clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
+        async def gated(i: int, text: str) -> int:
+            async with gate:
+                return await one(client, url, text, tokens, bool(leave_every) and i % leave_every == 0, seen)
+
+        start = time.perf_counter()
+        made = await asyncio.gather(*(gated(i, t) for i, t in enumerate(texts)))
+    return sum(made), time.perf_counter() - start, seen
+
+
+def batch_tok_s(texts: list[str], tokens: int, clients: int, context: int) -> float:
+    from jaxinfer.api import Parser
+    from jaxinfer.forms import layout_for_batch
+    from jaxinfer.loading import load_model
+    from jaxinfer.scheduler import Scheduler
+
+    model = load_model(layout=layout_for_batch(clients))
+    parser = Parser(model, context)
+    requests = [
+        parser.parse(i, {"prompt": t, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+        for i, t in enumerate(texts)
+    ]
+    runner = Scheduler(model, clients, context)
+    for _ in range(2):  # as the server's warm-up
+        runner.run(requests, lambda r: None)
+    done, compiled = runner.stats.generated_tokens, runner.stats.compile.seconds
+    start = time.perf_counter()
+    runner.run(requests, lambda r: None)
+    seconds = time.perf_counter() - start - (runner.stats.compile.seconds - compiled)
+    return (runner.stats.generated_tokens - done) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--leak", type=int, default=0, metavar="N", help="N requests, every 10th client leaving")
+    args = parser.parse_args()
+    server = Server(
+        ["-b", str(args.clients), "-c", str(args.context), "--max-queue", str(max(args.requests, args.leak))]
+    )
+    try:
+        if args.leak:
+            texts = prompts(args.leak)
+            rss, programs = [server.rss_mb()], [server.metric("jaxinfer_programs_compiled")]
+            for part in range(0, args.leak, 500):
+                asyncio.run(load(server.url, texts[part : part + 500], 32, args.clients, leave_every=10))
+                rss.append(server.rss_mb())
+                programs.append(server.metric("jaxinfer_programs_compiled"))
+            print(
+                json.dumps(
+                    {
+                        "requests": args.leak,
+                        "left_mid_stream": len(range(0, args.leak, 10)),
+                        "rss_mb_per_500": [round(r, 1) for r in rss],
+                        "programs_compiled_per_500": programs,
+                        "in_flight_after": server.metric("jaxinfer_requests_in_flight"),
+                        "slots_busy_after": server.metric("jaxinfer_slots_busy"),
+                        "queue_after": server.metric("jaxinfer_queue_length"),
+                    }
+                )
+            )
+            return
+        texts = prompts(args.requests)
+        for _ in range(2):  # warm-up: the same set, twice (the second admits to rows that hold the prompts)
+            asyncio.run(load(server.url, texts, args.tokens, args.clients))
+        made, seconds, seen = asyncio.run(load(server.url, texts, args.tokens, args.clients))
+    finally:
+        server.stop()
+    served = made / seconds
+    batched = batch_tok_s(texts, args.tokens, args.clients, args.context)
+    print(
+        json.dumps(
+            {
+                "clients": args.clients,
+                "requests": args.requests,
+                "tokens": args.tokens,
+                "serve_tok_s": round(served, 1),
+                "batch_tok_s": round(batched, 1),
+                "serve_over_batch": round(served / batched, 3),
+                "ttft_ms": {q: round(1000 * percentile(seen["ttft"], p), 1) for q, p in (("p50", 0.5), ("p99", 0.99))},
+                "itl_ms": {q: round(1000 * percentile(seen["itl"], p), 2) for q, p in (("p50", 0.5), ("p99", 0.99))},
+                "chunk_gap_ms": {
+                    q: round(1000 * percentile(seen["gaps"], p), 2) for q, p in (("p50", 0.5), ("p99", 0.99))
+                },
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
