@@ -39,6 +39,8 @@ def chat(
     top_p: Optional[float] = options.TOP_P,
     min_p: Optional[float] = options.MIN_P,
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
+    presence_penalty: Optional[float] = options.PRESENCE_PENALTY,
+    frequency_penalty: Optional[float] = options.FREQUENCY_PENALTY,
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
@@ -78,7 +80,14 @@ def chat(
     loaded, context = opened.model, opened.context
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
     sampling = options.sampling(
-        loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
+        loaded,
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
     session = ChatSession(

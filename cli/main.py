@@ -162,6 +162,8 @@ def run(
     top_p: Optional[float] = options.TOP_P,
     min_p: Optional[float] = options.MIN_P,
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
+    presence_penalty: Optional[float] = options.PRESENCE_PENALTY,
+    frequency_penalty: Optional[float] = options.FREQUENCY_PENALTY,
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
@@ -223,7 +225,14 @@ def run(
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     sampling = options.sampling(
-        loaded, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty
+        loaded,
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
     stops = tuple(map(options.unescape, stop))
     special = system is None  # a chat turn's template writes the special tokens itself

@@ -36,6 +36,8 @@ FLAGS = {
     "top_p": "--top-p",
     "min_p": "--min-p",
     "repeat_penalty": "--repeat-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
     "logprobs": "--logprobs",
     "json_schema": "--json-schema",
     "json_object": "--json-object",
@@ -48,6 +50,10 @@ FLAGS = {
     "peak_bandwidth": "--peak-bandwidth",
     "resume": "--resume",
     "reset": "/reset",  # chat's command
+    # request fields with no flag (batch lines, the server's bodies): said as they are
+    "logit_bias": "logit_bias",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
 }
 
 MODEL = typer.Option(
@@ -71,6 +77,12 @@ TOP_P = typer.Option(None, "--top-p", help="Keep the smallest set of tokens whos
 MIN_P = typer.Option(None, "--min-p", help="Drop tokens less likely than min-p × the most likely one.")
 REPEAT_PENALTY = typer.Option(
     None, "--repeat-penalty", "--repetition-penalty", help="Penalise tokens already present (1 is off)."
+)
+PRESENCE_PENALTY = typer.Option(
+    None, "--presence-penalty", help="Subtract this from a token's logit once it was generated (OpenAI's; 0 is off)."
+)
+FREQUENCY_PENALTY = typer.Option(
+    None, "--frequency-penalty", help="Subtract this × the times a token was generated (OpenAI's; 0 is off)."
 )
 SEED = typer.Option(
     None, "--seed", "-s", help="Random seed; the same seed gives the same output [default: random, reported]."

@@ -29,10 +29,10 @@ from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.sharding import mesh_of
-from jaxinfer.slots import check_fits, check_text_fits
+from jaxinfer.slots import check_fits, check_text_fits, penalized
 from jaxinfer.tools import check_tools, format_of, split, template_messages
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 FIELDS = {
     "prompt",
     "messages",
@@ -42,6 +42,7 @@ FIELDS = {
     "ignore_eos",
     "speculate",
     "logprobs",
+    "logit_bias",
     "tools",
     "tool_choice",
     *CONSTRAINT_FIELDS,
@@ -65,9 +66,6 @@ ACCEPTED = {
     "n": (1,),
     "stream": (False,),
     "stream_options": (None,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
 }
 
 
@@ -139,9 +137,41 @@ class Parser:
                 raise JaxinferError("constrained output runs on one device: this model runs over several")
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
+        logit_bias = self._logit_bias(item.get("logit_bias"))
+        speculate &= not logit_bias and not penalized(sampling)  # nor does a penalized one
         return Request(
-            request_id, ids, sampling, max_tokens, seed, stop, ignore_eos, speculate, logprobs, constraint, tool_format
+            request_id,
+            ids,
+            sampling,
+            max_tokens,
+            seed,
+            stop,
+            ignore_eos,
+            speculate,
+            logprobs,
+            constraint,
+            logit_bias=logit_bias,
+            tools=tool_format,
         )
+
+    def _logit_bias(self, given) -> dict[int, float] | None:
+        """OpenAI's logit_bias: {token id (as a string): a bias from -100 (banned) to 100 (forced)}."""
+        if given is None or given == {}:
+            return None
+        vocab = self.model.config.sampled_ids
+        if not isinstance(given, dict):
+            raise JaxinferError('"logit_bias" must map token ids to biases from -100 to 100', "logit_bias")
+        bias = {}
+        for key, value in given.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+            if token is None or not 0 <= token < vocab:
+                raise JaxinferError(
+                    f'"logit_bias": {key!r} is not a token id of this model (0 to {vocab - 1})', "logit_bias"
+                )
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+                raise JaxinferError(f'"logit_bias": the bias of {key} must be a number from -100 to 100', "logit_bias")
+            bias[token] = float(value)
+        return bias
 
 
 def _messages(messages) -> list[dict]:
@@ -205,7 +235,7 @@ def from_openai(url: str, body: dict) -> dict:
             raise JaxinferError('"top_logprobs" needs "logprobs": true')
         if asked:
             item["logprobs"] = 0 if top is None else top
-    elif body.get("logprobs") in (False, None):  # the completions endpoint's is N or null; false is read as off
+    elif body.get("logprobs") is False or body.get("logprobs") is None:  # N or null; false is read as off
         body.pop("logprobs", None)
     for name, value in body.items():
         if name in ACCEPTED:

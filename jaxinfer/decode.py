@@ -35,7 +35,7 @@ from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.constrain import mask_words
 from jaxinfer.kvcache import KVCache
-from jaxinfer.sampling import TOP_LOGPROBS, SamplerArrays, Sampling, logprobs, sample
+from jaxinfer.sampling import TOP_LOGPROBS, Penalties, SamplerArrays, Sampling, logprobs, sample
 from jaxinfer.sharding import mesh_of
 
 MAX_BACKOFF = 64  # steps a row with failing drafts waits at most before drafting again
@@ -96,6 +96,8 @@ class DecodeState:
     # where rows are constrained (`jaxinfer.constrain`): [B, W] int32 bitmasks of the tokens each row
     # may sample next (bit t % 32 of word t // 32), every bit set in a free row
     allowed: jax.Array | None = None
+    # where rows may have a logit bias or presence/frequency penalties (`sampling.Penalties`)
+    penalties: Penalties | None = None
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,11 @@ def initial_state(
     draft_params: model.Params | None = None,
     record_logprobs: bool = False,
     constrained: bool = False,
+    penalized: bool = False,
 ) -> DecodeState:
     """An empty state: zero caches in the weights' dtypes, every row done; with `record_logprobs`,
-    room for each position's log-probabilities; with `constrained`, every row's token mask."""
+    room for each position's log-probabilities; with `constrained`, every row's token mask; with
+    `penalized`, every row's logit bias and counts of generated tokens."""
     whole = mesh_of(params) is None
     draft_cache = (
         KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
@@ -154,6 +158,7 @@ def initial_state(
         draft_cache=draft_cache,
         logprobs=Logprobs.zeros(batch, max_context, cfg) if record_logprobs else None,
         allowed=jnp.full((batch, mask_words(cfg.sampled_ids)), -1, jnp.int32) if constrained else None,
+        penalties=Penalties.zeros(batch, cfg.vocab_size) if penalized else None,
     )
 
 
@@ -169,11 +174,12 @@ def admission(
     speculate: list[bool],
     bucket: int,
     allowed: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
     `bucket`; the chunk is final where `end` is the prompt's end; where rows are constrained, their
-    first token's masks `allowed` [R, W]. Host values go over with one device_put (jnp.asarray would
-    compile a conversion program per call)."""
+    first token's masks `allowed` [R, W]; where the state is penalized, their logit bias [R, V].
+    Host values go over with one device_put (jnp.asarray would compile a conversion program per call)."""
     chunk = np.zeros((len(rows), bucket), np.int32)
     for i, (prompt, start, end) in enumerate(zip(prompts, starts, ends)):
         chunk[i, : end - start] = prompt[start:end]
@@ -186,6 +192,7 @@ def admission(
     return jax.device_put(host) + (
         SamplerArrays.from_settings(samplings),
         None if allowed is None else jax.device_put(allowed),
+        None if bias is None else jax.device_put(bias),
     )
 
 
@@ -198,14 +205,18 @@ def _sample_at(
     cfg: ModelConfig,
     record: bool = False,
     allowed: jax.Array | None = None,
+    penalties: Penalties | None = None,
 ) -> tuple[jax.Array, tuple | None]:
     """One token per row, among the ids the tokenizer has (and its mask `allowed` [B, W] lets it
-    take), and (`record`) its log-probabilities (`sampling.logprobs`: chosen [B], ids [B, N], top
-    [B, N]; a masked row's over the tokens it may take), else None. Keys come from the row's own seed
-    and position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
+    take), after its logit bias and presence/frequency penalties where the state has them, and
+    (`record`) its log-probabilities (`sampling.logprobs`: chosen [B], ids [B, N], top [B, N]; a
+    masked row's over the tokens it may take), else None. Keys come from the row's own seed and
+    position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.key(seed), p))(seeds, position)
     n = cfg.sampled_ids
     logits = logits[:, :n]
+    if penalties is not None:
+        logits = penalties.apply(logits, sampler)
     if allowed is not None:
         bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
         logits = jnp.where(bits.reshape(bits.shape[0], -1)[:, :n] > 0, logits, -jnp.inf)
@@ -245,6 +256,9 @@ def _append(
         done=state.done | jnp.any(made & ends, axis=1),
         seen=state.seen.at[rows, tokens].max(made),
     )
+    if state.penalties is not None:
+        counts = state.penalties.counts.at[rows, tokens].add(made.astype(jnp.int32))
+        state = replace(state, penalties=replace(state.penalties, counts=counts))
     if constrain is not None:  # one array each way: each costs the callback a conversion
         W = state.allowed.shape[1]
         fed = io_callback(constrain, jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
@@ -268,6 +282,7 @@ def prefill(
     speculate: jax.Array,
     sampler: SamplerArrays,
     allowed: jax.Array | None = None,
+    bias: jax.Array | None = None,
     draft_params: model.Params | None = None,
     *,
     cfg: ModelConfig,
@@ -293,7 +308,8 @@ def prefill(
     running rows' token share one read of the weights (Sarathi's piggybacking).
 
     Where rows are constrained, `allowed` [R, W] masks the new rows' first token and `constrain`
-    (static) is the host's callback (`_append`).
+    (static) is the host's callback (`_append`). Where the state is penalized, `bias` [R, V] is the
+    new rows' logit bias (their counts start at zero).
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
@@ -316,7 +332,15 @@ def prefill(
     record = state.logprobs is not None
     if step_kv_len:
         stepped, stepped_lp = _sample_at(
-            state.seeds, state.seen, state.sampler, logits[R:], state.length, cfg, record, state.allowed
+            state.seeds,
+            state.seen,
+            state.sampler,
+            logits[R:],
+            state.length,
+            cfg,
+            record,
+            state.allowed,
+            state.penalties,
         )
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
@@ -341,7 +365,11 @@ def prefill(
         patience=state.patience.at[rows].set(0),
         sampler=jax.tree.map(lambda all_rows, new: all_rows.at[rows].set(new), state.sampler, sampler),
     )
-    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record, allowed)
+    penalties = None
+    if state.penalties is not None:
+        penalties = Penalties(bias, jnp.zeros_like(bias, jnp.int32))
+        state = replace(state, penalties=jax.tree.map(lambda a, new: a.at[rows].set(new), state.penalties, penalties))
+    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record, allowed, penalties)
     started = jnp.zeros(B, bool).at[rows].set(final)
     token = jnp.zeros(B, jnp.int32).at[rows].set(first)
     lp = first_lp and tuple(jnp.zeros((B, *x.shape[1:]), x.dtype).at[rows].set(x) for x in first_lp)
@@ -399,6 +427,7 @@ def decode_step(
         cfg,
         state.logprobs is not None,
         state.allowed,
+        state.penalties,
     )
     return _append(state, token[:, None], active[:, None], lp and tuple(x[:, None] for x in lp), constrain)[0]
 
@@ -512,6 +541,7 @@ def verify_step(
         cfg,
         state.logprobs is not None,
         None if state.allowed is None else each(state.allowed),  # a constrained row drafts nothing
+        None if state.penalties is None else jax.tree.map(each, state.penalties),  # nor does a penalized one
     )
     target = target.reshape(B, K + 1)
     lp = lp and tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)

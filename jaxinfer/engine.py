@@ -23,7 +23,7 @@ from jaxinfer.constrain import Constraint
 from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Decoding, Slots, check_fits, reusable
+from jaxinfer.slots import Admission, Decoding, Slots, check_fits, penalized, reusable
 
 STREAM_INTERVAL_S = 0.05
 
@@ -174,6 +174,8 @@ class Engine:
             self.slots.record_logprobs()
         if constraint is not None:
             self.slots.constrain(tokenizer)
+        if penalized(sampling):
+            self.slots.penalize()
         result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, constraint, result)
         return result
 

@@ -20,13 +20,17 @@ from jaxinfer.errors import JaxinferError
 @dataclass(frozen=True)
 class Sampling:
     """What the user asked for. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and
-    repeat_penalty 1 switch those filters off."""
+    repeat_penalty 1 switch those filters off. presence_penalty and frequency_penalty are OpenAI's
+    (0 is off): subtracted from a token's logit once it was generated, and per time it was; they
+    need a state that counts (`Penalties`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Named as the field (a batch line's too); NaN fails every comparison.
@@ -40,6 +44,8 @@ class Sampling:
                 math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
                 "must be > 0 (1 is off)",
             ),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be from -2 to 2 (0 is off)"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be from -2 to 2 (0 is off)"),
         )
         for name, ok, rule in checks:
             if not ok:
@@ -70,6 +76,8 @@ class SamplerArrays:
     top_p: jax.Array  # [B] float32
     min_p: jax.Array  # [B] float32
     repeat_penalty: jax.Array  # [B] float32
+    presence_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
 
     @classmethod
     def from_settings(cls, rows: list[Sampling]) -> SamplerArrays:
@@ -205,6 +213,29 @@ def _argmax(logits: jax.Array) -> jax.Array:
     V = logits.shape[-1]
     first = jnp.min(jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), jnp.arange(V), V), axis=-1)
     return jnp.minimum(first, V - 1).astype(jnp.int32)  # NaN logits: the last id, still a valid one
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Penalties:
+    """Where a state applies OpenAI's logit_bias and presence/frequency penalties (only those that
+    ask carry it: a [B, V] read per step that other jobs do not pay): `bias` [B, V] float32 added
+    to each row's logits, `counts` [B, V] int32 of each token among the row's generated ones."""
+
+    bias: jax.Array
+    counts: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, vocab: int) -> Penalties:
+        return cls(jnp.zeros((batch, vocab), jnp.float32), jnp.zeros((batch, vocab), jnp.int32))
+
+    def apply(self, logits: jax.Array, p: SamplerArrays) -> jax.Array:
+        """logits [B, n] (the first n ids) with the bias added and the penalties subtracted (OpenAI's
+        rule: frequency × count + presence × [count > 0])."""
+        n = logits.shape[1]
+        counts = self.counts[:, :n].astype(jnp.float32)
+        penalty = p.frequency_penalty[:, None] * counts + p.presence_penalty[:, None] * (counts > 0)
+        return logits + self.bias[:, :n] - penalty
 
 
 def _penalized(logits: jax.Array, seen: jax.Array, p: SamplerArrays) -> jax.Array:

@@ -32,7 +32,7 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Decoding, Slots, reusable
+from jaxinfer.slots import Admission, Decoding, Slots, penalized, reusable
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -49,6 +49,7 @@ class Request:
     speculate: bool = False  # draft (where the runner speculates)
     logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit
     tools: str | None = None  # where tools were offered, the format of the calls in the text (`jaxinfer.tools`)
     # where the text is wanted as it is made: called from the scheduler's thread with each new piece,
     # the number of tokens that made it, and (where logprobs are asked for) their entries
@@ -203,6 +204,8 @@ class Scheduler:
             self.slots.record_logprobs()
         if any(r.constraint is not None for _, _, r in admitted):
             self.slots.constrain(self.model.tokenizer)
+        if any(r.logit_bias or penalized(r.sampling) for _, _, r in admitted):
+            self.slots.penalize()
         for i, start, request in admitted:
             self._held[i] = self._held[i][:start]  # prefill overwrites what follows
         self.slots.admit(
@@ -217,6 +220,7 @@ class Scheduler:
                     ignore_eos=r.ignore_eos,
                     speculate=r.speculate,
                     constraint=r.constraint,
+                    logit_bias=r.logit_bias,
                 )
                 for i, start, r in admitted
             ],

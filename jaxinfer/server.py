@@ -29,7 +29,9 @@ from jaxinfer.scheduler import Inbox, Request, Scheduler
 from jaxinfer.tools import split, streamable
 
 MAX_N = 16  # choices per request at most
-INTERVAL_S = 0.05  # decode steps per dispatch: about this long, so text streams and new requests start that often
+# decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
+# measured no faster: 64 clients, bundled model, two A/B rounds, ×0.80–0.84 against ×0.87 of batch)
+INTERVAL_S = 0.05
 # Prometheus buckets: TTFT from a few ms (a cached prompt) to a minute in a deep queue; ITL on any CPU or GPU
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)

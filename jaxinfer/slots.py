@@ -45,7 +45,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
-from jaxinfer.sampling import Sampling
+from jaxinfer.sampling import Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
 
 MIN_BUCKET = 16  # shortest padded prompt
@@ -175,6 +175,16 @@ class Admission:
     ignore_eos: bool = False
     speculate: bool = False  # draft, where the Slots speculate
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`; the Slots `constrain`)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit (the Slots `penalize`)
+
+    @property
+    def penalized(self) -> bool:
+        """Needs the Slots' `penalize`: a logit bias, or presence/frequency penalties."""
+        return bool(self.logit_bias) or penalized(self.sampling)
+
+
+def penalized(sampling: Sampling) -> bool:
+    return sampling.presence_penalty != 0 or sampling.frequency_penalty != 0
 
 
 @dataclass
@@ -215,6 +225,7 @@ class Slots:
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self.recording = False  # each token's log-probabilities (`record_logprobs`)
+        self.penalizing = False  # rows may have a logit bias or presence/frequency penalties (`penalize`)
         self.matchers: Matchers | None = None  # where rows may be constrained (`constrain`)
         self._shape()
         self.reset()
@@ -241,6 +252,7 @@ class Slots:
             self.draft_params,
             self.recording,
             self.matchers is not None,
+            self.penalizing,
         )
         mesh = mesh_of(self.params)
         self._placed = (
@@ -256,6 +268,15 @@ class Slots:
         if not self.recording:
             self.recording = True
             self._grow(logprobs=Logprobs.zeros(self.batch, self.max_context, self.cfg))
+
+    def penalize(self) -> None:
+        """Let admissions carry a logit bias and presence/frequency penalties from now on: the state
+        gains every row's bias and counts of generated tokens ([B, V] each, read every step: only
+        states that ask pay it) and the programs compile once more. A penalized row drafts nothing
+        (the checking pass would need counts per drafted position)."""
+        if not self.penalizing:
+            self.penalizing = True
+            self._grow(penalties=Penalties.zeros(self.batch, self.cfg.vocab_size))
 
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
@@ -328,6 +349,8 @@ class Slots:
                 self.matchers.start(a.row, a.constraint)
         elif any(a.constraint for a in admissions):
             raise ValueError("a constraint needs Slots.constrain first")
+        if not self.penalizing and any(a.penalized for a in admissions):
+            raise ValueError("a logit bias or presence/frequency penalties need Slots.penalize first")
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
             admissions = [
                 a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions
@@ -378,9 +401,10 @@ class Slots:
             [a.seed for a in admissions],
             [a.sampling for a in admissions],
             [a.ignore_eos for a in admissions],
-            [a.speculate and a.constraint is None for a in admissions],  # a constrained row drafts nothing
+            [a.speculate and a.constraint is None and not a.penalized for a in admissions],  # those draft nothing
             bucket,
             None if self.matchers is None else self.matchers.masks[[a.row for a in admissions]],
+            self._bias(admissions) if self.penalizing else None,
         )
         args += (self.draft_params,)
         static = dict(cfg=self.cfg, kv_len=kv_len, spec=self.speculation, step_kv_len=step_kv_len)
@@ -392,6 +416,14 @@ class Slots:
             else:
                 del self._queue[a.row]
                 self._length[a.row], self._limit[a.row], self._live[a.row] = len(a.prompt) + 1, limit, True
+
+    def _bias(self, admissions: list[Admission]) -> np.ndarray:
+        """The admitted rows' logit bias, dense [R, V]."""
+        bias = np.zeros((len(admissions), self.cfg.vocab_size), np.float32)
+        for i, a in enumerate(admissions):
+            for token, value in (a.logit_bias or {}).items():
+                bias[i, token] = value
+        return bias
 
     def step(self, max_steps: int, report: CompileReport, stop_on_finish: bool = False) -> Step:
         """Run up to `max_steps` decode steps of every live row (fewer if one would leave its kv

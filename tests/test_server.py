@@ -72,6 +72,15 @@ def busy(server) -> float:
     return float(re.search(r"^jaxinfer_slots_busy (\S+)$", metrics, re.M)[1])
 
 
+def bundled_id(token: str) -> int:
+    """The bundled model's id of a token, by its text."""
+    from jaxinfer.modeldir import bundled_model_dir
+    from jaxinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(bundled_model_dir())
+    return next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == token.encode())
+
+
 def until(condition) -> None:
     """Wait for `condition()` (checked as events come), at most WAIT_S."""
     deadline = time.monotonic() + WAIT_S
@@ -141,6 +150,18 @@ def test_choices_seeds_logprobs_and_schema(server, client):
     content = said.choices[0].logprobs.content
     assert len(content) == said.usage.completion_tokens
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
+    greedy = client.completions.create(model="any", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    first = greedy.choices[0].logprobs.tokens[0]
+    banned = client.completions.create(
+        model="any",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        frequency_penalty=1.5,
+        logprobs=0,
+        logit_bias={str(bundled_id(first)): -100},
+    )
+    assert banned.choices[0].logprobs.tokens[0] != first
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     typed = client.chat.completions.create(
         model="any",
@@ -171,7 +192,8 @@ def test_prefix_reuse_across_requests(server, client):
         (json.dumps({"prompt": "x " * 5000}).encode(), 400, "context"),
         (json.dumps({"prompt": PROMPT, "bogus": 1}).encode(), 400, "unknown field 'bogus'"),
         (json.dumps({"prompt": PROMPT, "n": 0}).encode(), 400, '"n" must be'),
-        (json.dumps({"prompt": PROMPT, "presence_penalty": 1}).encode(), 400, "presence_penalty"),
+        (json.dumps({"prompt": PROMPT, "presence_penalty": 3}).encode(), 400, "presence_penalty must be from -2"),
+        (json.dumps({"prompt": PROMPT, "logit_bias": {"x": 1}}).encode(), 400, "not a token id"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, 'takes "prompt"'),
         (json.dumps({"prompt": PROMPT, "tools": [WEATHER]}).encode(), 400, '"tools" go with "messages"'),
         (b'{"prompt": "' + b"x" * (17 << 20) + b'"}', 413, "over"),

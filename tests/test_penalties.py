@@ -1,0 +1,106 @@
+"""OpenAI's presence and frequency penalties and logit_bias: greedy tokens and log-probabilities
+equal to transformers' logits on the same weights put through OpenAI's documented rule
+(logit − frequency × count − presence × [count > 0] + bias, counts over the generated tokens);
+the same alone, in a batch beside free and speculating rows, and through `run`'s engine."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from reference import hf_logits, reference
+
+from jaxinfer.api import Parser
+from jaxinfer.decode import Speculation
+from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
+from jaxinfer.slots import Decoding
+
+PROMPT = "The capital of France is Paris. The capital of France is"
+PENALIZED = Sampling(presence_penalty=0.7, frequency_penalty=1.3)
+
+
+def openai_greedy(hf, ids: list[int], n: int, sampling: Sampling, bias: dict[int, float]) -> tuple[list, list]:
+    """Greedy tokens under OpenAI's rule on transformers' logits, and each one's log-probability."""
+    generated, logprobs = [], []
+    for _ in range(n):
+        logits = hf_logits(hf, ids + generated)[-1].astype(np.float64)
+        counts = np.bincount(generated, minlength=len(logits))[: len(logits)]
+        logits = logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
+        for token, value in bias.items():
+            logits[token] += value
+        token = int(np.argmax(logits))
+        logprobs.append(float(torch.log_softmax(torch.tensor(logits), -1)[token]))
+        generated.append(token)
+    return generated, logprobs
+
+
+def one(model, request: Request) -> dict:
+    """The request on a row of its own (the scheduler at batch 1, speculating nowhere)."""
+    records = []
+    Scheduler(model, 1, 128).run([dataclasses.replace(request, speculate=False)], records.append)
+    return records[0]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    path = tiny("llama")
+    return reference(path), load_model(path)
+
+
+def test_penalties_and_bias_follow_openais_rule(setup):
+    hf, model = setup
+    ids = model.tokenizer.encode(PROMPT)
+    free, _ = openai_greedy(hf, ids, 16, Sampling(), {})
+    bias = {free[0]: -100.0, free[3]: 4.0}  # the first choice banned, another favoured
+    expected, expected_lp = openai_greedy(hf, ids, 16, PENALIZED, bias)
+    assert expected != free  # the rule changes the answer here: the test can fail
+    request = Request("p", ids, PENALIZED, 16, seed=0, logit_bias=bias, logprobs=0)
+    record = one(model, request)
+    assert [e["token"] for e in record["logprobs"]] == [
+        model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in expected
+    ]
+    np.testing.assert_allclose([e["logprob"] for e in record["logprobs"]], expected_lp, atol=1e-4)
+    # run's engine: penalties from its sampling (run has no logit bias flag)
+    only_penalties, _ = openai_greedy(hf, ids, 16, PENALIZED, {})
+    gen = Generation(model, Engine(model.config, model.params, 128, ()), ids, PENALIZED, 16)
+    list(gen)
+    assert gen.token_ids == only_penalties
+
+
+def test_a_penalized_row_beside_free_and_speculating_rows(setup):
+    _, model = setup
+    ids = model.tokenizer.encode(PROMPT)
+    bias = {ids[-1]: -100.0}
+    requests = [
+        Request("free", ids, Sampling(), 12, seed=1, speculate=True),
+        Request("penalized", ids, PENALIZED, 12, seed=2, logit_bias=bias),
+        Request("sampled", ids, Sampling(temperature=0.8), 12, seed=3, speculate=True),
+    ]
+    records = {}
+    decoding = Decoding(speculation=Speculation(draft=3))
+    Scheduler(model, 3, 128, decoding).run(requests, lambda r: records.__setitem__(r["id"], r))
+    assert records["penalized"]["text"] != records["free"]["text"]  # the penalties act in the batch
+    for r in requests:  # each row as it is alone, without speculation (plain greedy is what it verifies against)
+        assert records[r.id]["text"] == one(model, r)["text"], r.id
+
+
+def test_bad_values_are_refused(setup):
+    _, model = setup
+    parser = Parser(model, 128)
+    for item, words in [
+        ({"presence_penalty": 2.5}, "presence_penalty must be from -2 to 2"),
+        ({"frequency_penalty": "x"}, '"frequency_penalty" must be a number'),
+        ({"logit_bias": {"abc": 1}}, "not a token id"),
+        ({"logit_bias": {str(model.config.sampled_ids): 1}}, "not a token id"),
+        ({"logit_bias": {"5": 101}}, "from -100 to 100"),
+        ({"logit_bias": [1, 2]}, "must map token ids"),
+    ]:
+        with pytest.raises(JaxinferError, match=words):
+            parser.parse(0, {"prompt": PROMPT, **item})
+    request = parser.parse(0, {"prompt": PROMPT, "logit_bias": {"5": -100}, "presence_penalty": 0.5})
+    assert request.logit_bias == {5: -100.0} and request.sampling.presence_penalty == 0.5
