@@ -22,7 +22,7 @@ from dataclasses import replace
 from jaxinfer import defaults
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
-from jaxinfer.constrain import check_for, from_request
+from jaxinfer.constrain import Constraint, check_for, from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
@@ -30,7 +30,7 @@ from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import check_fits, check_text_fits, penalized
-from jaxinfer.tools import check_tools, format_of, split, template_messages
+from jaxinfer.tools import check_tools, forced_grammar, format_of, split, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 FIELDS = {
@@ -91,7 +91,7 @@ class Parser:
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
-        tools, tool_format = check_tools(item.get("tools"), item.get("tool_choice")), None
+        (tools, forced), tool_format = check_tools(item.get("tools"), item.get("tool_choice")), None
         if "prompt" in item:
             if not isinstance(item["prompt"], str) or not item["prompt"]:
                 raise JaxinferError('"prompt" must be a non-empty string')
@@ -132,6 +132,12 @@ class Parser:
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
         constraint = from_request(item)
+        if forced:  # a call the model must make: its grammar, as any constraint
+            if constraint is not None:
+                raise JaxinferError(
+                    'a forced tool call ("tool_choice") and an output constraint cannot both hold', "tool_choice"
+                )
+            constraint = Constraint("grammar", forced_grammar(forced, tool_format))
         if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
             if mesh_of(self.model.params) is not None:
                 raise JaxinferError("constrained output runs on one device: this model runs over several")

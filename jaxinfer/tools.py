@@ -39,24 +39,65 @@ def format_of(template: str | None) -> str | None:
     return None
 
 
-def check_tools(tools, tool_choice) -> list[dict] | None:
+def check_tools(tools, tool_choice) -> tuple[list[dict] | None, list[dict] | None]:
     """OpenAI's `tools` (a list of {"type": "function", "function": {"name", "description"?,
-    "parameters"?}}) and `tool_choice` checked: the tools to render, or None where none are to be
-    offered (no tools, or `tool_choice` "none"). Forcing a call ("required", a named function) is not
-    supported yet: refused, not ignored."""
+    "parameters"?}}) and `tool_choice` checked: (the tools to render, or None where none are to be
+    offered: no tools, or "none"; the tools one of which must be called, or None where the model
+    chooses: "required" is any of them, {"type": "function", "function": {"name"}} that one)."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
-            raise JaxinferError('"tool_choice" names a tool, and "tools" gives none', "tool_choice")
-        return None
+            raise JaxinferError('"tool_choice" asks for a call, and "tools" gives none', "tool_choice")
+        return None, None
     if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
         raise JaxinferError(
             '"tools" must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}', "tools"
         )
-    if tool_choice not in (None, "auto", "none"):
+    if tool_choice in (None, "auto"):
+        return tools, None
+    if tool_choice == "none":
+        return None, None
+    if tool_choice == "required":
+        return tools, tools
+    named = isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict)
+    chosen = [t for t in tools if named and t["function"]["name"] == tool_choice["function"].get("name")]
+    if not chosen:
         raise JaxinferError(
-            '"tool_choice": only "auto" and "none" are supported (a forced call is not yet)', "tool_choice"
+            '"tool_choice" must be "auto", "none", "required" or {"type": "function", "function": {"name": '
+            "one of the tools}}",
+            "tool_choice",
         )
-    return None if tool_choice == "none" else tools
+    return tools, chosen[:1]
+
+
+def forced_grammar(tools: list[dict], fmt: str) -> str:
+    """A Lark grammar (llguidance's, with JSON schemas inline) of replies that are calls of `tools`
+    in format `fmt`, each call's arguments valid against its function's parameters: a forced call,
+    decoded under it as any constraint is (`jaxinfer.constrain`)."""
+    key = "parameters" if fmt == "llama3" else "arguments"
+    calls = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    key: t["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ],
+    }
+    # as `constrain.JSON_OPTIONS` (one space after ":" and ",", as the templates write calls), said outright:
+    # inline schemas default to no spaces at all
+    compact = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    if fmt == "hermes":
+        block = '"<tool_call>\\n" call "\\n</tool_call>"'
+        return f'start: block ("\\n" block)*\nblock: {block}\ncall: %json {json.dumps(calls | compact)}'
+    if fmt == "mistral":  # its marker is a control token, not text: the list alone is a call
+        listed = {"type": "array", "items": calls, "minItems": 1} | compact
+        return f"start: calls\ncalls: %json {json.dumps(listed)}"
+    return f"start: call\ncall: %json {json.dumps(calls | compact)}"
 
 
 def _is_function(tool) -> bool:

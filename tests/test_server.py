@@ -251,6 +251,42 @@ def test_tool_calls_come_back_parsed(tool_server):
     assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
 
 
+def test_a_forced_call_is_a_call(tool_server):
+    """tool_choice "required" or a named function: the reply is a call of it, arguments valid."""
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Köln"]}}, "required": ["city"]}
+    city["additionalProperties"] = False  # without it extra keys are valid, and this model adds them
+    tools = [WEATHER | {"function": {"name": "get_weather", "parameters": city}}]
+    tools.append({"type": "function", "function": {"name": "get_time", "parameters": city}})
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice, names in [("required", {"get_weather", "get_time"}), (_named("get_time"), {"get_time"})]:
+        said = client.chat.completions.create(
+            model="any", messages=messages, tools=tools, tool_choice=choice, temperature=0, max_tokens=80
+        )
+        calls = said.choices[0].message.tool_calls
+        assert said.choices[0].finish_reason == "tool_calls" and calls, said
+        assert all(
+            c.function.name in names and json.loads(c.function.arguments)["city"] in ("Paris", "Köln") for c in calls
+        )
+    both = http(
+        tool_server,
+        "POST",
+        "/v1/chat/completions",
+        key=None,
+        json={
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert both.status_code == 400 and "cannot both hold" in both.json()["error"]["message"]
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 def test_auth_and_unknown_paths(server):
     assert http(server, "GET", "/v1/models", key=None).status_code == 401
     assert http(server, "GET", "/v1/models", key="wrong").status_code == 401

@@ -8,9 +8,10 @@ import pytest
 import transformers
 
 from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.tools import check_tools, format_of, split, streamable, template_messages
+from jaxinfer.tools import check_tools, forced_grammar, format_of, split, streamable, template_messages
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 WEATHER = {
@@ -107,17 +108,44 @@ def test_what_may_stream_before_a_call():
 
 
 def test_tool_fields_are_checked():
-    assert check_tools(None, None) is None and check_tools([], "auto") is None
-    assert check_tools([WEATHER], "none") is None  # offered nothing: answered as text
-    assert check_tools([WEATHER], "auto") == [WEATHER]
+    other = {"type": "function", "function": {"name": "other"}}
+    assert check_tools(None, None) == (None, None) and check_tools([], "auto") == (None, None)
+    assert check_tools([WEATHER], "none") == (None, None)  # offered nothing: answered as text
+    assert check_tools([WEATHER], "auto") == ([WEATHER], None)
+    assert check_tools([WEATHER, other], "required") == ([WEATHER, other], [WEATHER, other])
+    named = {"type": "function", "function": {"name": "other"}}
+    assert check_tools([WEATHER, other], named) == ([WEATHER, other], [other])
     for tools, choice, words in [
         ([{"type": "function"}], None, '"tools" must be'),
         ({"get_weather": {}}, None, '"tools" must be'),
-        ([WEATHER], "required", "forced call"),
-        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "forced call"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "one of the tools"),
+        ([WEATHER], "always", "one of the tools"),
         (None, "required", "gives none"),
     ]:
         with pytest.raises(JaxinferError, match=words):
             check_tools(tools, choice)
     with pytest.raises(JaxinferError, match="arguments"):
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3"])
+def test_a_forced_call_grammar_takes_the_calls_split_reads(tiny, fmt):
+    """Each format's grammar accepts a call as the model writes it (which `split` reads back) and
+    refuses arguments its function's parameters do not allow."""
+    import llguidance
+
+    from jaxinfer.constrain import _vocabulary
+
+    tokenizer = Tokenizer(tiny("llama"))
+    vocabulary = _vocabulary(tokenizer, tokenizer.vocab_size, ())
+    tools = [WEATHER, {"type": "function", "function": {"name": "noop"}}]
+    grammar = llguidance.LLMatcher.grammar_from_lark(forced_grammar(tools, fmt))
+    call = {"name": "get_weather", ("parameters" if fmt == "llama3" else "arguments"): {"city": "Paris"}}
+    text = json.dumps(call, ensure_ascii=False)
+    text = {"hermes": f"<tool_call>\n{text}\n</tool_call>", "mistral": f"[{text}]", "llama3": text}[fmt]
+    for candidate, valid in [(text, True), (text.replace('"Paris"', "7"), False)]:
+        matcher = llguidance.LLMatcher(vocabulary, grammar)
+        ok = matcher.consume_tokens(tokenizer.encode(candidate, add_special_tokens=False))
+        assert (ok and matcher.is_accepting()) == valid, (fmt, candidate, matcher.get_error()[:160])
+    assert [c["function"]["name"] for c in split(text, fmt)[1]] == ["get_weather"]
+    Constraint("grammar", forced_grammar(tools, fmt)).check()
