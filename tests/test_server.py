@@ -133,6 +133,29 @@ def test_chat_streamed_equals_whole_sync_and_async(server, client):
     assert asyncio.run(both()) == (whole.choices[0].message.content,) * 2
 
 
+def test_concurrent_streams_each_get_their_whole_answer(server, client):
+    """Clients at once, more than the slots and the queue can hold together (2 + 2): each stream is
+    its answer alone, whole, whatever it was batched with (the 429s retried, as clients do)."""
+    prompts = [f"def {name}(x):" for name in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")]
+    alone = {
+        p: client.completions.create(model="any", prompt=p, max_tokens=20, temperature=0).choices[0].text
+        for p in prompts
+    }
+
+    async def streams():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=WAIT_S, max_retries=20)
+
+        async def one(prompt):
+            stream = await aclient.completions.create(
+                model="any", prompt=prompt, max_tokens=20, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*map(one, prompts))
+
+    assert dict(zip(prompts, asyncio.run(streams()))) == alone
+
+
 def test_choices_seeds_logprobs_and_schema(server, client):
     two = client.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
     again = client.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
