@@ -79,16 +79,7 @@ def chat(
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     engine = Engine(loaded.config, loaded.params, context, loaded.eos_ids, opened.decoding)
-    sampling = options.sampling(
-        loaded,
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-    )
+    sampling = options.sampling(loaded, locals())
     budget = max_tokens or min(loaded.max_new_tokens or 512, max(1, context // 2))
     session = ChatSession(
         loaded,

@@ -224,16 +224,7 @@ def run(
     text = share(read)  # the first process reads it (its stdin, its files)
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
-    sampling = options.sampling(
-        loaded,
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-    )
+    sampling = options.sampling(loaded, locals())
     stops = tuple(map(options.unescape, stop))
     special = system is None  # a chat turn's template writes the special tokens itself
     if system is not None:

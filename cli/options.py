@@ -402,9 +402,23 @@ def _warn_past_training(max_positions: int, max_context: Optional[int]) -> None:
         )
 
 
-def sampling(loaded, **flags):
-    """The model's generation_config.json defaults, with the flags that were given on top."""
-    return replace(loaded.sampling, **{name: value for name, value in flags.items() if value is not None})
+# A command's sampling flags (its parameters' names, `temp` as llama.cpp's flag) → `Sampling`'s fields.
+SAMPLING_FLAGS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+def sampling(loaded, given: dict):
+    """The model's generation_config.json defaults, with the sampling flags of a command's
+    parameters (its `locals()`) that were given on top."""
+    flags = {field: given[name] for name, field in SAMPLING_FLAGS.items() if given.get(name) is not None}
+    return replace(loaded.sampling, **flags)
 
 
 def ceilings(dtype: str, peak_flops: Optional[float], peak_bandwidth: Optional[float], remeasure: bool = False):
