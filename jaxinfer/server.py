@@ -226,8 +226,14 @@ class Server:
             self.requests.labels(url, "400").inc()
             return HTTPError(400, str(e), param=e.names[0] if e.names else None).response()
         self._pending[request_id] = pending
-        for choice in pending.requests:
-            self.inbox.put(choice)
+        try:
+            for choice in pending.requests:
+                self.inbox.put(choice)
+        except JaxinferError:  # closed since the check above (SIGTERM): what was put still runs
+            pending.cancel()
+            self._pending.pop(request_id, None)
+            self.requests.labels(url, "503").inc()
+            return HTTPError(503, "the server is shutting down", "server_error").response()
         if stream:
             return self._stream(request, url, request_id, pending, include_usage)
         return await self._whole(request, url, request_id, pending)

@@ -30,15 +30,18 @@ WEATHER = {
 
 
 class Served:
-    """A `jaxinfer serve` process on a free port (read from its first line), its stderr kept."""
+    """A `jaxinfer serve` process on a free port (read from the line that says where it listens),
+    its stderr kept."""
 
     def __init__(self, *flags):
         self.process = subprocess.Popen(["jaxinfer", "serve", "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
-        first = self.process.stderr.readline()
-        found = re.search(r"http://([\d.]+):(\d+)/v1", first)
-        assert found, first + self.process.stderr.read()
+        self.stderr, found = [], None
+        for line in self.process.stderr:  # until it says where it listens (EOF: it failed to start)
+            self.stderr.append(line)
+            if found := re.search(r"serving .* on http://([\d.]+):(\d+)/v1", line):
+                break
+        assert found, "".join(self.stderr)
         self.url = f"http://{found[1]}:{found[2]}"
-        self.stderr = [first]
         self._reader = threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True)
         self._reader.start()
 
