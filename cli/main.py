@@ -40,7 +40,7 @@ EXAMPLES = {
     ],
     "serve": [
         "jaxinfer serve -m path/to/instruct-model --port 8000 -b 16",
-        'curl localhost:8000/v1/chat/completions -d \'{"messages": [{"role": "user", "content": "Hi"}]}\'',
+        "jaxinfer serve -m path/to/instruct-model --api-key KEY -b 32 -c 8192 --quantize int8",
     ],
     "convert": ["jaxinfer convert path/to/hf-model path/to/converted", 'jaxinfer run -m path/to/converted "Hello"'],
     "info": ["jaxinfer info -m path/to/hf-model", "jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json"],

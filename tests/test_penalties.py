@@ -39,28 +39,30 @@ def openai_greedy(hf, ids: list[int], n: int, sampling: Sampling, bias: dict[int
     return generated, logprobs
 
 
-def one(model, request: Request) -> dict:
-    """The request on a row of its own (the scheduler at batch 1, speculating nowhere)."""
+def one(scheduler: Scheduler, request: Request) -> dict:
+    """The request on a row of its own (a scheduler at batch 1, speculating nowhere)."""
     records = []
-    Scheduler(model, 1, 128).run([dataclasses.replace(request, speculate=False)], records.append)
+    scheduler.run([dataclasses.replace(request, speculate=False)], records.append)
     return records[0]
 
 
 @pytest.fixture(scope="module")
 def setup(tiny):
+    """transformers' model, ours, and one batch-1 scheduler over ours (its programs compile once)."""
     path = tiny("llama")
-    return reference(path), load_model(path)
+    model = load_model(path)
+    return reference(path), model, Scheduler(model, 1, 128)
 
 
 def test_penalties_and_bias_follow_openais_rule(setup):
-    hf, model = setup
+    hf, model, single = setup
     ids = model.tokenizer.encode(PROMPT)
     free, _ = openai_greedy(hf, ids, 16, Sampling(), {})
     bias = {free[0]: -100.0, free[3]: 4.0}  # the first choice banned, another favoured
     expected, expected_lp = openai_greedy(hf, ids, 16, PENALIZED, bias)
     assert expected != free  # the rule changes the answer here: the test can fail
     request = Request("p", ids, PENALIZED, 16, seed=0, logit_bias=bias, logprobs=0)
-    record = one(model, request)
+    record = one(single, request)
     assert [e["token"] for e in record["logprobs"]] == [
         model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in expected
     ]
@@ -73,7 +75,7 @@ def test_penalties_and_bias_follow_openais_rule(setup):
 
 
 def test_a_penalized_row_beside_free_and_speculating_rows(setup):
-    _, model = setup
+    _, model, single = setup
     ids = model.tokenizer.encode(PROMPT)
     bias = {ids[-1]: -100.0}
     requests = [
@@ -86,11 +88,11 @@ def test_a_penalized_row_beside_free_and_speculating_rows(setup):
     Scheduler(model, 3, 128, decoding).run(requests, lambda r: records.__setitem__(r["id"], r))
     assert records["penalized"]["text"] != records["free"]["text"]  # the penalties act in the batch
     for r in requests:  # each row as it is alone, without speculation (plain greedy is what it verifies against)
-        assert records[r.id]["text"] == one(model, r)["text"], r.id
+        assert records[r.id]["text"] == one(single, r)["text"], r.id
 
 
 def test_bad_values_are_refused(setup):
-    _, model = setup
+    _, model, _ = setup
     parser = Parser(model, 128)
     for item, words in [
         ({"presence_penalty": 2.5}, "presence_penalty must be from -2 to 2"),

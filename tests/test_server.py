@@ -351,17 +351,27 @@ def _leave(c: httpx.Client, server) -> None:
         pass  # the client closed under it: the point
 
 
+def queued(server) -> float:
+    metrics = http(server, "GET", "/metrics").text
+    return float(re.search(r"^jaxinfer_queue_length (\S+)$", metrics, re.M)[1])
+
+
 def test_the_queue_bound_answers_429(server):
-    """Two slots and a queue of two: a fifth long request at once is refused, the others run."""
-
-    async def flood():
-        async with httpx.AsyncClient(timeout=WAIT_S, headers={"Authorization": f"Bearer {KEY}"}) as c:
-            body = {"prompt": PROMPT, **LONG, "max_tokens": 60}
-            answers = await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body) for _ in range(6)))
-            return sorted(a.status_code for a in answers)
-
-    codes = asyncio.run(flood())
-    assert 429 in codes and codes.count(200) >= 4, codes
+    """Two slots and a queue of two, all taken by long requests: the next is refused at once, and
+    the server serves again once they are gone."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=WAIT_S, headers=headers, limits=httpx.Limits(max_connections=8)) as c:
+        body = {"prompt": PROMPT, **LONG, "max_tokens": 500, "stream": True}
+        streams = [c.stream("POST", server.url + "/v1/completions", json=body) for _ in range(4)]
+        answers = [stream.__enter__() for stream in streams]
+        until(lambda: busy(server) == 2 and queued(server) == 2)
+        refused = http(server, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        assert refused.status_code == 429 and "waiting for a slot" in refused.json()["error"]["message"]
+        for stream in streams:  # the clients leave: their rows and queue places are freed
+            stream.__exit__(None, None, None)
+        assert all(a.status_code == 200 for a in answers)
+    until(lambda: busy(server) == 0 and queued(server) == 0)
+    assert http(server, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
