@@ -225,11 +225,14 @@ class Server:
         except JaxinferError as e:
             self.requests.labels(url, "400").inc()
             return HTTPError(400, str(e), param=e.names[0] if e.names else None).response()
+        except (ValueError, TypeError, ArithmeticError) as e:  # a value no check foresaw: still this request's
+            self.requests.labels(url, "400").inc()
+            return HTTPError(400, f"bad value ({type(e).__name__}: {e})").response()
         self._pending[request_id] = pending
         try:
             for choice in pending.requests:
                 self.inbox.put(choice)
-        except JaxinferError:  # closed since the check above (SIGTERM): what was put still runs
+        except JaxinferError:  # closed since the check above (SIGTERM): the choices put are cancelled
             pending.cancel()
             self._pending.pop(request_id, None)
             self.requests.labels(url, "503").inc()
