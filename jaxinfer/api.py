@@ -286,12 +286,14 @@ def response_id(url: str) -> str:
     return f"{'chatcmpl' if url == '/v1/chat/completions' else 'cmpl'}-{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(records: list[dict]) -> dict:
+    """The `usage` of a request's choices (`Scheduler` records): one prompt, every choice's tokens."""
+    prompt, completion = records[0]["prompt_tokens"], sum(r["generated_tokens"] for r in records)
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": records[0].get("cached_tokens", 0)},
     }
 
 
@@ -321,11 +323,7 @@ def openai_body(records: list[dict], url: str, model: str, tools: str | None = N
         "created": int(time.time()),
         "model": model,
         "choices": [choice(i, r) for i, r in enumerate(records)],
-        "usage": usage(
-            first["prompt_tokens"],
-            sum(r["generated_tokens"] for r in records),
-            first.get("cached_tokens", 0),
-        ),
+        "usage": usage(records),
         "jaxinfer": {"finish_reason": first["finish_reason"], "seed": first["seed"], "timings": first["timings"]}
         if len(records) == 1
         else {
@@ -359,3 +357,9 @@ def openai_chunk(
         said, kind = {"text": text or ""}, "text_completion"
     choice = {"index": index, **said, "logprobs": _logprobs(url, logprobs), "finish_reason": finish}
     return {"id": response, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(url: str, response: str, created: int, model: str, records: list[dict]) -> dict:
+    """The last streamed chunk where `stream_options` asks for it: no choices, the request's `usage`."""
+    chunk = openai_chunk(url, response, created, model, 0, "")
+    return chunk | {"choices": [], "usage": usage(records)}

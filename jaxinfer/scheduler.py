@@ -303,9 +303,9 @@ class Scheduler:
         decode_s = now - slot.first_token - slot.compiled_s
         itl_ms = [1000 * s for s in slot.itl_s] or [0.0]
         return {
-            "id": slot.request.id,
+            "id": request.id,
             "text": text.text,
-            "prompt_tokens": len(slot.request.prompt_ids),
+            "prompt_tokens": len(request.prompt_ids),
             "generated_tokens": generated,
             "cached_tokens": slot.cached,
             "finish_reason": "cancelled"
@@ -313,7 +313,7 @@ class Scheduler:
             else "stop"
             if text.stopped
             else finish_reason(eos, generated >= request.max_tokens, unfinished),
-            "seed": slot.request.seed,
+            "seed": request.seed,
             "timings": {
                 "queued_s": round(slot.admitted - arrived, 4),
                 "ttft_s": round(slot.first_token - slot.admitted, 4),
@@ -327,7 +327,7 @@ class Scheduler:
             }
             | ({"speculation": speculated.as_dict()} if speculated else {}),
         } | (
-            {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, slot.request.logprobs)}
-            if slot.request.logprobs is not None
+            {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, request.logprobs)}
+            if request.logprobs is not None
             else {}
         )

@@ -23,7 +23,16 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 
-from jaxinfer.api import ENDPOINTS, Parser, finish_reason, from_openai, openai_body, openai_chunk, response_id, usage
+from jaxinfer.api import (
+    ENDPOINTS,
+    Parser,
+    finish_reason,
+    from_openai,
+    openai_body,
+    openai_chunk,
+    response_id,
+    usage_chunk,
+)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.scheduler import Inbox, Request, Scheduler
 from jaxinfer.tools import split, streamable
@@ -44,11 +53,13 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
     def response(self):
         from starlette.responses import JSONResponse
 
-        error = {"message": str(self), "type": self.kind, "param": self.param, "code": None}
-        return JSONResponse({"error": error}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 @dataclass
@@ -309,9 +320,7 @@ class Server:
                     kind, index, *rest = await pending.events.get()
                     if kind == "failed":
                         status = "500"
-                        yield event(
-                            {"error": {"message": rest[0], "type": "server_error", "param": None, "code": None}}
-                        )
+                        yield event(HTTPError(500, rest[0], "server_error").body())
                         break
                     if kind == "text":
                         piece, entries = rest
@@ -327,19 +336,8 @@ class Server:
                         tail = (content or "")[sent[index] :]  # what the end let through (held text)
                         yield chunk(index, tail, finish=finish, calls=calls)
                 if include_usage and len(records) == n:
-                    first = records[0]
-                    total = sum(r["generated_tokens"] for r in records.values())
-                    said = usage(first["prompt_tokens"], total, first["cached_tokens"])
-                    yield event(
-                        {
-                            "id": request_id,
-                            "object": "chat.completion.chunk" if "chat" in url else "text_completion",
-                            "created": created,
-                            "model": self.model_name,
-                            "choices": [],
-                            "usage": said,
-                        }
-                    )
+                    ordered = [records[i] for i in range(n)]
+                    yield event(usage_chunk(url, request_id, created, self.model_name, ordered))
                 yield "data: [DONE]\n\n"
             finally:
                 if len(records) < n:  # the client went away (or the scheduler failed): free the rows
