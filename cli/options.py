@@ -109,7 +109,7 @@ PREFILL_CHUNK = typer.Option(
     show_default=False,
     help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
     "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted "
-    "[default: 512 where the CPU attention kernel runs, else 128].",
+    "[default: 512 where the CPU attention kernel runs, 128 elsewhere on the CPU, 4096 on a GPU].",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
 JSON_SCHEMA = typer.Option(

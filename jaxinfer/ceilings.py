@@ -22,6 +22,16 @@ from jaxinfer.runtime import default_cache_dir
 
 MATMUL_SIZE = 2048  # N: an N×N @ N×N product, 2N³ FLOPs; large enough to reach the peak on a CPU
 COPY_BYTES = 256 * 2**20  # an array this large, read once and written once; far beyond any cache
+# An H100 reached 157 TFLOP/s at 2048² and 719 at 8192² (bfloat16), and copied 1.60 TB/s over 256 MiB
+# but 2.64 over 4 GiB: probes of the CPU's size read its roofs 2-5× low (MFU 108-157% in `bench`).
+ACCELERATOR_SIZES = (8192, 4 * 2**30)
+
+
+def probe_sizes() -> tuple[int, int]:
+    """(N of the matmul, bytes of the copy): large enough to saturate this backend."""
+    return (MATMUL_SIZE, COPY_BYTES) if jax.default_backend() == "cpu" else ACCELERATOR_SIZES
+
+
 REPEATS = 5  # best of: the ceiling is what the machine can do, not what it did on average
 
 
@@ -48,7 +58,8 @@ def _kernel_bf16(dtype: str) -> bool:
     return dtype == "bfloat16" and kernel.vectorised()
 
 
-def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
+def measure_peak_flops(dtype: str, n: int | None = None) -> float:
+    n = n or probe_sizes()[0]
     if _kernel_bf16(dtype):  # its bfloat16 product at its fastest: the inputs rounded, AMX's one pass
         w, x = packed.pack(jnp.ones((n, n), jnp.bfloat16)), jnp.ones((n, n), jnp.float32)
         return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, w: packed.matmul(x, w, bf16_inputs=True)), x, w)
@@ -56,11 +67,12 @@ def measure_peak_flops(dtype: str, n: int = MATMUL_SIZE) -> float:
     return 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
 
 
-def measure_bandwidth(nbytes: int = COPY_BYTES) -> tuple[float, float, float]:
+def measure_bandwidth(nbytes: int | None = None) -> tuple[float, float, float]:
     """(copy, sum, matvec) bytes/s: a copy counts bytes read + written; a sum and a matrix-vector
     product (decode's own read: every weight once) read only. On XLA CPU the copy runs far below
     the reads (12 vs 64 GB/s measured on our 2-core machine) and the matvec above the sum (40 vs
     33 GB/s), so the highest of the three is the roof: the fastest reader sets it."""
+    nbytes = nbytes or probe_sizes()[1]
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = 2.0 * nbytes / _best_seconds(jax.jit(lambda v: v + 1.0), x)
     read = nbytes / _best_seconds(jax.jit(jnp.sum), x)
@@ -110,10 +122,13 @@ def machine_ceilings(
     # measured on the kernel: each JAXINFER_ISA path has its own roof
     isa = kernel.isa() if _kernel_bf16(dtype) else None
     key = f"{machine_key()}:{dtype}" + (f":kernel {isa}, bfloat16 inputs" if isa else "")
+    if jax.default_backend() != "cpu":  # measured again where the probes were the CPU's, too small here
+        key += f":{probe_sizes()[0]}²"
     if remeasure or (key not in known and (peak_flops is None or peak_bandwidth is None)):
         if announce:
             announce()
         copy, read, matvec = measure_bandwidth()
+        n, nbytes = probe_sizes()
         earlier = known.get(key, {})
         probes = earlier.get("probes", 1 if earlier else 0) + 1
         known[key] = asdict(
@@ -123,8 +138,8 @@ def machine_ceilings(
                 dtype,
                 f"measured {time.strftime('%Y-%m-%d')}{f', the best of {probes} probes' if probes > 1 else ''}: best "
                 f"of {REPEATS} jitted "
-                f"{MATMUL_SIZE}² {dtype} matmuls{f' on the kernel ({isa}, bfloat16 inputs)' if isa else ''} (2N³ "
-                f"FLOPs); bandwidth the highest of a {COPY_BYTES // 2**20} MiB copy "
+                f"{n}² {dtype} matmuls{f' on the kernel ({isa}, bfloat16 inputs)' if isa else ''} (2N³ "
+                f"FLOPs); bandwidth the highest of a {nbytes // 2**20} MiB copy "
                 f"({copy / 1e9:.1f} GB/s, read + written), sum ({read / 1e9:.1f} GB/s) and matrix-vector product "
                 f"({matvec / 1e9:.1f} GB/s, read), best of {REPEATS}",
             )

@@ -266,7 +266,9 @@ def _append(
     return state, made.sum(1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "kv_len", "spec", "step_kv_len", "constrain"), donate_argnames=("state",))
+@partial(
+    jax.jit, static_argnames=("cfg", "kv_len", "spec", "step_kv_len", "fresh", "constrain"), donate_argnames=("state",)
+)
 def prefill(
     params: model.Params,
     state: DecodeState,
@@ -289,6 +291,7 @@ def prefill(
     kv_len: int,
     spec: Speculation = Speculation(),
     step_kv_len: int = 0,
+    fresh: bool = False,
     constrain=None,
 ) -> DecodeState:
     """Start sequences in rows `rows` [R] of the state: prefill their prompt tokens from position
@@ -301,7 +304,8 @@ def prefill(
     chat's earlier turns, or a long prompt's earlier chunks). A row whose chunk is not `final` [R]
     samples nothing and stays done, so decode passes it by; its next chunk starts at its `length`.
     `kv_len` (static) covers start + T, so attention reads no further. `prompt_len` [R]: the whole
-    prompt's length, by which longrope picks its factors for every chunk of it.
+    prompt's length, by which longrope picks its factors for every chunk of it. `fresh` (static):
+    every `start` is 0, so the chunk attends only to itself (`model.flash`).
 
     With `step_kv_len` (static, the decode bucket), the same pass also takes one plain decode step
     of every live row (`decode_step`'s, attending over that many positions): the chunk and the
@@ -314,7 +318,7 @@ def prefill(
     R, T = chunk.shape
     B, S = state.tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
-    blocks = [model.Block(chunk, positions, kv_len, rows, prompt_len[:, None])]
+    blocks = [model.Block(chunk, positions, kv_len, rows, prompt_len[:, None], fresh)]
     active = _steps(state, cfg) if step_kv_len else jnp.zeros(B, bool)  # decided before the new rows join
     if step_kv_len:
         blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))

@@ -83,6 +83,24 @@ def rope_factors(cfg: ModelConfig, sliding: bool, rope_len: jax.Array) -> tuple[
     return jnp.where((rope_len > original)[..., None], long, inv_freq), scale
 
 
+FLASH: str | None = None  # jax.nn.dot_product_attention's implementation for `flash`; None: the backend's
+
+
+def flash(cfg: ModelConfig, dtype, i: int) -> str | None:
+    """The fused attention a prompt from its start takes over its own keys in layer i, where the
+    backend has one: cuDNN's flash attention on NVIDIA GPUs (causal, grouped-query, sliding windows;
+    16-bit, head dims up to 128, no soft-capping), which never holds a [T, T] score matrix in
+    memory. None elsewhere (XLA CPU's own path, or `KVCache.attend`'s kernel, is faster there).
+    `FLASH` = "xla" runs the same call through XLA, so the CPU tests check what the GPU runs."""
+    implementation = FLASH or ("cudnn" if jax.default_backend() == "gpu" else None)
+    if implementation is None or cfg.attn_softcap or cfg.kv_dtype == "int8":
+        return None
+    sixteen_bit = dtype in (jnp.bfloat16, jnp.float16)
+    if implementation == "cudnn" and (not sixteen_bit or cfg.head_dim % 8 or cfg.head_dim > 128):
+        return None
+    return implementation
+
+
 # Keys per step of a chunk's attention (SmolLM-135M shape, 16 queries at position 2500, 30 layers:
 # blocks of 256 / 512 / 1024 keys 59 / 52 / 65 ms; all 4096 keys of the bucket at once 138 ms).
 KEY_BLOCK = 512
@@ -109,6 +127,7 @@ class Block:
     kv_len: int
     rows: jax.Array | None = None
     rope_len: jax.Array | None = None
+    fresh: bool = False  # positions 0..T-1 in every row: its own keys are all it attends to (`flash`)
 
 
 def attention(
@@ -148,6 +167,18 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     B, T, H, hd = q.shape
     KV = k.shape[2]
     positions, rows, kv_len = block.positions, block.rows, block.kv_len
+    if T > 1 and (block.fresh or cache is None) and (implementation := flash(cfg, q.dtype, i)):
+        window = cfg.sliding_windows[i]
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            scale=cfg.attn_scale or hd**-0.5,
+            is_causal=True,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation=implementation,
+        )
+        return out.reshape(B, T, KV, H // KV, hd)
     if cache is None:  # a whole sequence from position 0 (training, perplexity): its own keys
         kv_len = T
         kv = (k, v, None, None)

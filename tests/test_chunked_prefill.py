@@ -6,6 +6,7 @@ what it would be alone."""
 import contextlib
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import (
     PREFILL_CHUNK,
+    PREFILL_CHUNK_ACCELERATOR,
     PREFILL_CHUNK_KERNEL,
     STALL,
     Admission,
@@ -54,21 +56,22 @@ def test_chunk_size_is_a_power_of_two_and_the_flag_states_the_default():
     assert [chunk_size(n) for n in (0, -1, 1, 16, 100, 256, 300)] == [0, 0, 16, 16, 64, 256, 256]
     # the CLI keeps jax out of its imports
     assert (
-        f"[default: {PREFILL_CHUNK_KERNEL} where the CPU attention kernel runs, else {PREFILL_CHUNK}]"
-        in options.PREFILL_CHUNK.help
+        f"[default: {PREFILL_CHUNK_KERNEL} where the CPU attention kernel runs, {PREFILL_CHUNK} elsewhere on the CPU, "
+        f"{PREFILL_CHUNK_ACCELERATOR} on a GPU]" in options.PREFILL_CHUNK.help
     )
 
 
 def test_the_default_chunk_is_the_attention_paths(models):
     """Unless asked, a prompt goes in chunks of 512 where the CPU kernel attends (flash attention keeps
-    them cheap) and of 128 where XLA does: an int8 cache, a CPU without AVX-512, a GPU."""
+    them cheap), of 128 where XLA CPU does (an int8 cache, a CPU without AVX-512), and up to 4096
+    tokens in one pass on a GPU."""
     model, _ = models
     kernel_attends = kernel.vectorised() and model.config.head_dim in kernel.ATTENTION_HEAD_DIMS
-    assert Slots(model.config, model.params, 1, S, ()).prefill_chunk == (
-        PREFILL_CHUNK_KERNEL if kernel_attends else PREFILL_CHUNK
-    )
+    xla = PREFILL_CHUNK if jax.default_backend() == "cpu" else PREFILL_CHUNK_ACCELERATOR
+    default = Slots(model.config, model.params, 1, S, ()).prefill_chunk
+    assert default == (PREFILL_CHUNK_KERNEL if kernel_attends else xla)
     int8 = dataclasses.replace(model.config, kv_dtype="int8")
-    assert Slots(int8, model.params, 1, S, ()).prefill_chunk == PREFILL_CHUNK
+    assert Slots(int8, model.params, 1, S, ()).prefill_chunk == xla
     # asked: as asked, a power of two
     assert Slots(model.config, model.params, 1, S, (), Decoding(100)).prefill_chunk == 64
 

@@ -193,3 +193,24 @@ def test_forward_without_cache_equals_cached_prefill(tiny, arch):
     )
     assert cache is None
     assert_close(np.asarray(M.logits(model.params, hidden, model.config))[0], our_prompt_logits(model, ids)[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen3"])
+def test_fused_attention_of_a_fresh_prompt_matches_transformers(tiny, arch, monkeypatch):
+    """What a GPU runs for a prompt from its start (`model.flash`: cuDNN's flash attention through
+    jax.nn.dot_product_attention), through the same call's XLA implementation: causal over its own
+    keys, grouped-query heads, sliding windows, a scale ≠ 1/√head_dim; with a cache and without."""
+    path = tiny(arch)
+    hf, ours = reference(path), load_model(path)
+    cfg, params = ours.config, ours.params
+    monkeypatch.setattr(M, "FLASH", "xla")
+    assert all(M.flash(cfg, jnp.float32, i) == "xla" for i in range(cfg.num_layers))
+    ids = ours.tokenizer.encode(PROMPT * 3)
+    assert len(ids) > 2 * max(w or 0 for w in cfg.sliding_windows)  # past every window
+    tokens, positions = jnp.asarray([ids]), jnp.arange(len(ids))[None]
+    cache = KVCache.zeros(cfg, 1, 128, M.compute_dtype(params))
+    (hidden,), _ = M.forward_blocks(params, cfg, [M.Block(tokens, positions, len(ids), fresh=True)], cache)
+    expected = hf_logits(hf, ids)
+    assert_close(np.asarray(M.logits(params, hidden, cfg))[0], expected)
+    hidden, _ = M.forward(params, cfg, tokens, positions, None, len(ids))
+    assert_close(np.asarray(M.logits(params, hidden, cfg))[0], expected)
