@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 
 from jaxinfer import kernel
 
@@ -285,7 +285,7 @@ def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
     assert unescape(r"a\n\tb\\n \"q\" \x") == 'a\n\tb\\n "q" \\x'  # llama.cpp's set; others stay as typed
     (tmp_path / "prompt.txt").write_text("The capital\tof France is")
     results = [
-        jaxinfer("run", "-m", model, *args, "-n", "6", "--temp", "0", "--json", stdin=stdin)
+        jaxinfer_here("run", "-m", model, *args, "-n", "6", "--temp", "0", "--json", stdin=stdin)
         for args, stdin in (
             (["-p", "The capital\\tof France is"], None),
             (["-f", tmp_path / "prompt.txt"], None),
@@ -296,12 +296,12 @@ def test_prompt_from_p_f_or_stdin_and_escapes(model, tmp_path):
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     # one prompt, four ways
     assert len({(json.loads(r.stdout)["prompt_tokens"], json.loads(r.stdout)["text"]) for r in results}) == 1
-    verbatim = jaxinfer(
+    verbatim = jaxinfer_here(
         "run", "-m", model, "The capital\\tof France is", "--no-escape", "-n", "6", "--temp", "0", "--json"
     )
     assert json.loads(verbatim.stdout)["prompt_tokens"] != json.loads(results[0].stdout)["prompt_tokens"]
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-p", "hi"), "give the prompt once")
-    assert_one_line_error(jaxinfer("run", "-m", model, "-f", tmp_path / "missing.txt"), "cannot read")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "-p", "hi"), "give the prompt once")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "-f", tmp_path / "missing.txt"), "cannot read")
 
 
 @pytest.mark.slow
@@ -323,11 +323,11 @@ def test_flags_people_bring_from_llama_cpp_and_mlx_lm(model, tmp_path):
     """-s, --n-predict, -e, --system-prompt / -sys, --verbose, --color / --no-color, and -ngl (which
     does not apply: a note saying so and what does, not "-n gl is not an integer")."""
     args = ("run", "-m", model, "The capital of", "--json", "--temp", "0.9")
-    first = jaxinfer(*args, "-s", "7", "--n-predict", "5", "-e")
+    first = jaxinfer_here(*args, "-s", "7", "--n-predict", "5", "-e")
     assert first.returncode == 0, first.stderr
     result = json.loads(first.stdout)
     assert result["seed"] == 7 and result["generated_tokens"] == 5
-    again = json.loads(jaxinfer(*args, "--seed", "7", "-n", "5").stdout)
+    again = json.loads(jaxinfer_here(*args, "--seed", "7", "-n", "5").stdout)
     assert again["token_ids"] == result["token_ids"]
     noted = jaxinfer("run", "-m", model, "hi", "-n", "1", "-ngl", "99", "--no-color", "--no-stats")
     assert noted.returncode == 0 and "-ngl 99 does not apply" in noted.stderr and "\x1b[" not in noted.stderr
@@ -343,7 +343,7 @@ def test_flags_people_bring_from_llama_cpp_and_mlx_lm(model, tmp_path):
         ChatTemplate(FALLBACK_TEMPLATE, loaded.tokenizer.special_tokens).render(turn), add_special_tokens=False
     )
     for flag in ("--system-prompt", "-sys"):
-        proc = jaxinfer("run", "-m", model, "Hi", flag, "Be brief.", "-n", "2", "--json")
+        proc = jaxinfer_here("run", "-m", model, "Hi", flag, "Be brief.", "-n", "2", "--json")
         assert proc.returncode == 0 and json.loads(proc.stdout)["prompt_tokens"] == len(expected), proc.stderr
 
 
@@ -455,8 +455,8 @@ def test_every_numeric_option_is_range_checked(model, tmp_path):
         (("info", "-p", "0"), "--prompt-tokens"),
         (("batch", jsonl, "-b", "0"), "--batch-size"),
     ]
-    for (command, *args), words in cases:
-        assert_one_line_error(jaxinfer(command, "-m", model, *args), words)
+    for (command, *args), words in cases:  # in this process: 14 process starts took 12 s
+        assert_one_line_error(jaxinfer_here(command, "-m", model, *args), words)
 
 
 @pytest.mark.slow
