@@ -168,6 +168,7 @@ def run(
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
     logprobs: Optional[int] = options.LOGPROBS,
+    echo: bool = options.ECHO,
     json_schema: Optional[str] = options.JSON_SCHEMA,
     json_object: bool = options.JSON_OBJECT,
     regex: Optional[str] = options.REGEX,
@@ -201,7 +202,7 @@ def run(
     from jaxinfer.chat_template import ChatTemplate
     from jaxinfer.engine import Engine
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.generate import Generation
+    from jaxinfer.generate import Generation, check_echo
     from jaxinfer.processes import share
     from jaxinfer.sampling import check_logprobs
     from jaxinfer.slots import check_text_fits
@@ -218,6 +219,7 @@ def run(
 
     options.check_positive(max_tokens=max_tokens)
     check_logprobs(logprobs)
+    check_echo(echo, logprobs)
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     check_peaks(peak_flops, peak_bandwidth)  # before the weights are read
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
@@ -249,6 +251,7 @@ def run(
         ignore_eos=ignore_eos,
         logprobs=logprobs,
         constraint=constraint,
+        echo=echo,
     )
     try:
         if json_output:
@@ -272,7 +275,7 @@ def run(
     if json_output:
         render.print_json(json.dumps(result, ensure_ascii=False))
     if logprobs is not None and not json_output:
-        render.logprobs(result["logprobs"])
+        render.logprobs(result["logprobs"], result.get("prompt_logprobs"))
     if show_stats:
         render.stats(result)
     if result["finish_reason"] == "interrupted":

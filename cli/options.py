@@ -39,6 +39,7 @@ FLAGS = {
     "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty",
     "logprobs": "--logprobs",
+    "echo": "--echo",
     "json_schema": "--json-schema",
     "json_object": "--json-object",
     "regex": "--regex",
@@ -144,6 +145,12 @@ LOGPROBS = typer.Option(
     help="Each token's log-probability and the N most likely alternatives (0-20), under the distribution it was "
     "drawn from (after --repeat-penalty and --temp; before top-k/top-p/min-p cut it): in --json's record, else "
     "as a table on stderr.",
+)
+ECHO = typer.Option(
+    False,
+    "--echo",
+    help="With --logprobs N: the prompt's tokens' log-probabilities and alternatives too (prompt_logprobs in "
+    "--json; the first token has none), under the model's own distribution, as perplexity scores a text.",
 )
 IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence tokens (for benchmarks).")
 SYSTEM = typer.Option(

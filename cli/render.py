@@ -173,18 +173,21 @@ def stats(result: dict) -> None:
     err.print("\n".join(lines), style="dim", markup=False)
 
 
-def logprobs(entries: list[dict]) -> None:
-    """Each generated token's log-probability and the alternatives asked for, on stderr."""
+def logprobs(entries: list[dict], prompt: list[dict] | None = None) -> None:
+    """Each generated token's log-probability and the alternatives asked for, on stderr; with
+    `prompt` (`--echo`), the prompt's tokens first, numbered from their position in it."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(box=None, header_style="dim", pad_edge=False)
     for column in ("#", "token", "logprob", "p", "alternatives"):
         table.add_column(column, justify="right" if column in ("#", "logprob", "p") else "left")
-    for i, e in enumerate(entries):
+    numbered = [(f"p{i}", e) for i, e in enumerate(prompt or [])] + [(str(i), e) for i, e in enumerate(entries)]
+    for number, e in numbered:
         alternatives = "  ".join(f"{a['token']!r} {math.exp(a['logprob']):.0%}" for a in e["top_logprobs"])
-        cells = (str(i), repr(e["token"]), f"{e['logprob']:.3f}", f"{math.exp(e['logprob']):.1%}", alternatives)
-        table.add_row(*map(Text, cells))  # Text: a token's "[b]" is not markup
+        chosen = e["logprob"]
+        said = ("", "") if chosen is None else (f"{chosen:.3f}", f"{math.exp(chosen):.1%}")
+        table.add_row(*map(Text, (number, repr(e["token"]), *said, alternatives)))  # Text: "[b]" is not markup
     err.print(table)
 
 

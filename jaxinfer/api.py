@@ -42,6 +42,7 @@ FIELDS = {
     "ignore_eos",
     "speculate",
     "logprobs",
+    "echo",
     "logit_bias",
     "tools",
     "tool_choice",
@@ -131,6 +132,11 @@ class Parser:
             raise JaxinferError('"speculate": true needs a runner that speculates (ngram or a draft model)')
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
+        echo = item.get("echo", False)
+        if not isinstance(echo, bool):
+            raise JaxinferError('"echo" must be true or false')
+        if echo and "prompt" not in item:
+            raise JaxinferError('"echo" gives back a prompt: it is for the completions endpoint\'s "prompt"', "echo")
         constraint = from_request(item)
         if forced:  # a call the model must make: its grammar, as any constraint
             if constraint is not None:
@@ -158,6 +164,7 @@ class Parser:
             constraint,
             logit_bias=logit_bias,
             tools=tool_format,
+            echo=item["prompt"] if echo else None,
         )
 
     def _logit_bias(self, given) -> dict[int, float] | None:
@@ -303,10 +310,13 @@ def openai_body(records: list[dict], url: str, model: str, tools: str | None = N
     chat = url == "/v1/chat/completions"
 
     def choice(index: int, record: dict) -> dict:
-        logprobs = _logprobs(url, record.get("logprobs"))
         finish = finish_reason(record["finish_reason"])
-        if not chat:
-            return {"index": index, "text": record["text"], "logprobs": logprobs, "finish_reason": finish}
+        if not chat:  # echo: the prompt before the text, its tokens' log-probabilities before theirs
+            entries = record.get("logprobs")
+            entries = None if entries is None else record.get("prompt_logprobs", []) + entries
+            text = record.get("prompt", "") + record["text"]
+            return {"index": index, "text": text, "logprobs": _logprobs(url, entries), "finish_reason": finish}
+        logprobs = _logprobs(url, record.get("logprobs"))
         content, calls = split(record["text"], tools) if tools else (record["text"], [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         return {

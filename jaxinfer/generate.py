@@ -15,7 +15,9 @@ import numpy as np
 
 from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
+from jaxinfer.perplexity import prompt_logprobs
 from jaxinfer.sampling import Sampling
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
@@ -93,6 +95,19 @@ def logprob_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list, top
     ]
 
 
+def check_echo(echo: bool, logprobs: int | None) -> None:
+    if echo and logprobs is None:
+        raise JaxinferError("echo gives the prompt's log-probabilities: it needs logprobs", "echo", "logprobs")
+
+
+def prompt_logprob_entries(tokenizer: Tokenizer, ids: list[int], logprobs: list, top_n: int) -> list[dict]:
+    """A prompt's tokens as `logprob_entries`, the first with none (nothing comes before it): what
+    OpenAI's `echo` gives. `logprobs`: `perplexity.prompt_logprobs`'s, one per token after the first."""
+    raw = tokenizer.token_bytes(ids[0])
+    first = {"token": raw.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(raw), "top_logprobs": []}
+    return [first] + logprob_entries(tokenizer, ids[1:], logprobs, top_n)
+
+
 class Generation:
     def __init__(
         self,
@@ -107,11 +122,15 @@ class Generation:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        echo: bool = False,
     ):
         """`logprobs`: None, or how many most likely alternatives (≤ `sampling.TOP_LOGPROBS`) the
-        result gives beside each token's own log-probability. `constraint`: what the output must
-        match (`jaxinfer.constrain`)."""
+        result gives beside each token's own log-probability; `echo`: the prompt's tokens' too
+        (`prompt_logprobs`, under the model's own distribution: `perplexity.prompt_logprobs`).
+        `constraint`: what the output must match (`jaxinfer.constrain`)."""
+        check_echo(echo, logprobs)
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._echoed = (model.config, model.params) if echo else None
         self.finish_reason: str | None = None
         self._tokenizer, self._top_n = model.tokenizer, logprobs
         self._tokens = engine.generate(
@@ -162,14 +181,25 @@ class Generation:
             return None
         return logprob_entries(self._tokenizer, self.token_ids, self._tokens.logprobs, self._top_n)
 
+    def prompt_logprobs(self) -> list[dict] | None:
+        """Where `echo` asked for them, the prompt's tokens' (`prompt_logprob_entries`)."""
+        if self._echoed is None:
+            return None
+        scored = prompt_logprobs(*self._echoed, self.prompt_ids)
+        return prompt_logprob_entries(self._tokenizer, self.prompt_ids, scored, self._top_n)
+
     def result(self) -> dict:
-        logprobs = self.logprobs()
-        return {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "prompt_tokens": len(self.prompt_ids),
-            "generated_tokens": len(self.token_ids),
-            "finish_reason": self.finish_reason,
-            "seed": self._tokens.seed,
-            "timings": self.timings.as_dict(),
-        } | ({"logprobs": logprobs} if logprobs is not None else {})
+        logprobs, prompt = self.logprobs(), self.prompt_logprobs()
+        return (
+            {
+                "text": self.text,
+                "token_ids": self.token_ids,
+                "prompt_tokens": len(self.prompt_ids),
+                "generated_tokens": len(self.token_ids),
+                "finish_reason": self.finish_reason,
+                "seed": self._tokens.seed,
+                "timings": self.timings.as_dict(),
+            }
+            | ({"logprobs": logprobs} if logprobs is not None else {})
+            | ({"prompt_logprobs": prompt} if prompt else {})
+        )

@@ -24,6 +24,7 @@ import numpy as np
 from jaxinfer import model
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,34 @@ def _window_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.A
     hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1)
     logits = model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids]
     return jax.nn.log_softmax(logits, -1)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _prompt_top(
+    params: dict, tokens: jax.Array, length: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Of each token of `tokens` [T] (the first `length` real, the rest padding) after the first:
+    its log-probability [T-1] given those before it, and the TOP_LOGPROBS most likely ids there
+    [T-1, N] with theirs. longrope picks its factors by the real length."""
+    T = tokens.shape[0]
+    rope_len = jnp.full((1, 1), length, jnp.int32)
+    hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1, rope_len=rope_len)
+    scores = jax.nn.log_softmax(model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids], -1)
+    chosen = jnp.take_along_axis(scores, tokens[1:, None], -1)[:, 0]
+    top, ids = jax.lax.top_k(scores, min(TOP_LOGPROBS, scores.shape[-1]))
+    return chosen, ids, top
+
+
+def prompt_logprobs(cfg: ModelConfig, params: dict, ids: list[int]) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """Each prompt token after the first: (its log-probability, the TOP_LOGPROBS most likely ids at
+    its position, theirs), under the model's own distribution (its logits' softmax: no temperature,
+    penalty or constraint, as `perplexity` scores a text, and as OpenAI's `echo` and vLLM's
+    `prompt_logprobs` give them). One pass over the prompt padded to a power of two (after the
+    tokens: a causal model's earlier positions never see it), so prompts share few programs."""
+    padded = np.zeros(max(16, 1 << (len(ids) - 1).bit_length()), np.int32)
+    padded[: len(ids)] = ids
+    chosen, top_ids, top = jax.device_get(_prompt_top(params, jnp.asarray(padded), np.int32(len(ids)), cfg))
+    return [(float(chosen[t]), top_ids[t], top[t]) for t in range(len(ids) - 1)]
 
 
 @jax.jit

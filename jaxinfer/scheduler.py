@@ -27,8 +27,9 @@ import numpy as np
 from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Speculated, finish_reason, percentile
 from jaxinfer.errors import JaxinferError
-from jaxinfer.generate import TextStream, logprob_entries
+from jaxinfer.generate import TextStream, logprob_entries, prompt_logprob_entries
 from jaxinfer.loading import LoadedModel
+from jaxinfer.perplexity import prompt_logprobs
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -51,6 +52,9 @@ class Request:
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit
     tools: str | None = None  # where tools were offered, the format of the calls in the text (`jaxinfer.tools`)
+    # OpenAI's echo: the prompt's text, given back in the record ("prompt"), with its tokens'
+    # log-probabilities where logprobs are asked for ("prompt_logprobs": `perplexity.prompt_logprobs`)
+    echo: str | None = None
     # where the text is wanted as it is made: called from the scheduler's thread with each new piece,
     # the number of tokens that made it, and (where logprobs are asked for) their entries
     on_text: Callable[[str, int, list[dict]], None] | None = None
@@ -302,32 +306,46 @@ class Scheduler:
         arrived = started if request.arrived is None else request.arrived
         decode_s = now - slot.first_token - slot.compiled_s
         itl_ms = [1000 * s for s in slot.itl_s] or [0.0]
-        return {
-            "id": request.id,
-            "text": text.text,
-            "prompt_tokens": len(request.prompt_ids),
-            "generated_tokens": generated,
-            "cached_tokens": slot.cached,
-            "finish_reason": "cancelled"
-            if request.cancelled
-            else "stop"
-            if text.stopped
-            else finish_reason(eos, generated >= request.max_tokens, unfinished),
-            "seed": request.seed,
-            "timings": {
-                "queued_s": round(slot.admitted - arrived, 4),
-                "ttft_s": round(slot.first_token - slot.admitted, 4),
-                "total_s": round(now - slot.admitted, 4),
-                "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
-                "itl_ms": {
-                    "p50": round(percentile(itl_ms, 0.5), 3),
-                    "p99": round(percentile(itl_ms, 0.99), 3),
-                    "max": round(max(itl_ms), 3),
-                },
+        return (
+            {
+                "id": request.id,
+                "text": text.text,
+                "prompt_tokens": len(request.prompt_ids),
+                "generated_tokens": generated,
+                "cached_tokens": slot.cached,
+                "finish_reason": "cancelled"
+                if request.cancelled
+                else "stop"
+                if text.stopped
+                else finish_reason(eos, generated >= request.max_tokens, unfinished),
+                "seed": request.seed,
+                "timings": {
+                    "queued_s": round(slot.admitted - arrived, 4),
+                    "ttft_s": round(slot.first_token - slot.admitted, 4),
+                    "total_s": round(now - slot.admitted, 4),
+                    "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
+                    "itl_ms": {
+                        "p50": round(percentile(itl_ms, 0.5), 3),
+                        "p99": round(percentile(itl_ms, 0.99), 3),
+                        "max": round(max(itl_ms), 3),
+                    },
+                }
+                | ({"speculation": speculated.as_dict()} if speculated else {}),
             }
-            | ({"speculation": speculated.as_dict()} if speculated else {}),
-        } | (
-            {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, request.logprobs)}
-            if request.logprobs is not None
-            else {}
+            | (
+                {"logprobs": logprob_entries(self.model.tokenizer, text.token_ids, slot.logprobs, request.logprobs)}
+                if request.logprobs is not None
+                else {}
+            )
+            | (self._echoed(request) if request.echo is not None else {})
         )
+
+    def _echoed(self, request: Request) -> dict:
+        """The record's echo: the prompt, and its tokens' log-probabilities where they are asked for
+        (one pass over the prompt, here on the scheduler's thread between dispatches)."""
+        if request.logprobs is None:
+            return {"prompt": request.echo}
+        ids, model = request.prompt_ids, self.model
+        scored = prompt_logprobs(model.config, model.params, ids)
+        entries = prompt_logprob_entries(model.tokenizer, ids, scored, request.logprobs)
+        return {"prompt": request.echo, "prompt_logprobs": entries}

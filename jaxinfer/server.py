@@ -380,6 +380,8 @@ def _driver_fields(body: dict) -> tuple[bool, bool, int]:
     stream = body.pop("stream", False)
     if not isinstance(stream, bool):
         raise HTTPError(400, '"stream" must be true or false', param="stream")
+    if stream and body.get("echo"):  # the echo comes with the record, at the end
+        raise HTTPError(400, '"echo" is not streamed yet: ask without "stream"', param="echo")
     options = body.pop("stream_options", None)
     if options is not None and (not isinstance(options, dict) or not stream):
         raise HTTPError(400, '"stream_options" must be an object, with "stream": true', param="stream_options")

@@ -14,6 +14,7 @@ from reference import alone, hf_logits, reference
 
 from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import TOP_LOGPROBS, Sampling
@@ -60,6 +61,31 @@ def test_greedy_logprobs_are_transformers_log_softmax(tiny, tokenizer):
     result = gen.result()
     _check(result["logprobs"], gen.token_ids, _reference_logprobs(hf, ids, gen.token_ids), model.tokenizer, 5)
     assert [e["top_logprobs"][0]["bytes"] for e in result["logprobs"]] == [e["bytes"] for e in result["logprobs"]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3-longrope"])
+def test_echoed_prompt_logprobs_are_transformers_log_softmax(tiny, arch):
+    """`echo`: each prompt token's log-probability given those before it, the model's own (sampling at
+    0.7 does not touch it), the first token with none; longrope's factors by the prompt's own length,
+    not its padded one (45 tokens pad to 64, past phi3-longrope's original context of 48)."""
+    path = tiny(arch)
+    hf, model = reference(path), load_model(path)
+    engine = Engine(model.config, model.params, 256, ())
+    for ids in (model.tokenizer.encode(PROMPT * 2), model.tokenizer.encode(PROMPT * 3)):
+        assert 32 < len(ids) <= 48 or len(ids) > 64
+        gen = Generation(model, engine, ids, Sampling(temperature=0.7), 2, seed=1, logprobs=3, echo=True)
+        list(gen)
+        prompt = gen.result()["prompt_logprobs"]
+        assert prompt[0] == {**prompt[0], "logprob": None, "top_logprobs": []}
+        assert bytes(prompt[0]["bytes"]) == model.tokenizer.token_bytes(ids[0])
+        expected = torch.log_softmax(torch.tensor(hf_logits(hf, ids)[:-1]), -1).numpy()
+        _check(prompt[1:], ids[1:], expected, model.tokenizer, 3)
+    with pytest.raises(JaxinferError, match="needs logprobs"):
+        Generation(model, engine, ids, echo=True)
+    # a batch's or a server's request: the same entries in its record, with the prompt's text
+    records = []
+    Scheduler(model, 2, 256).run([Request(0, ids, Sampling(), 2, 1, logprobs=3, echo="the text")], records.append)
+    assert records[0]["prompt"] == "the text" and records[0]["prompt_logprobs"] == prompt
 
 
 def test_sampled_logprobs_are_of_the_distribution_after_penalty_and_temperature(tiny):
@@ -138,6 +164,9 @@ def test_cli_logprobs_in_run_and_in_openai_batch_shapes(tmp_path):
     assert all(len(e["top_logprobs"]) == 2 for e in result["logprobs"])
     table = jaxinfer("run", "def main(", "-n", "4", "--logprobs", "1", "--no-stats")
     assert "alternatives" in table.stderr and "logprob" not in table.stdout
+    echoed = json.loads(jaxinfer("run", "def main(", "-n", "2", "--logprobs", "1", "--echo", "--json").stdout)
+    assert len(echoed["prompt_logprobs"]) == echoed["prompt_tokens"] and echoed["prompt_logprobs"][0]["logprob"] is None
+    assert_one_line_error(jaxinfer("run", "def", "--echo"), "--echo", "--logprobs")
 
     for bad in ("21", "-1"):
         assert_one_line_error(jaxinfer("run", "def", "--logprobs", bad), "--logprobs")
@@ -164,6 +193,16 @@ def test_cli_logprobs_in_run_and_in_openai_batch_shapes(tmp_path):
             "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
         },
+        {
+            "custom_id": "echoed",
+            "url": "/v1/completions",
+            "body": {"prompt": "def", "max_tokens": 3, "logprobs": 1, "echo": True},
+        },
+        {
+            "custom_id": "echoed chat",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+        },
         {"id": "ours", "prompt": "def", "max_tokens": 3, "logprobs": 0},
         {"id": "too many", "prompt": "def", "logprobs": 21},
     ]
@@ -185,4 +224,8 @@ def test_cli_logprobs_in_run_and_in_openai_batch_shapes(tmp_path):
     assert legacy["text_offset"][0] == 0
     assert "top_logprobs" in records["bad"]["error"]["message"]
     assert [e["top_logprobs"] for e in records["ours"]["logprobs"]] == [[], [], []]
+    echoed = records["echoed"]["response"]["body"]["choices"][0]  # the prompt's tokens (BOS first, with none) first
+    assert echoed["text"].startswith("def") and len(echoed["logprobs"]["tokens"]) > 3
+    assert echoed["logprobs"]["token_logprobs"][0] is None and None not in echoed["logprobs"]["token_logprobs"][1:]
+    assert "echo" in records["echoed chat"]["error"]["message"]
     assert "logprobs" in records["too many"]["error"]

@@ -101,6 +101,9 @@ def test_greedy_completion_equals_run(server, client):
     assert said.usage.completion_tokens == 24 and said.usage.prompt_tokens == json.loads(ran.stdout)["prompt_tokens"]
     streamed = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == said.choices[0].text
+    echoed = client.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, echo=True, logprobs=1)
+    assert echoed.choices[0].text == PROMPT + said.choices[0].text
+    assert len(echoed.choices[0].logprobs.tokens) == said.usage.prompt_tokens + 24
 
 
 def test_chat_streamed_equals_whole_sync_and_async(server, client):
@@ -222,6 +225,7 @@ def test_prefix_reuse_across_requests(server, client):
         (json.dumps({"prompt": PROMPT, "logit_bias": {"x": 1}}).encode(), 400, "not a token id"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, 'takes "prompt"'),
         (json.dumps({"prompt": PROMPT, "tools": [WEATHER]}).encode(), 400, '"tools" go with "messages"'),
+        (json.dumps({"prompt": PROMPT, "echo": True, "stream": True}).encode(), 400, '"echo" is not streamed'),
         (b'{"prompt": "' + b"x" * (17 << 20) + b'"}', 413, "over"),
     ],
 )
