@@ -121,6 +121,20 @@ class TokenStream:
         return self.chunks
 
 
+def compile_ahead(opened, prompt: list[int], max_tokens: int) -> None:
+    """The programs `Engine.generate` starts `prompt` with (its prefill, the decode of its first kv
+    bucket) compiled for an `loading.OpenModel` whose weights are abstract: `open_model`'s `ahead`,
+    while the real ones load. JAX keeps what it compiled, and the real call finds it built. Plain
+    requests: logprobs, constraints and penalties give the state another shape, and their programs
+    with it. It pays where loading leaves the host's cores free (an accelerator's copies); on a
+    2-core CPU a 1.1B model's load and compile slowed each other to more than their sum."""
+    model = opened.model
+    slots = Slots(model.config, model.params, 1, opened.context, model.eos_ids, opened.decoding)
+    report = CompileReport()
+    slots.admit([Admission(0, prompt, max_tokens, 0, Sampling(), speculate=slots.speculation.draft > 0)], report)
+    slots.step(1, report)
+
+
 class Engine:
     """One model, one fixed-shape cache of `max_context` positions, batch 1.
 

@@ -4,9 +4,12 @@ model, its context); every command that generates opens its model through it."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +147,7 @@ def load_model(
     kv_dtype: str | None = None,
     mesh: Mesh | None = None,
     gguf_file: str | None = None,
+    ahead: Callable[[LoadedModel], None] | None = None,
 ) -> LoadedModel:
     """Load a model directory or GGUF file; with no path, the bundled default model. `layout`:
     "packed" for the CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in"
@@ -155,7 +159,10 @@ def load_model(
     as they are read (`jaxinfer.sharding`). `dtype` "bfloat16" (asked for, not auto's choice) also
     rounds every product's inputs to bfloat16 (`ModelConfig.matmul_inputs`): on the CPU kernel, AMX's
     prefill in one pass instead of two. A float32 model on a GPU sets JAX's default matmul precision
-    to "highest" for the process (`float32_products`)."""
+    to "highest" for the process (`float32_products`). `ahead(model)` runs on a thread of its own
+    while the weights load, given the model as it will be with its weights abstract
+    (`jax.ShapeDtypeStruct`s): what it compiles for them (`engine.compile_ahead`) the real weights
+    find built (not for a GGUF file, or over a mesh)."""
     layout = forms.check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path, gguf_file)
     gguf = gguf_model.open_gguf(model_dir) if gguf_model.is_gguf(model_dir) else None
@@ -177,27 +184,48 @@ def load_model(
         cfg = replace(cfg, matmul_inputs="bfloat16")
     if compute_dtype(chosen, layout) == "float32":
         float32_products()
+    sampling, eos_ids = Sampling.from_generation_config(generation), _eos_ids(config_json, generation, tokenizer)
+
+    def model(params: dict) -> LoadedModel:
+        return LoadedModel(
+            model_dir, cfg, params, tokenizer, chosen, quantize, sampling, eos_ids, generation.get("max_new_tokens")
+        )
+
+    compiling = None
+    if ahead is not None and gguf is None and mesh is None:
+        stored = weights.abstract_params(
+            cfg, weights.dtype_from_name(chosen), quantize, None, config_json.get(METHODS_KEY)
+        )
+        abstract = jax.eval_shape(partial(forms.lay_out, layout=layout), stored)
+        compiling = threading.Thread(target=_quietly, args=(ahead, model(abstract)), name="jaxinfer-compile-ahead")
+        compiling.start()
+    try:
+        params = _read(model_dir, cfg, config_json, gguf, chosen, asked, quantize, mesh, progress)
+    finally:
+        if compiling is not None:  # its programs are ready, or the load failed: nothing is left running
+            compiling.join()
+    params = forms.lay_out(params, layout, consume=True)
+    return model(params if mesh is None else place(params, cfg, mesh))  # the kernel's forms made whole on each device
+
+
+def _quietly(fn, *args) -> None:
+    """A compile ahead: where it fails (a form it did not foresee), the real call compiles as usual."""
+    try:
+        fn(*args)
+    except Exception:
+        pass
+
+
+def _read(model_dir, cfg, config_json, gguf, chosen, asked, quantize, mesh, progress) -> dict:
+    """The weights from the directory's files, as `load_model` reads them (in the stored layout)."""
     if gguf:  # its quantized blocks as they are; its float matrices quantized only if asked
-        params = weights.read_gguf(cfg, gguf, weights.dtype_from_name(chosen), progress, asked, mesh)
-    elif is_converted(model_dir):
+        return weights.read_gguf(cfg, gguf, weights.dtype_from_name(chosen), progress, asked, mesh)
+    if is_converted(model_dir):
         methods = config_json.get(METHODS_KEY)
         abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh, methods)
-        params = restore_params(model_dir / ORBAX_DIR, abstract)
-    else:
-        files = weights.safetensors_files(model_dir)
-        params = weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
-    params = forms.lay_out(params, layout, consume=True)
-    return LoadedModel(
-        path=model_dir,
-        config=cfg,
-        params=params if mesh is None else place(params, cfg, mesh),  # the kernel's forms made whole on each device
-        tokenizer=tokenizer,
-        dtype=chosen,
-        quantize=quantize,
-        sampling=Sampling.from_generation_config(generation),
-        eos_ids=_eos_ids(config_json, generation, tokenizer),
-        max_new_tokens=generation.get("max_new_tokens"),
-    )
+        return restore_params(model_dir / ORBAX_DIR, abstract)
+    files = weights.safetensors_files(model_dir)
+    return weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -236,16 +264,23 @@ def open_model(
     draft_model: str | Path | None = None,
     gguf_file: str | None = None,
     progress: weights.ProgressFn | None = None,
+    ahead: Callable[[OpenModel], None] | None = None,
 ) -> OpenModel:
     """`load_model` and what generating with it needs. `max_context`: the cache length (default the
     model's trained positions, at most `defaults.MAX_CONTEXT`); `prefill_chunk` as `Decoding`'s;
     `speculate` "ngram" drafts by prompt lookup, `draft_model` (a directory or hub id) with a small
     model sharing the tokenizer, loaded with the same dtype, quantize, kv_dtype and layout onto the
     same mesh; `gguf_file` as `load_model`'s; `num_draft` tokens a step (default `defaults.NUM_DRAFT`).
-    Every parameter is checked before any weights are read."""
+    `ahead` as `load_model`'s, given the OpenModel to be (not where a draft model drafts). Every
+    parameter is checked before any weights are read."""
     _check_context(max_context)  # before the weights are read
     decoding = Decoding(prefill_chunk, _speculation(speculate, num_draft, draft_model))
-    model = load_model(path, dtype, progress, layout, quantize, kv_dtype, mesh, gguf_file)
+    if ahead is not None and draft_model is None:
+        given = ahead
+        ahead = lambda model: given(OpenModel(model, decoding, context_length(model.max_positions, max_context)))  # noqa: E731
+    model = load_model(
+        path, dtype, progress, layout, quantize, kv_dtype, mesh, gguf_file, ahead if draft_model is None else None
+    )
     if draft_model is not None:
         draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh)
         check_draft(model, draft)

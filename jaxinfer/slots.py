@@ -225,6 +225,9 @@ class Slots:
         decoding: Decoding = Decoding(),
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
+        # over abstract weights (`jax.ShapeDtypeStruct`s, as they will load): calls compile their
+        # programs and run nothing, which leaves them in the persistent cache (`loading.compile_ahead`)
+        self.dry = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
@@ -317,9 +320,10 @@ class Slots:
 
     def reset(self) -> None:
         """An empty cache, every row free."""
-        self.state: DecodeState = (
-            self._empty() if self._placed is None else jax.jit(self._empty, out_shardings=self._placed)()
-        )
+        if self.dry:
+            self.state: DecodeState = jax.eval_shape(self._empty)
+        else:
+            self.state = self._empty() if self._placed is None else jax.jit(self._empty, out_shardings=self._placed)()
         self._length = np.zeros(self.batch, np.int64)  # ≥ each row's true length
         self._limit = np.zeros(self.batch, np.int64)
         self._live = np.zeros(self.batch, bool)  # not known to be done
@@ -508,6 +512,8 @@ class Slots:
         a result nobody holds (`lost`, and a chat's cache with it: the chat test's second turn then
         found nothing cached, once in a few runs). It delays nothing: the call only dispatches, and
         a signal waits for a C call to return anyway."""
+        if self.dry:  # compiled: that is all a dry run does
+            return
         with interrupts_held():
             self.state = program(self.params, self.state, *args)
 

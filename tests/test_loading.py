@@ -79,3 +79,29 @@ def test_checkpoints_that_cannot_be_right_are_refused(tiny, tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(JaxinferError, match="model.layers.0.mlp.up_proj.weight holds int8"):
         load_model(path)
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, quantize", [("llama", "auto", None), ("qwen2", "bfloat16", None), ("gemma3", "auto", "int8")]
+)
+def test_programs_compiled_ahead_are_the_ones_the_weights_run(tiny, arch, dtype, quantize):
+    """open_model's `ahead` gets the model with abstract weights while the real ones load; what
+    `compile_ahead` builds for them is what the first request runs: it compiles nothing more (the
+    abstract tree has the loaded tree's forms, shapes and dtypes, in its layout)."""
+    from jaxinfer.engine import Engine, compile_ahead
+    from jaxinfer.loading import open_model
+
+    prompt, seen = [0, 5, 9, 13] * 5, []
+
+    def ahead(opened):
+        seen.append(jax.tree.leaves(opened.model.params)[0])
+        compile_ahead(opened, prompt, 8)
+
+    opened = open_model(tiny(arch), dtype=dtype, quantize=quantize, max_context=96, ahead=ahead)
+    assert isinstance(seen[0], jax.ShapeDtypeStruct)
+    model = opened.model
+    tokens = Engine(model.config, model.params, opened.context, model.eos_ids, opened.decoding).generate(
+        prompt, Sampling(), 8, seed=0
+    )
+    assert len([t for chunk in tokens for t in chunk]) == 8
+    assert tokens.timings.compile.programs == 0, tokens.timings.compile
