@@ -41,6 +41,7 @@ def chat(
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
     presence_penalty: Optional[float] = options.PRESENCE_PENALTY,
     frequency_penalty: Optional[float] = options.FREQUENCY_PENALTY,
+    logit_bias: list[str] = options.LOGIT_BIAS,
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
@@ -75,6 +76,7 @@ def chat(
 
     options.check_positive(max_tokens=max_tokens)
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
+    bias = options.logit_bias(logit_bias)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
     opened = options.open_model(model, mesh=mesh, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
@@ -92,6 +94,7 @@ def chat(
         tuple(map(options.unescape, stop)),
         ignore_eos,
         constraint,
+        bias,
     )
     if session.template.is_fallback:
         render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")

@@ -164,6 +164,7 @@ def run(
     repeat_penalty: Optional[float] = options.REPEAT_PENALTY,
     presence_penalty: Optional[float] = options.PRESENCE_PENALTY,
     frequency_penalty: Optional[float] = options.FREQUENCY_PENALTY,
+    logit_bias: list[str] = options.LOGIT_BIAS,
     seed: Optional[int] = options.SEED,
     stop: list[str] = options.STOP,
     ignore_eos: bool = options.IGNORE_EOS,
@@ -221,6 +222,7 @@ def run(
     options.check_positive(max_tokens=max_tokens)
     check_logprobs(logprobs)
     check_echo(echo, logprobs)
+    bias = options.logit_bias(logit_bias)
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     check_peaks(peak_flops, peak_bandwidth)  # before the weights are read
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
@@ -229,6 +231,7 @@ def run(
     # whose cores the load keeps busy: a 1.1B model on 2 cores loaded in 5.6-7.1 s and compiled in
     # 3.0 s apart, and together the load took 9.9-10.9 s (`engine.compile_ahead`).
     plain = system is None and logprobs is None and constraint is None and not (presence_penalty or frequency_penalty)
+    plain &= bias is None
     plain &= check_backend() != "cpu"
 
     def ahead(opened) -> None:
@@ -264,6 +267,7 @@ def run(
         logprobs=logprobs,
         constraint=constraint,
         echo=echo,
+        logit_bias=bias,
     )
     try:
         if json_output:

@@ -40,6 +40,7 @@ FLAGS = {
     "frequency_penalty": "--frequency-penalty",
     "logprobs": "--logprobs",
     "echo": "--echo",
+    "logit_bias": "--logit-bias",
     "json_schema": "--json-schema",
     "json_object": "--json-object",
     "regex": "--regex",
@@ -52,7 +53,6 @@ FLAGS = {
     "resume": "--resume",
     "reset": "/reset",  # chat's command
     # request fields with no flag (batch lines, the server's bodies): said as they are
-    "logit_bias": "logit_bias",
     "tools": "tools",
     "tool_choice": "tool_choice",
 }
@@ -111,6 +111,14 @@ PREFILL_CHUNK = typer.Option(
     help="Prompt tokens per prefill call, a power of two (others round down); 0 = the whole prompt in one call. "
     "Bounds prefill memory, and lets a batch's running rows keep streaming while a long prompt is admitted "
     "[default: 512 where the CPU attention kernel runs, 128 elsewhere on the CPU, 4096 on a GPU].",
+)
+LOGIT_BIAS = typer.Option(
+    [],
+    "--logit-bias",
+    "-l",
+    metavar="ID±BIAS",
+    help="Add BIAS to token ID's logit at every step, as llama.cpp's: 15043+1, 15043-2.5; 15043-inf never samples "
+    "it (repeatable).",
 )
 STOP = typer.Option([], "--stop", help="Stop at this text (repeatable; escapes such as \\n work); it is not printed.")
 JSON_SCHEMA = typer.Option(
@@ -419,6 +427,24 @@ SAMPLING_FLAGS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+
+
+def logit_bias(given: list[str]) -> dict[int, float] | None:
+    """`--logit-bias ID±BIAS`s as `logit_bias` (token ids are checked against the model's vocabulary
+    when it runs)."""
+    import re
+
+    from jaxinfer.errors import JaxinferError
+
+    bias = {}
+    for item in given:
+        found = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)\s*", item)
+        if found is None or found.group(2) + found.group(3) == "+inf":
+            raise JaxinferError(
+                f"--logit-bias {item!r}: give a token id and a signed bias, such as 15043+1 or 15043-inf"
+            )
+        bias[int(found.group(1))] = float(found.group(2) + found.group(3))
+    return bias or None
 
 
 def sampling(loaded, given: dict):

@@ -35,6 +35,7 @@ class ChatSession:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         constraint: Constraint | None = None,
+        logit_bias: dict[int, float] | None = None,
     ):
         if on_full not in ON_FULL:
             raise JaxinferError(f"on_full must be one of {', '.join(ON_FULL)}, not {on_full!r}", "on_full")
@@ -42,6 +43,7 @@ class ChatSession:
         self.max_tokens, self.on_full, self.seed = max_tokens, on_full, seed
         self.stop, self.ignore_eos = stop, ignore_eos  # on top of the template's own stop strings
         self.system, self.constraint = system, constraint  # every reply matches the constraint
+        self.logit_bias = logit_bias
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate.of(model)
         self.context_used = 0  # tokens of the last turn's prompt and reply
@@ -77,6 +79,7 @@ class ChatSession:
             self.template.stop + self.stop,
             ignore_eos=self.ignore_eos,
             constraint=self.constraint,
+            logit_bias=self.logit_bias,
         )
         return gen, notices
 

@@ -22,7 +22,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.constrain import Constraint
 from jaxinfer.processes import agree, shared_seed, stop_point
 from jaxinfer.runtime import CompileReport
-from jaxinfer.sampling import Sampling
+from jaxinfer.sampling import Sampling, check_logit_bias
 from jaxinfer.slots import Admission, Decoding, Slots, check_fits, penalized, reusable
 
 STREAM_INTERVAL_S = 0.05
@@ -174,27 +174,29 @@ class Engine:
         logprobs: bool = False,
         constraint: Constraint | None = None,
         tokenizer=None,
+        logit_bias: dict[int, float] | None = None,
     ) -> TokenStream:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
         call per kv bucket the sequence passes through). With `logprobs`, the stream's `logprobs`
         gather each token's (`sampling.logprobs`); the first such request compiles its programs again.
         A `constraint` (`jaxinfer.constrain`, with the model's `tokenizer`) makes the output match it;
         the stream's finish reason is then "stop" where the match ended it, "unfinished" where the
-        budget ran out inside it."""
+        budget ran out inside it. `logit_bias`: token id → added to its logit at every step."""
         check_fits(len(prompt), max_tokens, self.max_context)
+        check_logit_bias(logit_bias, self.cfg.sampled_ids)
         seed = shared_seed() if seed is None else seed
         result = TokenStream(seed=seed, timings=Timings(prompt_tokens=len(prompt)), logprobs=[] if logprobs else None)
         if logprobs:
             self.slots.record_logprobs()
         if constraint is not None:
             self.slots.constrain(tokenizer)
-        if penalized(sampling):
+        if penalized(sampling) or logit_bias:
             self.slots.penalize()
-        result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, constraint, result)
+        result.chunks = self._run(prompt, sampling, max_tokens, stream, ignore_eos, constraint, logit_bias, result)
         return result
 
     def _run(
-        self, prompt, sampling, max_tokens, stream, ignore_eos, constraint, result: TokenStream
+        self, prompt, sampling, max_tokens, stream, ignore_eos, constraint, logit_bias, result: TokenStream
     ) -> Iterator[list[int]]:
         timings, slots = result.timings, self.slots
         if slots.lost:  # a previous call was interrupted while it held the state
@@ -212,6 +214,7 @@ class Engine:
             ignore_eos,
             speculate=slots.speculation.draft > 0,
             constraint=constraint,
+            logit_bias=logit_bias,
         )
         compiling = timings.compile.seconds
         started = time.perf_counter()

@@ -123,11 +123,13 @@ class Generation:
         logprobs: int | None = None,
         constraint: Constraint | None = None,
         echo: bool = False,
+        logit_bias: dict[int, float] | None = None,
     ):
         """`logprobs`: None, or how many most likely alternatives (≤ `sampling.TOP_LOGPROBS`) the
         result gives beside each token's own log-probability; `echo`: the prompt's tokens' too
         (`prompt_logprobs`, under the model's own distribution: `perplexity.prompt_logprobs`).
-        `constraint`: what the output must match (`jaxinfer.constrain`)."""
+        `constraint`: what the output must match (`jaxinfer.constrain`); `logit_bias`: token id →
+        added to its logit at every step (-inf: never)."""
         check_echo(echo, logprobs)
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._echoed = (model.config, model.params) if echo else None
@@ -143,6 +145,7 @@ class Generation:
             logprobs is not None,
             constraint,
             model.tokenizer,
+            logit_bias,
         )
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 

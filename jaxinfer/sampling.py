@@ -266,6 +266,18 @@ def check_logprobs(n: int | None) -> None:
         )
 
 
+def check_logit_bias(bias: dict[int, float] | None, vocab: int) -> None:
+    """`logit_bias`: token ids of the vocabulary (0 to `vocab` - 1), each with a finite bias or
+    -inf (never sampled)."""
+    for token, value in (bias or {}).items():
+        if not (_whole(token) and 0 <= token < vocab):
+            raise JaxinferError(
+                f"logit_bias: {token!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias"
+            )
+        if not (math.isfinite(value) or value == -math.inf):
+            raise JaxinferError(f"logit_bias: the bias of token {token} must be a number or -inf", "logit_bias")
+
+
 def logprobs(
     logits: jax.Array, seen: jax.Array, p: SamplerArrays, token: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -448,6 +448,8 @@ def test_every_numeric_option_is_range_checked(model, tmp_path):
         (("run", "hi", "--min-p", "2"), "--min-p"),
         (("run", "hi", "--repeat-penalty", "0"), "--repeat-penalty"),
         (("run", "hi", "--temp", "nan"), "--temp"),
+        (("run", "hi", "--logit-bias", "5+inf"), "--logit-bias"),
+        (("run", "hi", "-l", "99999999-1"), "--logit-bias"),
         (("run", "hi", "--peak-flops", "-5"), "--peak-flops"),
         (("run", "hi", "--peak-bandwidth", "0"), "--peak-bandwidth"),
         (("bench", "-r", "0"), "--repeat"),

@@ -67,11 +67,18 @@ def test_penalties_and_bias_follow_openais_rule(setup):
         model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in expected
     ]
     np.testing.assert_allclose([e["logprob"] for e in record["logprobs"]], expected_lp, atol=1e-4)
-    # run's engine: penalties from its sampling (run has no logit bias flag)
-    only_penalties, _ = openai_greedy(hf, ids, 16, PENALIZED, {})
-    gen = Generation(model, Engine(model.config, model.params, 128, ()), ids, PENALIZED, 16)
+    # run's engine (run --logit-bias): the same rule, and -inf never samples its token
+    engine = Engine(model.config, model.params, 128, ())
+    gen = Generation(model, engine, ids, PENALIZED, 16, logit_bias=bias)
     list(gen)
-    assert gen.token_ids == only_penalties
+    assert gen.token_ids == expected
+    gen = Generation(model, engine, ids, Sampling(), 16, logit_bias={free[0]: -float("inf")})
+    list(gen)
+    assert (
+        gen.token_ids[0] != free[0] and gen.token_ids == openai_greedy(hf, ids, 16, Sampling(), bias | {free[3]: 0})[0]
+    )
+    with pytest.raises(JaxinferError, match="not a token id"):
+        Generation(model, engine, ids, max_tokens=4, logit_bias={model.config.sampled_ids: 1.0})
 
 
 def test_a_penalized_row_beside_free_and_speculating_rows(setup):
