@@ -7,11 +7,12 @@ plain arrays.
 - `Plain` [out, in]: as Hugging Face stores it (`x @ w.T`); what checkpoints hold.
 - `Transposed` [in, out]: XLA CPU's faster form for batched decode (`LAYOUTS`' "in_out").
 - `Packed`: float32 or bfloat16 with 16 outputs side by side, for the CPU kernel (`jaxinfer.packed`).
-- `Quantized`: block-quantized by a method of `quant.METHODS` (static metadata), packed as the kernel
-  reads it.
+- `Quantized`: block-quantized by a method of `quant.METHODS` (static metadata), packed as the CPU
+  kernel reads it, or on a GPU in columns as `jaxinfer.gpu`'s kernel reads them (`layout`).
 
 A loaded tree's matrices are in one layout (`lay_out`): "out_in" (Plain), "in_out" (the layers'
-matrices Transposed), "packed"; Quantized ones stay as they are in each.
+matrices Transposed), "packed"; Quantized ones stay as they are in each, but on a GPU (where its
+kernel runs: `gpu.kernel_here`) the scale-per-block methods' go into columns.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import kernel, packed, quant
+from jaxinfer import gpu, kernel, packed, quant
 from jaxinfer.errors import JaxinferError
 
 
@@ -105,13 +106,15 @@ class Packed:
 
 @_form
 class Quantized:
-    """Block-quantized by `method` (`quant.METHODS`), packed as the kernel reads it; a k-quant's
-    float16 scales per super-block in `super_scale`."""
+    """Block-quantized by `method` (`quant.METHODS`), packed as the CPU kernel reads it; a k-quant's
+    float16 scales per super-block in `super_scale`. `layout` "columns": as `jaxinfer.gpu` reads it
+    (`gpu.to_columns`)."""
 
     q: jax.Array
     scale: jax.Array
     method: str = field(metadata={"static": True})
     super_scale: jax.Array | None = None
+    layout: str = field(default="packed", metadata={"static": True})
 
     @classmethod
     def of(cls, w: jax.Array, method: str) -> Quantized:
@@ -122,18 +125,34 @@ class Quantized:
         return (self.q, self.scale) if self.super_scale is None else (self.q, self.scale, self.super_scale)
 
     def matmul(self, x: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        if self.layout == "columns":
+            return gpu.columns_matmul(x, self.arrays, self.method).astype(dtype)
         return quant.matmul(x, self.arrays, self.method).astype(dtype)
 
     def take_rows(self, ids: jax.Array, dtype) -> jax.Array:
+        if self.layout == "columns":
+            return gpu.columns_rows(self.arrays, self.method, ids, dtype)
         return quant.take_rows(self.arrays, self.method, ids, dtype)
 
     def dense(self, dtype=jnp.float32) -> jax.Array:
+        if self.layout == "columns":
+            return gpu.columns_dense(self.arrays, self.method, dtype).T
         return quant.dequantize(self.arrays, self.method, dtype)
+
+    def in_columns(self) -> Quantized:
+        """The same codes and scales as `jaxinfer.gpu` reads them (a scale-per-block method's)."""
+        return Quantized(*gpu.to_columns(self.arrays, self.method), self.method, layout="columns")
+
+    def packed(self) -> Quantized:
+        """The same codes and scales as checkpoints store them."""
+        if self.layout == "packed":
+            return self
+        return Quantized(*gpu.from_columns(self.arrays, self.method), self.method)
 
     def axes(self, axes: tuple, blocks: tuple) -> Quantized:
         """`blocks`: the axes of [out/16, in/32] (`sharding.held_axes`), which lead q's and scale's."""
         held = [blocks + (None,) * (len(a.shape) - 2) for a in self.arrays]
-        return Quantized(held[0], held[1], self.method, held[2] if len(held) > 2 else None)
+        return Quantized(held[0], held[1], self.method, held[2] if len(held) > 2 else None, self.layout)
 
 
 FORMS = (Plain, Transposed, Packed, Quantized)
@@ -192,7 +211,11 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
     the bytes, and the model computes as a float32 one. "in_out" transposes the layers' matrices."""
 
     def one(value, layer: bool):
-        if layout == "packed" and isinstance(value, Plain) and packed.packable(value.w):
+        if isinstance(value, Quantized) and columns and _whole(value) and quant.METHODS[value.method].kind < 0:
+            if value.layout == "columns":
+                return value
+            replacement = value.in_columns()
+        elif layout == "packed" and isinstance(value, Plain) and packed.packable(value.w):
             replacement = Packed.of(value.w)
         elif layout == "packed" and not isinstance(value, Quantized):
             array = value.w if isinstance(value, Plain) else value
@@ -208,11 +231,18 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
                 array.delete()
         return replacement
 
-    if layout == "out_in":
+    columns = gpu.kernel_here()
+    if layout == "out_in" and not columns:
         return params
     tree = {key: one(value, False) for key, value in params.items() if key != "layers"}
     tree["layers"] = [{key: one(value, True) for key, value in layer.items()} for layer in params["layers"]]
     return tree
+
+
+def _whole(leaf: Quantized) -> bool:
+    """Whether the matrix is held whole on one device (a mesh's shards stay packed: XLA's product)."""
+    sharding = getattr(leaf.q, "sharding", None)
+    return sharding is None or len(sharding.device_set) == 1
 
 
 def layout_of(params: dict) -> str:
@@ -259,7 +289,7 @@ def to_stored(params: dict) -> dict:
 
     def one(leaf):
         if isinstance(leaf, Quantized):
-            return dict(zip(("q", "scale", "super_scale"), leaf.arrays))
+            return dict(zip(("q", "scale", "super_scale"), leaf.packed().arrays))
         if isinstance(leaf, Plain):
             return leaf.w
         if is_form(leaf):

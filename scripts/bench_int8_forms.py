@@ -1,7 +1,8 @@
 """Weight-only int8 matmul forms through XLA on this backend, against bfloat16: µs a call (its
 dispatch included: compare the largest shape, where it is small), the error against float32, and the
 fusion kinds XLA made. It is how we learned that on an H100 no fused XLA form beats bfloat16
-(BENCHMARKS.md, "On a GPU"): the question a GPU kernel for int8 has to answer better.
+(BENCHMARKS.md, "On a GPU"), and it times `jaxinfer.gpu`'s kernel beside them (int8 and int4 in
+columns, as `--quantize` holds them on a GPU; on the CPU through Pallas' interpreter: slow).
 
     python scripts/bench_int8_forms.py
 """
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import forms
+from jaxinfer import forms, gpu
 
 SHAPES = ((2048, 8192), (8192, 2048), (4096, 14336))  # [in, out]: 1B's gate/up, its down, 8B's gate/up
 
@@ -76,6 +77,13 @@ def forms_of(K: int, N: int, B: int) -> dict:
             jax.jit(lambda x, q, s: jnp.dot(x, q.astype(x.dtype), **f32) * s.astype(jnp.float32)),
             (x, qc, channel),
         ),
+    } | {
+        f"{method} columns, jaxinfer.gpu's kernel": (
+            jax.jit(lambda x, m: m.matmul(x, False, jnp.float32)),
+            (x, forms.Quantized.of(w, method).in_columns()),
+        )
+        for method in ("int8", "int4")
+        if B <= gpu.ROWS and (gpu.kernel_here() or gpu.MODE == "interpret")
     }, np.asarray(x, np.float32) @ np.asarray(w).T
 
 
@@ -87,7 +95,7 @@ def main() -> None:
             for name, (f, args) in variants.items():
                 us = best_us(f, *args)
                 error = float(np.abs(np.asarray(f(*args), np.float32) - reference).max() / np.abs(reference).max())
-                stored = K * N * (2 if name.startswith("bfloat16") else 1)
+                stored = K * N * (2 if name.startswith("bfloat16") else 0.5 if name.startswith("int4") else 1)
                 print(
                     f"in {K:5d} out {N:5d} B={B:2d}  {name:44s} {us:8.1f} µs {stored / us / 1e3:6.0f} GB/s "
                     f"rel. error {error:.1e}  {fusions(f, *args)}"

@@ -1,0 +1,182 @@
+"""Block-quantized matrices on a GPU: weight-only int8 and int4 products that read the codes as
+stored and dequantize in registers (a Pallas kernel, lowered through Triton).
+
+On an H100, XLA could not do this: it wrote every dequantized matrix out as bfloat16 before its
+matmul (`--quantize int8` decoded the Llama-3.2-1B shape at ×0.54 of bfloat16), and no fused form
+of the dequantization beat bfloat16's own product (BENCHMARKS.md, "On a GPU";
+`scripts/bench_int8_forms.py`). Here a matrix is held in *columns* (`to_columns`): codes [in, out] (4 bits: two to
+a byte, a block's rows 0-15 in the low nibbles and 16-31 in the high ones, [in/2, out]) and scales
+[in/32, out]. Each program of the kernel takes `BN` outputs and a share of the inputs; per block of
+32 inputs it multiplies the rows' [M, 32] inputs by the block's codes on the tensor cores and adds the
+product times the block's scales, so every byte of the matrix is read once, as stored. Decode's few
+rows (M ≤ `ROWS`) take it; more rows (prefill, large batches) are compute-bound, and XLA's product
+of the dequantized matrix serves them.
+
+`MODE` "interpret" runs the kernel through Pallas' interpreter on any backend (the CPU tests check
+what the GPU runs); None runs it where the backend is a GPU and the kernel, tried once on a small
+matrix of each width, compiles and gives the dequantized matrix's product there (`_works`): where
+it does not, matrices stay packed and XLA multiplies them, as before the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxinfer.quant import BLOCK, GROUP, METHODS, pack, quantize
+
+ROWS = 16  # the kernel's rows: Triton's dot takes 16 at least; decode's batches up to 16 take it
+BN = 128  # outputs per program at most (fewer where they do not divide the matrix's: a power of two ≥ 16)
+PROGRAMS = 264  # at least this many programs (2 per multiprocessor of an H100): the inputs split until there are
+MODE: str | None = None  # "interpret": the kernel through Pallas' interpreter, on any backend
+
+
+def kernel_here() -> bool:
+    return MODE == "interpret" or (MODE is None and jax.default_backend() == "gpu" and _works())
+
+
+@functools.cache
+def _works() -> bool:
+    """The kernel compiled and checked on this GPU: int8 and int4 columns of a 256 × 512 matrix
+    against their dequantized product (a failure to lower or a wrong answer turns it off)."""
+    try:
+        x = jax.random.normal(jax.random.key(0), (3, 512)).astype(jnp.bfloat16)
+        for method in ("int8", "int4"):
+            w = jax.random.normal(jax.random.key(1), (256, 512)) * 0.02
+            columns = to_columns(quantize(w, method), method)
+            got = quantized_matmul(x, *columns, METHODS[method].bits)
+            expected = jnp.dot(x.astype(jnp.float32), columns_dense(columns, method))
+            if not bool(jnp.abs(got - expected).max() <= 1e-3 * jnp.abs(expected).max()):
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def _program(x_ref, q_ref, s_ref, o_ref, *, blocks: int, bits: int):
+    """One program's outputs [ROWS, bn] over its share of the inputs: `blocks` blocks of 32."""
+
+    def block(b, total):
+        scale = s_ref[pl.ds(b, 1), :].astype(jnp.float32)  # [1, BN]
+        if bits == 8:
+            codes = q_ref[pl.ds(b * BLOCK, BLOCK), :].astype(x_ref.dtype)
+            part = jnp.dot(x_ref[:, pl.ds(b * BLOCK, BLOCK)], codes, preferred_element_type=jnp.float32)
+        else:  # rows 0-15 of the block in the low nibbles, 16-31 in the high
+            both = q_ref[pl.ds(b * (BLOCK // 2), BLOCK // 2), :].astype(jnp.int32)
+            half = BLOCK // 2
+            f32 = jnp.float32
+            low, high = ((both & 15) - 8).astype(x_ref.dtype), ((both >> 4) - 8).astype(x_ref.dtype)
+            part = jnp.dot(x_ref[:, pl.ds(b * BLOCK, half)], low, preferred_element_type=f32)
+            part += jnp.dot(x_ref[:, pl.ds(b * BLOCK + half, half)], high, preferred_element_type=f32)
+        return total + part * scale
+
+    o_ref[...] = jax.lax.fori_loop(0, blocks, block, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _split(k_blocks: int, programs: int) -> int:
+    """Into how many shares the inputs' blocks go: the fewest that make `PROGRAMS` programs, each a
+    whole number of blocks."""
+    split = 1
+    while programs * split < PROGRAMS and k_blocks % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+@partial(jax.jit, static_argnames=("bits",))
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+    """x [M ≤ ROWS, in] @ the columns' matrix → [M, out] float32, by the kernel."""
+    M, K = x.shape
+    N = scale.shape[1]
+    bn = next(n for n in (BN, 64, 32, 16) if N % n == 0)  # quantized matrices' outputs come in 16s
+    rows = jnp.zeros((ROWS, K), x.dtype).at[:M].set(x)
+    split = _split(K // BLOCK, N // bn)
+    share = K // split  # inputs per program
+    per_code = 8 // bits  # codes a byte
+    params = {}
+    if MODE != "interpret":
+        from jax.experimental.pallas import triton as plgpu
+
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=3)
+    out = pl.pallas_call(
+        partial(_program, blocks=share // BLOCK, bits=bits),
+        out_shape=jax.ShapeDtypeStruct((split, ROWS, N), jnp.float32),
+        grid=(N // bn, split),
+        in_specs=[
+            pl.BlockSpec((ROWS, share), lambda i, j: (0, j)),
+            pl.BlockSpec((share // per_code, bn), lambda i, j: (j, i)),
+            pl.BlockSpec((share // BLOCK, bn), lambda i, j: (j, i)),
+        ],
+        out_specs=pl.BlockSpec((None, ROWS, bn), lambda i, j: (j, 0, i)),
+        interpret=MODE == "interpret",
+        **params,
+    )(rows, q, scale)
+    return out.sum(0)[:M]
+
+
+# ------------------------------------------------------------------------------------ columns
+# A scale-per-block method's matrix as the kernel reads it: codes [in, out] (int8; 4 bits: uint8
+# [in/2, out], a block's rows 0-15 in the low nibbles and 16-31 in the high ones, each code + 8) and
+# scales [in/32, out].
+
+
+@functools.partial(jax.jit, static_argnames="method")
+def to_columns(arrays: tuple, method: str) -> tuple[jax.Array, jax.Array]:
+    """The packed leaf's arrays (int8, int4, q8_0, q4_0) as columns: the same codes and scales."""
+    m, (q, scale) = METHODS[method], arrays
+    groups, blocks = q.shape[:2]
+    n, k = groups * GROUP, blocks * BLOCK
+    codes = m.values(q).transpose(1, 2, 4, 0, 3).reshape(k, n)  # [k/32, chunk, 4, n/16, 16]: w[n, k] at [k, n]
+    if m.bits == 8:
+        codes = codes.astype(jnp.int8)
+    else:
+        halves = (codes + 8).astype(jnp.uint8).reshape(blocks, 2, BLOCK // 2, n)
+        codes = (halves[:, 0] | (halves[:, 1] << 4)).reshape(k // 2, n)
+    return codes, scale.transpose(1, 0, 2).reshape(blocks, n)
+
+
+def _column_values(q: jax.Array, method: str) -> jax.Array:
+    """Columns' codes → integer values [in, ...] (int32), the 4-bit ones unpacked and centred."""
+    if METHODS[method].bits == 8:
+        return q.astype(jnp.int32)
+    wide = q.astype(jnp.int32).reshape(-1, BLOCK // 2, *q.shape[1:])
+    return jnp.concatenate([(wide & 15) - 8, (wide >> 4) - 8], axis=1).reshape(-1, *q.shape[1:])
+
+
+@functools.partial(jax.jit, static_argnames="method")
+def from_columns(arrays: tuple, method: str) -> tuple[jax.Array, jax.Array]:
+    """Columns' arrays packed again (as checkpoints store them: `forms.to_stored`)."""
+    q, scale = arrays
+    blocks, n = scale.shape
+    values = _column_values(q, method).T.reshape(n, blocks, BLOCK)
+    return pack(values + (8 if METHODS[method].bits == 4 else 0), scale.T, method)
+
+
+def columns_dense(arrays: tuple, method: str, dtype=jnp.float32) -> jax.Array:
+    """Columns' matrix [in, out] in `dtype`."""
+    q, scale = arrays
+    values = _column_values(q, method).astype(jnp.float32)
+    return (values * jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=0)).astype(dtype)
+
+
+def columns_matmul(x: jax.Array, arrays: tuple, method: str) -> jax.Array:
+    """x [..., in] @ the columns' matrix → [..., out] float32: decode's few rows by the kernel (the
+    codes read as stored), more rows by XLA's product of the dequantized matrix."""
+    q, scale = arrays
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= ROWS and kernel_here():
+        out = quantized_matmul(rows, q, scale, METHODS[method].bits)
+    else:
+        out = jnp.dot(rows, columns_dense(arrays, method, x.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def columns_rows(arrays: tuple, method: str, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of the [out, in] matrix from its columns (the embedding lookup)."""
+    q, scale = arrays
+    values = _column_values(q[:, ids.reshape(-1)], method).astype(jnp.float32)  # [in, ids]
+    rows = values * jnp.repeat(scale[:, ids.reshape(-1)].astype(jnp.float32), BLOCK, axis=0)
+    return rows.T.reshape(*ids.shape, -1).astype(dtype)

@@ -1,0 +1,81 @@
+"""The GPU's kernels on the CPU, through Pallas' interpreter (`gpu.MODE = "interpret"`): what a GPU
+runs, checked where CI runs. Quantized matrices in columns (`gpu.to_columns`) hold the packed
+form's codes and scales exactly; the kernel's products equal the dequantized matrix's within float32
+rounding, for decode's rows; a model quantized in columns generates what the packed form does
+through XLA's product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import forms, gpu, kernel
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setattr(gpu, "MODE", "interpret")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "q8_0", "q4_0"])
+def test_columns_hold_the_packed_matrix_and_the_kernel_multiplies_it(interpret, method):
+    for out, in_, rows in ((256, 512, 1), (384, 1024, 16), (160, 64, 3), (48, 96, 5), (128, 256, 40)):
+        w = jax.random.normal(jax.random.key(out + in_), (out, in_)) * 0.02
+        packed = forms.Quantized.of(w, method)
+        columns = packed.in_columns()
+        assert columns.layout == "columns" and columns.q.shape == (in_ // (2 if "4" in method else 1), out)
+        assert all(bool((a == b).all()) for a, b in zip(packed.arrays, columns.packed().arrays))
+        dense = np.asarray(packed.dense())
+        np.testing.assert_array_equal(np.asarray(columns.dense()), dense)
+        ids = jnp.asarray([[0, 7], [out - 1, 3]])
+        np.testing.assert_array_equal(np.asarray(columns.take_rows(ids, jnp.float32)), dense[np.asarray(ids)])
+        x = jax.random.normal(jax.random.key(rows), (rows, in_)).astype(jnp.bfloat16)
+        expected = np.asarray(x, np.float32) @ dense.T
+        got = np.asarray(columns.matmul(x, False, jnp.float32))
+        # the kernel (≤ 16 rows): float32 sums of exact products; more rows: the matrix in bfloat16
+        bound = 1e-6 if rows <= gpu.ROWS else 4e-3
+        assert np.abs(got - expected).max() <= bound * np.abs(expected).max(), (rows, method)
+
+
+def test_the_inputs_split_until_the_programs_fill_the_gpu():
+    assert gpu._split(4096 // 32, 14336 // 128) == 4  # 8B gate/up: 112 programs × 4 shares
+    assert gpu._split(14336 // 32, 4096 // 128) == 16  # 8B down: 32 × 16 (256 would not fill them)
+    assert gpu._split(3, 1) == 1  # blocks that do not halve stay whole
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_model_in_columns_generates_what_the_packed_form_does(tiny, monkeypatch, quantize):
+    path = tiny("llama")
+    ids = [0, 11, 42, 7, 19, 3]
+
+    def greedy(model) -> list[int]:
+        gen = Generation(model, Engine(model.config, model.params, 64, ()), ids, Sampling(), 12)
+        list(gen)
+        return gen.token_ids
+
+    monkeypatch.setattr(kernel, "enabled", False)  # the packed form through XLA's product, as a GPU had it
+    expected = greedy(load_model(path, quantize=quantize))
+    monkeypatch.setattr(gpu, "MODE", "interpret")
+    model = load_model(path, quantize=quantize)
+    assert {
+        leaf.layout
+        for leaf in jax.tree.leaves(model.params, is_leaf=forms.is_form)
+        if isinstance(leaf, forms.Quantized)
+    } == {"columns"}
+    assert greedy(model) == expected
+    stored = forms.to_stored(model.params)  # checkpoints keep the packed form
+    assert stored["layers"][0]["wq"]["q"].ndim == 5
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel lowers")
+def test_a_kernel_that_cannot_run_here_turns_itself_off():
+    """Tried once (`gpu._works`): where it does not lower (here: no Triton on the CPU) or answers
+    wrong, matrices stay packed and XLA multiplies them."""
+    gpu._works.cache_clear()
+    assert not gpu._works() and not gpu.kernel_here()
+    tree = {"layers": [{"wq": forms.Quantized.of(jnp.ones((32, 64)), "int8")}], "embed": forms.Plain(jnp.ones((16, 8)))}
+    assert forms.lay_out(tree, "in_out")["layers"][0]["wq"].layout == "packed"
