@@ -79,3 +79,16 @@ def test_a_kernel_that_cannot_run_here_turns_itself_off():
     assert not gpu._works() and not gpu.kernel_here()
     tree = {"layers": [{"wq": forms.Quantized.of(jnp.ones((32, 64)), "int8")}], "embed": forms.Plain(jnp.ones((16, 8)))}
     assert forms.lay_out(tree, "in_out")["layers"][0]["wq"].layout == "packed"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the kernel itself, lowered by Triton: on a GPU")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_on_a_gpu_the_kernel_lowers_and_multiplies(method):
+    assert gpu.kernel_here()
+    for out, in_, rows in ((4096, 4096, 1), (2048, 8192, 16), (14336, 4096, 4)):
+        w = jax.random.normal(jax.random.key(out), (out, in_)) * 0.02
+        columns = forms.Quantized.of(w, method).in_columns()
+        x = jax.random.normal(jax.random.key(rows), (rows, in_)).astype(jnp.bfloat16)
+        expected = np.asarray(jnp.dot(x.astype(jnp.float32), columns.dense().T, precision="highest"))
+        got = np.asarray(columns.matmul(x, False, jnp.float32))
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max(), (out, in_, rows)
