@@ -189,7 +189,7 @@ def test_convert_then_run_the_converted_model(model, tmp_path):
     original = json.loads(jaxinfer("run", "-m", model, "Paris", "-n", "8", "--temp", "0", "--json").stdout)
     converted = json.loads(jaxinfer("run", "-m", out, "Paris", "-n", "8", "--temp", "0", "--json").stdout)
     assert converted["token_ids"] == original["token_ids"]
-    assert_one_line_error(jaxinfer("convert", model, out), "not empty")
+    assert_one_line_error(jaxinfer_here("convert", model, out), "not empty")
 
 
 @pytest.fixture
@@ -226,21 +226,21 @@ def test_hub_ids_from_the_local_hub_cache_offline(model, tmp_path):
 
 
 def test_missing_and_empty_model_directories(tmp_path):
-    assert_one_line_error(jaxinfer("run", "-m", tmp_path / "nope", "hi"), "does not exist")
-    assert_one_line_error(jaxinfer("run", "-m", tmp_path, "hi"), "config.json")
+    assert_one_line_error(jaxinfer_here("run", "-m", tmp_path / "nope", "hi"), "does not exist")
+    assert_one_line_error(jaxinfer_here("run", "-m", tmp_path, "hi"), "config.json")
 
 
 def test_truncated_safetensors(broken):
     path = broken()
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "corrupt")
+    assert_one_line_error(jaxinfer_here("run", "-m", path, "hi"), "corrupt")
 
 
 def test_garbage_safetensors(broken):
     path = broken()
     (path / "model.safetensors").write_bytes(b"\x00" * 64)
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "corrupt")
+    assert_one_line_error(jaxinfer_here("run", "-m", path, "hi"), "corrupt")
 
 
 @pytest.mark.slow
@@ -248,11 +248,11 @@ def test_config_weights_mismatch(broken):
     path = broken()
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "mlp", "shape")
+    assert_one_line_error(jaxinfer_here("run", "-m", path, "hi"), "mlp", "shape")
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "missing tensor model.layers.2")
+    assert_one_line_error(jaxinfer_here("run", "-m", path, "hi"), "missing tensor model.layers.2")
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    assert_one_line_error(jaxinfer("run", "-m", path, "hi"), "model.layers.1")
+    assert_one_line_error(jaxinfer_here("run", "-m", path, "hi"), "model.layers.1")
 
 
 def test_unknown_architecture_lists_the_supported_ones(broken):
@@ -269,13 +269,13 @@ def test_prompt_beyond_context_empty_prompt_and_bad_flags(model):
     assert_one_line_error(
         jaxinfer("run", "-m", model, "The capital of France is", "-n", "100", "-c", "64"), "exceeds the context"
     )
-    assert_one_line_error(jaxinfer("run", "-m", model, "   "), "empty")
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--temp", "-1"), "--temp")
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--top-p", "0"), "--top-p")
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--dtype", "int4"), "--dtype")
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
-    assert_one_line_error(jaxinfer("batch", "-m", model, "-", "--prefill-chunk", "8"), "--prefill-chunk")
-    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "   "), "empty")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "--temp", "-1"), "--temp")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "--top-p", "0"), "--top-p")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "--dtype", "int4"), "--dtype")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "--max-tokens", "many"), "--max-tokens")
+    assert_one_line_error(jaxinfer_here("batch", "-m", model, "-", "--prefill-chunk", "8"), "--prefill-chunk")
+    assert_one_line_error(jaxinfer_here("run", "-m", model, "hi", "--no-such-flag"), "--no-such-flag")
 
 
 @pytest.mark.slow
@@ -312,7 +312,7 @@ def test_global_flags_after_the_command_and_a_model_directory_given_as_the_promp
     cache = tmp_path / "compiled"
     assert jaxinfer("run", "-m", model, "hi", "-n", "2", "--compile-cache", cache).returncode == 0
     assert any(cache.iterdir())
-    assert_one_line_error(jaxinfer("run", model), "is a directory", f"-m {model}")
+    assert_one_line_error(jaxinfer_here("run", model), "is a directory", f"-m {model}")
     # XLA's pool sized by the cores pinned
     assert jaxinfer("run", "-m", model, "hi", "-n", "2", "-t", "1").returncode == 0
     assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-t", str(os.cpu_count() + 1)), "-t/--threads")
@@ -428,7 +428,7 @@ def test_a_damaged_converted_checkpoint_is_one_line_naming_it(model, tmp_path):
         assert "does not match" not in proc.stderr
     config = json.loads((converted / "config.json").read_text())
     (converted / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
-    assert_one_line_error(jaxinfer("run", "-m", converted, "hi"), "does not match config.json", "stored shape")
+    assert_one_line_error(jaxinfer_here("run", "-m", converted, "hi"), "does not match config.json", "stored shape")
 
 
 @pytest.mark.slow
@@ -488,8 +488,10 @@ def test_batch_outputs_that_cannot_be_written_and_lines_that_are_not_utf8(model,
         b'{"id": 1, "prompt": "caf\xe9"}\n{"id": 2, "prompt": "Hello", "max_tokens": 3}\n'
         b'{"id": "\\udcff", "prompt": "x", "max_tokens": 2}\n'
     )
-    assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path, "-m", model), "is a directory")
-    assert_one_line_error(jaxinfer("batch", inp, "-o", tmp_path / "missing" / "out.jsonl", "-m", model), "cannot write")
+    assert_one_line_error(jaxinfer_here("batch", inp, "-o", tmp_path, "-m", model), "is a directory")
+    assert_one_line_error(
+        jaxinfer_here("batch", inp, "-o", tmp_path / "missing" / "out.jsonl", "-m", model), "cannot write"
+    )
     proc = jaxinfer("batch", inp, "-m", model, "-b", "10000000", "-c", "256")  # slots capped by the 3 requests
     assert proc.returncode == 1, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 
 from jaxinfer.constrain import Constraint, from_request
 from jaxinfer.decode import Speculation
@@ -213,10 +213,10 @@ def test_cli_constraints_in_run_and_batch(tmp_path):
     assert run.returncode == 0 and re.fullmatch(r"n = [0-9]*", run.stdout.strip()), run.stdout
     assert jaxinfer("run", PROMPT, "--choice", "red,green", "--no-stats").stdout.strip() in ("red", "green")
 
-    assert_one_line_error(jaxinfer("run", PROMPT, "--regex", "[a-"), "regex")
-    assert_one_line_error(jaxinfer("run", PROMPT, "--regex", "a", "--choice", "b"), "--regex", "--choice")
-    assert_one_line_error(jaxinfer("run", PROMPT, "--json-schema", str(tmp_path / "none.json")), "none.json")
-    assert_one_line_error(jaxinfer("run", PROMPT, "--json-schema", '{"type": "objec"}'), "objec")
+    assert_one_line_error(jaxinfer_here("run", PROMPT, "--regex", "[a-"), "regex")
+    assert_one_line_error(jaxinfer_here("run", PROMPT, "--regex", "a", "--choice", "b"), "--regex", "--choice")
+    assert_one_line_error(jaxinfer_here("run", PROMPT, "--json-schema", str(tmp_path / "none.json")), "none.json")
+    assert_one_line_error(jaxinfer_here("run", PROMPT, "--json-schema", '{"type": "objec"}'), "objec")
 
     lines = [
         {"id": "schema", "prompt": PROMPT, "max_tokens": 120, "guided_json": SCHEMAS[2]},

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import greedy_reference, reference
 
 from jaxinfer import forms
@@ -163,4 +163,4 @@ def test_the_cli_drafts_with_a_model(tiny, models):
     assert_one_line_error(
         jaxinfer("run", "-m", target, "x", "--draft-model", tiny("llama", tokenizer="sentencepiece")), "vocabulary"
     )
-    assert_one_line_error(jaxinfer("run", "x", "--speculate", "ngram", "--draft-model", target), "--draft-model")
+    assert_one_line_error(jaxinfer_here("run", "x", "--speculate", "ngram", "--draft-model", target), "--draft-model")

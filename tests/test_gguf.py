@@ -12,7 +12,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import our_prompt_logits
 
 from jaxinfer import forms, gguf_model, weights
@@ -196,7 +196,7 @@ def test_run_takes_a_gguf_file_from_a_path_and_from_the_hub_cache(tmp_path):
         assert json.loads(proc.stdout)["token_ids"] == answer["greedy"].tolist()
     missing = jaxinfer("run", "-m", "acme/tiny-GGUF", "--gguf-file", "q4.gguf", "Hi", env=offline)
     assert_one_line_error(missing, "acme/tiny-GGUF, file q4.gguf", "HF_HUB_OFFLINE")
-    assert_one_line_error(jaxinfer("run", "--gguf-file", "q4.gguf", "Hi"), "--gguf-file names a file of a hub")
+    assert_one_line_error(jaxinfer_here("run", "--gguf-file", "q4.gguf", "Hi"), "--gguf-file names a file of a hub")
 
 
 def test_ollama_names_its_blob(tmp_path, monkeypatch):
@@ -259,7 +259,7 @@ def test_bad_files_are_one_line_each(tmp_path):
         (retyped(tmp_path, "llama-sp-256.Q4_K_M.gguf", q4_k, gguf.GGMLQuantizationType.IQ4_XS), "IQ4_XS, a type"),
     ]
     for path, words in cases:
-        assert_one_line_error(jaxinfer("run", "-m", path, "Hi", "-n", "1"), words)
+        assert_one_line_error(jaxinfer_here("run", "-m", path, "Hi", "-n", "1"), words)
 
 
 def header_replaced(old: bytes, new: bytes):

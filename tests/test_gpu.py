@@ -23,7 +23,7 @@ def interpret(monkeypatch):
 
 @pytest.mark.parametrize("method", ["int8", "int4", "q8_0", "q4_0"])
 def test_columns_hold_the_packed_matrix_and_the_kernel_multiplies_it(interpret, method):
-    for out, in_, rows in ((256, 512, 1), (384, 1024, 16), (160, 64, 3), (48, 96, 5), (128, 256, 40)):
+    for out, in_, rows in ((256, 512, 1), (160, 64, 16), (48, 96, 5), (128, 256, 40)):
         w = jax.random.normal(jax.random.key(out + in_), (out, in_)) * 0.02
         packed = forms.Quantized.of(w, method)
         columns = packed.in_columns()
@@ -47,7 +47,7 @@ def test_the_inputs_split_until_the_programs_fill_the_gpu():
     assert gpu._split(3, 1) == 1  # blocks that do not halve stay whole
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int4"])  # int8's columns: the matrices' test; 4 bits unpack more
 def test_a_model_in_columns_generates_what_the_packed_form_does(tiny, monkeypatch, quantize):
     path = tiny("llama")
     ids = [0, 11, 42, 7, 19, 3]

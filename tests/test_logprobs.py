@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import alone, hf_logits, reference
 
 from jaxinfer.decode import Speculation
@@ -166,10 +166,10 @@ def test_cli_logprobs_in_run_and_in_openai_batch_shapes(tmp_path):
     assert "alternatives" in table.stderr and "logprob" not in table.stdout
     echoed = json.loads(jaxinfer("run", "def main(", "-n", "2", "--logprobs", "1", "--echo", "--json").stdout)
     assert len(echoed["prompt_logprobs"]) == echoed["prompt_tokens"] and echoed["prompt_logprobs"][0]["logprob"] is None
-    assert_one_line_error(jaxinfer("run", "def", "--echo"), "--echo", "--logprobs")
+    assert_one_line_error(jaxinfer_here("run", "def", "--echo"), "--echo", "--logprobs")
 
     for bad in ("21", "-1"):
-        assert_one_line_error(jaxinfer("run", "def", "--logprobs", bad), "--logprobs")
+        assert_one_line_error(jaxinfer_here("run", "def", "--logprobs", bad), "--logprobs")
 
     lines = [
         {

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from kernel_helpers import needs_kernel, xla_dot
 
 from jaxinfer import forms, kernel, quant
@@ -232,8 +232,10 @@ def test_convert_stores_the_quantized_tree_and_runs_without_the_flag(tiny, tmp_p
     at_load = jaxinfer("run", "-m", path, "--quantize", "int8", *args)
     assert stored.returncode == 0, stored.stderr
     assert json.loads(stored.stdout)["token_ids"] == json.loads(at_load.stdout)["token_ids"]
-    assert_one_line_error(jaxinfer("run", "-m", converted, "-q", "int4", "Hi"), "already stored quantized (int8)")
-    assert_one_line_error(jaxinfer("convert", converted, tmp_path / "again", "-q", "int4"), "already a converted model")
+    assert_one_line_error(jaxinfer_here("run", "-m", converted, "-q", "int4", "Hi"), "already stored quantized (int8)")
+    assert_one_line_error(
+        jaxinfer_here("convert", converted, tmp_path / "again", "-q", "int4"), "already a converted model"
+    )
 
 
 @pytest.mark.slow
@@ -242,9 +244,11 @@ def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
     assert_one_line_error(
         jaxinfer("run", "-m", path, "--quantize", "int3", "Hi"), "--quantize must be one of int8, int4, q8_0, q4_0"
     )
-    assert_one_line_error(jaxinfer("convert", path, tmp_path / "x", "--quantize", "fp8"), "--quantize must be one of")
+    assert_one_line_error(
+        jaxinfer_here("convert", path, tmp_path / "x", "--quantize", "fp8"), "--quantize must be one of"
+    )
     assert not (tmp_path / "x").exists()
-    assert_one_line_error(jaxinfer("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
+    assert_one_line_error(jaxinfer_here("perplexity", "-m", path, tmp_path / "missing.txt"), "cannot read")
     assert_one_line_error(
         jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize, --kv-dtype or a 16-bit --dtype too"
     )

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 import pytest
-from cli_helpers import assert_one_line_error, jaxinfer
+from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import greedy_reference, reference
 
 from jaxinfer.decode import Speculation
@@ -166,6 +166,6 @@ def test_bench_speculates_and_reports_what_it_kept(tiny):
 
 
 def test_bad_flags_are_one_line_errors():
-    assert_one_line_error(jaxinfer("run", "x", "--speculate", "medusa"), "--speculate", "ngram")
-    assert_one_line_error(jaxinfer("run", "x", "--speculate", "ngram", "--num-draft", "0"), "--num-draft")
-    assert_one_line_error(jaxinfer("run", "x", "--num-draft", "3"), "--speculate")
+    assert_one_line_error(jaxinfer_here("run", "x", "--speculate", "medusa"), "--speculate", "ngram")
+    assert_one_line_error(jaxinfer_here("run", "x", "--speculate", "ngram", "--num-draft", "0"), "--num-draft")
+    assert_one_line_error(jaxinfer_here("run", "x", "--num-draft", "3"), "--speculate")
