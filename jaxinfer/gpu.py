@@ -21,6 +21,7 @@ it does not, matrices stay packed and XLA multiplies them, as before the kernel.
 from __future__ import annotations
 
 import functools
+import threading
 from functools import partial
 
 import jax
@@ -42,19 +43,33 @@ def kernel_here() -> bool:
 @functools.cache
 def _works() -> bool:
     """The kernel compiled and checked on this GPU: int8 and int4 columns of a 256 × 512 matrix
-    against their dequantized product (a failure to lower or a wrong answer turns it off)."""
-    try:
-        x = jax.random.normal(jax.random.key(0), (3, 512)).astype(jnp.bfloat16)
-        for method in ("int8", "int4"):
-            w = jax.random.normal(jax.random.key(1), (256, 512)) * 0.02
-            columns = to_columns(quantize(w, method), method)
-            got = quantized_matmul(x, *columns, METHODS[method].bits)
-            expected = jnp.dot(x.astype(jnp.float32), columns_dense(columns, method))
-            if not bool(jnp.abs(got - expected).max() <= 1e-3 * jnp.abs(expected).max()):
-                return False
-        return True
-    except Exception:
-        return False
+    against their dequantized product (a failure to lower or a wrong answer turns it off). On a
+    thread of its own, whose JAX traces nothing: the first question may come while tracing
+    (`lay_out` under `eval_shape`, a program that multiplies), where the check would be traced too."""
+    answer = []
+
+    def check():
+        try:
+            answer.append(_check())
+        except Exception:
+            answer.append(False)
+
+    thread = threading.Thread(target=check, name="jaxinfer-gpu-check")
+    thread.start()
+    thread.join()
+    return answer[0]
+
+
+def _check() -> bool:
+    x = jax.random.normal(jax.random.key(0), (3, 512)).astype(jnp.bfloat16)
+    for method in ("int8", "int4"):
+        w = jax.random.normal(jax.random.key(1), (256, 512)) * 0.02
+        columns = to_columns(quantize(w, method), method)
+        got = quantized_matmul(x, *columns, METHODS[method].bits)
+        expected = jnp.dot(x.astype(jnp.float32), columns_dense(columns, method))
+        if not bool(jnp.abs(got - expected).max() <= 1e-3 * jnp.abs(expected).max()):
+            return False
+    return True
 
 
 def _program(x_ref, q_ref, s_ref, o_ref, *, blocks: int, bits: int):
@@ -86,9 +101,13 @@ def _split(k_blocks: int, programs: int) -> int:
     return split
 
 
-@partial(jax.jit, static_argnames=("bits",))
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
-    """x [M ≤ ROWS, in] @ the columns' matrix → [M, out] float32, by the kernel."""
+    """x [M ≤ ROWS, in] @ the columns' matrix → [M, out] float32, by the kernel (`MODE`'s)."""
+    return _quantized_matmul(x, q, scale, bits, MODE == "interpret")
+
+
+@partial(jax.jit, static_argnames=("bits", "interpret"))
+def _quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, interpret: bool) -> jax.Array:
     M, K = x.shape
     N = scale.shape[1]
     bn = next(n for n in (BN, 64, 32, 16) if N % n == 0)  # quantized matrices' outputs come in 16s
@@ -97,7 +116,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) ->
     share = K // split  # inputs per program
     per_code = 8 // bits  # codes a byte
     params = {}
-    if MODE != "interpret":
+    if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=3)
@@ -111,7 +130,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) ->
             pl.BlockSpec((share // BLOCK, bn), lambda i, j: (j, i)),
         ],
         out_specs=pl.BlockSpec((None, ROWS, bn), lambda i, j: (j, 0, i)),
-        interpret=MODE == "interpret",
+        interpret=interpret,
         **params,
     )(rows, q, scale)
     return out.sum(0)[:M]

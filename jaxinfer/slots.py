@@ -226,7 +226,7 @@ class Slots:
     ):
         self.cfg, self.params, self.batch, self.max_context, self.eos_ids = cfg, params, batch, max_context, eos_ids
         # over abstract weights (`jax.ShapeDtypeStruct`s, as they will load): calls compile their
-        # programs and run nothing, which leaves them in the persistent cache (`loading.compile_ahead`)
+        # programs and run nothing; JAX keeps what they compiled for the real ones (`engine.compile_ahead`)
         self.dry = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))

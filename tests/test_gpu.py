@@ -92,3 +92,11 @@ def test_on_a_gpu_the_kernel_lowers_and_multiplies(method):
         expected = np.asarray(jnp.dot(x.astype(jnp.float32), columns.dense().T, precision="highest"))
         got = np.asarray(columns.matmul(x, False, jnp.float32))
         assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max(), (out, in_, rows)
+
+
+def test_the_kernel_check_answers_where_it_is_first_asked_while_tracing(interpret):
+    """On a GPU the first question may come from `lay_out` under `eval_shape` (compile-ahead's
+    abstract weights): the check still runs the kernel, not a trace of it that would say no."""
+    answers = []
+    jax.eval_shape(lambda: answers.append(gpu._works.__wrapped__()) or jnp.zeros(()))
+    assert answers == [True]
