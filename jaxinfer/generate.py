@@ -100,12 +100,11 @@ def check_echo(echo: bool, logprobs: int | None) -> None:
         raise JaxinferError("echo gives the prompt's log-probabilities: it needs logprobs", "echo", "logprobs")
 
 
-def prompt_logprob_entries(tokenizer: Tokenizer, ids: list[int], logprobs: list, top_n: int) -> list[dict]:
-    """A prompt's tokens as `logprob_entries`, the first with none (nothing comes before it): what
-    OpenAI's `echo` gives. `logprobs`: `perplexity.prompt_logprobs`'s, one per token after the first."""
-    raw = tokenizer.token_bytes(ids[0])
-    first = {"token": raw.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(raw), "top_logprobs": []}
-    return [first] + logprob_entries(tokenizer, ids[1:], logprobs, top_n)
+def prompt_logprob_entries(model: LoadedModel, ids: list[int], top_n: int) -> list[dict]:
+    """A prompt's tokens as `logprob_entries`, scored by `perplexity.prompt_logprobs`, the first with
+    none (nothing comes before it): what OpenAI's `echo` gives."""
+    scored = prompt_logprobs(model.config, model.params, ids)
+    return logprob_entries(model.tokenizer, ids, [(None, (), ())] + scored, top_n)
 
 
 class Generation:
@@ -132,7 +131,7 @@ class Generation:
         added to its logit at every step (-inf: never)."""
         check_echo(echo, logprobs)
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._echoed = (model.config, model.params) if echo else None
+        self._echoed = model if echo else None
         self.finish_reason: str | None = None
         self._tokenizer, self._top_n = model.tokenizer, logprobs
         self._tokens = engine.generate(
@@ -188,8 +187,7 @@ class Generation:
         """Where `echo` asked for them, the prompt's tokens' (`prompt_logprob_entries`)."""
         if self._echoed is None:
             return None
-        scored = prompt_logprobs(*self._echoed, self.prompt_ids)
-        return prompt_logprob_entries(self._tokenizer, self.prompt_ids, scored, self._top_n)
+        return prompt_logprob_entries(self._echoed, self.prompt_ids, self._top_n)
 
     def result(self) -> dict:
         logprobs, prompt = self.logprobs(), self.prompt_logprobs()

@@ -48,14 +48,18 @@ def windows(tokens: int, context: int, stride: int) -> list[Window]:
     return out
 
 
+def _next_token_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, rope_len=None) -> jax.Array:
+    """Log-probabilities [T-1, V] of each next token of `tokens` [T] from position 0, over the ids
+    the tokenizer has (as sampling); `rope_len` as `model.forward`'s."""
+    T = tokens.shape[0]
+    hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1, rope_len=rope_len)
+    return jax.nn.log_softmax(model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids], -1)
+
+
 @partial(jax.jit, static_argnames=("cfg",))
 def _window_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Log-probabilities [T-1, V] of each next token of one window [T], over the ids the
-    tokenizer has (as sampling)."""
-    T = tokens.shape[0]
-    hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1)
-    logits = model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids]
-    return jax.nn.log_softmax(logits, -1)
+    """`_next_token_logprobs` of one window [T]."""
+    return _next_token_logprobs(params, tokens, cfg)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -65,10 +69,7 @@ def _prompt_top(
     """Of each token of `tokens` [T] (the first `length` real, the rest padding) after the first:
     its log-probability [T-1] given those before it, and the TOP_LOGPROBS most likely ids there
     [T-1, N] with theirs. longrope picks its factors by the real length."""
-    T = tokens.shape[0]
-    rope_len = jnp.full((1, 1), length, jnp.int32)
-    hidden, _ = model.forward(params, cfg, tokens[None, :-1], jnp.arange(T - 1)[None], None, T - 1, rope_len=rope_len)
-    scores = jax.nn.log_softmax(model.logits(params, hidden[0], cfg)[:, : cfg.sampled_ids], -1)
+    scores = _next_token_logprobs(params, tokens, cfg, rope_len=jnp.full((1, 1), length, jnp.int32))
     chosen = jnp.take_along_axis(scores, tokens[1:, None], -1)[:, 0]
     top, ids = jax.lax.top_k(scores, min(TOP_LOGPROBS, scores.shape[-1]))
     return chosen, ids, top

@@ -29,7 +29,6 @@ from jaxinfer.engine import Speculated, finish_reason, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import TextStream, logprob_entries, prompt_logprob_entries
 from jaxinfer.loading import LoadedModel
-from jaxinfer.perplexity import prompt_logprobs
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
@@ -345,7 +344,5 @@ class Scheduler:
         (one pass over the prompt, here on the scheduler's thread between dispatches)."""
         if request.logprobs is None:
             return {"prompt": request.echo}
-        ids, model = request.prompt_ids, self.model
-        scored = prompt_logprobs(model.config, model.params, ids)
-        entries = prompt_logprob_entries(model.tokenizer, ids, scored, request.logprobs)
+        entries = prompt_logprob_entries(self.model, request.prompt_ids, request.logprobs)
         return {"prompt": request.echo, "prompt_logprobs": entries}
