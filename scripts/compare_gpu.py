@@ -4,8 +4,9 @@ GPU's roofs, in one run:
     python scripts/compare_gpu.py                      # Llama-3.2-1B and Llama-3.1-8B shapes
     python scripts/compare_gpu.py --shapes llama-3.2-1b --batch 1,16 --quantize int8
 
-Each shape becomes a checkpoint of that shape made by transformers (on the GPU where there is one,
-bfloat16, weights ~ N(0, 0.02), the bundled model's tokenizer), kept in `--work`. Each engine runs
+Each shape (`scripts/shapes.py`) becomes a bfloat16 checkpoint of that shape made by transformers
+(`compare_peers.checkpoint`: on the GPU where there is one, its random initialisation, the bundled
+model's tokenizer), kept in `--work`. Each engine runs
 in a process of its own (one holds the GPU's memory at a time): transformers eager in bfloat16
 (prefill = one forward pass over the prompt; decode = `generate`'s tokens after the first over
 their time), jaxinfer as `jaxinfer bench` measures it (prefill = TTFT; decode in calls of
@@ -20,73 +21,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from compare_peers import checkpoint  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## On a GPU"
-
-SHAPES = {  # transformers.LlamaConfig fields of the real checkpoints
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    # small enough for a CPU: the script's own check
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def checkpoint(shape: str, work: Path) -> Path:
-    """The random-weight bfloat16 checkpoint of `shape` (made once, kept in `work`)."""
-    import torch
-    import transformers
-
-    from jaxinfer.modeldir import bundled_model_dir
-
-    out = work / shape
-    if (out / "config.json").is_file():
-        return out
-    config = transformers.LlamaConfig(
-        vocab_size=128256 if shape != "tiny" else 4096,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        **SHAPES[shape],
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.02)
-    model.save_pretrained(out)
-    for name in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(bundled_model_dir() / name, out / name)
-    return out
 
 
 def transformers_rates(model_dir: Path, prompt: int, new: int, batch: int, repeat: int) -> dict:
@@ -181,7 +124,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     rows, device, versions = [], "", set()
     for shape in args.shapes.split(","):
-        model_dir = checkpoint(shape, args.work)
+        model_dir = checkpoint(shape, args.work, "bfloat16")
         for batch in (int(b) for b in args.batch.split(",")):
             peer = measure("transformers", model_dir, args, batch)
             for quantize in [None] + [q for q in args.quantize.split(",") if q]:

@@ -51,13 +51,14 @@ from jaxinfer.modeldir import bundled_model_dir  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def checkpoint(shape: str, work: Path) -> Path:
-    """A random-weight float32 HF checkpoint of `shape` (made once, kept in `work`)."""
+def checkpoint(shape: str, work: Path, dtype: str = "float32") -> Path:
+    """A random-weight HF checkpoint of `shape` in `dtype` (made once, kept in `work`; on the GPU where
+    there is one: the 8B shape in float32 would take 32 GB of host memory)."""
     import torch
     import transformers
 
     out = work / shape
-    if (out / "model.safetensors").is_file():
+    if any(out.glob("*.safetensors")):  # one file, or a large model's shards
         return out
     cfg = SHAPES[shape]
     config = transformers.LlamaConfig(
@@ -77,7 +78,8 @@ def checkpoint(shape: str, work: Path) -> Path:
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(bundled_model_dir() / name, out / name)
     return out

@@ -41,6 +41,36 @@ SHAPES = {
         rope_theta=10000.0,
         sliding_windows=(None,) * 22,
     ),
+    # the GPU's (scripts/compare_gpu.py)
+    "llama-3.2-1b": ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        sliding_windows=(None,) * 16,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        sliding_windows=(None,) * 32,
+    ),
 }
 
 
