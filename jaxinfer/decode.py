@@ -29,11 +29,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.constrain import mask_words
+from jaxinfer.constrain import mask_words, on_host
 from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import TOP_LOGPROBS, Penalties, SamplerArrays, Sampling, logprobs, sample
 from jaxinfer.sharding import mesh_of
@@ -261,7 +260,7 @@ def _append(
         state = replace(state, penalties=replace(state.penalties, counts=counts))
     if constrain is not None:  # one array each way: each costs the callback a conversion
         W = state.allowed.shape[1]
-        fed = io_callback(constrain, jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
+        fed = on_host(constrain, jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
         state = replace(state, allowed=fed[:, :W], done=state.done | (fed[:, W] != 0))
     return state, made.sum(1)
 
