@@ -4,7 +4,10 @@ import os
 import subprocess
 
 
-def jaxinfer(*args, stdin=None, cache="", cwd=None, env=()):
+def jaxinfer(*args, stdin=None, cache=None, cwd=None, env=()):
+    """The command in a process of its own; `cache` its compiled-program cache ("": none; None: the
+    test session's, conftest's $JAXINFER_CACHE_DIR)."""
+    cache = os.environ.get("JAXINFER_CACHE_DIR", "") if cache is None else cache
     return subprocess.run(
         ["jaxinfer", *map(str, args)],
         input=stdin,

@@ -14,9 +14,11 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != CHECKOUT]
 
 # Tests must not write to the user's cache, nor read programs compiled by another version. The
-# machine's ceilings (for MFU/MBU) are measured once per test session, in a cache of its own.
-os.environ.setdefault("JAXINFER_CACHE_DIR", "")
+# machine's ceilings (for MFU/MBU) are measured once per test session, in a cache of its own, and
+# the `jaxinfer` processes the tests start share one compiled-program cache for the session, as a
+# user's runs share theirs (each process compiled the same few programs again: ~1–3 s a start).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
+os.environ.setdefault("JAXINFER_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "programs"))
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
 import pytest  # noqa: E402 (after the environment above)

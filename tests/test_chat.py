@@ -134,7 +134,7 @@ def spawn(model, *args):
         ["chat", "-m", str(model), *map(str, args)],
         encoding="utf-8",
         timeout=120,
-        env={**os.environ, "JAXINFER_CACHE_DIR": "", "TERM": "dumb", "COLUMNS": "200"},
+        env={**os.environ, "TERM": "dumb", "COLUMNS": "200"},  # the session's program cache (conftest)
     )
     child.expect_exact(">>> ")
     return child
