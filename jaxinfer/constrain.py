@@ -10,8 +10,8 @@ How the mask reaches the device: the decode programs call back to the host (`on_
 step, after the step's tokens are appended: `Matchers.advance` feeds each constrained row's new
 token to its matcher and returns every row's next bitmask, which the next step's sampling applies.
 The loop never leaves the device (no dispatch per token), and only programs of a state that
-constrains hold the call: a job without constraints compiles and runs exactly as before. A row without a constraint has every
-bit set, so its tokens are those it makes alone.
+constrains hold the call: a job without constraints compiles and runs exactly as before. A row
+without a constraint has every bit set, so its tokens are those it makes alone.
 """
 
 from __future__ import annotations

@@ -615,6 +615,20 @@ def decode(
 
 
 @partial(jax.jit, donate_argnames=("state",))
+def copy_rows(params: model.Params, state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Rows `dst` [R] take the tokens of rows `src` [R] with their K/V (the target's and a draft
+    model's), so that `prefill` can go on from any length the source held. What lies past that
+    length is overwritten before it is read (masks come from positions)."""
+    del params  # the programs' shared signature (`Slots._program`)
+    return replace(
+        state,
+        cache=state.cache.copy_rows(src, dst),
+        tokens=state.tokens.at[dst].set(state.tokens[src]),
+        draft_cache=state.draft_cache and state.draft_cache.copy_rows(src, dst),
+    )
+
+
+@partial(jax.jit, donate_argnames=("state",))
 def retire(state: DecodeState, rows: jax.Array) -> DecodeState:
     """Mark rows [B] bool as done (their text hit a stop string): the loop stops spending on them."""
     return replace(state, done=state.done | rows)

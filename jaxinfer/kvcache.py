@@ -11,7 +11,7 @@ attention never dequantizes: K's scales multiply the scores, V's the attention w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,11 @@ class KVCache:
         if fused:
             shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=fused)
+
+    def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
+        """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""
+        move = lambda a: None if a is None else a.at[:, dst].set(a[:, src])  # noqa: E731
+        return replace(self, k=move(self.k), v=move(self.v), k_scale=move(self.k_scale), v_scale=move(self.v_scale))
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for

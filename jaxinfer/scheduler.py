@@ -11,7 +11,10 @@ difference.
 
 A finished row keeps its K/V: a request whose prompt begins with tokens a free row holds (the same
 system prompt, a chat's earlier turns) is admitted to that row and prefills only the rest, as a chat
-does within one conversation (`Slots.reusable`).
+does within one conversation (`Slots.reusable`); where another row holds more of it (a running
+request's prompt, another free row's sequence), that row's K/V is copied over first. Requests that
+share a prompt's beginning and arrive together (n choices of one prompt, many clients' one system
+prompt) take one prefill between them: the second waits a step for the first's.
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ class Inbox:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def put_back(self, requests: list[Request]) -> None:
+        """Requests taken but not admitted yet: first again, in their order."""
+        with self._ready:
+            self._queue.extendleft(reversed(requests))
 
     def take(self) -> Request | None:
         """The next request not cancelled while it waited, or None if none is waiting."""
@@ -165,7 +173,7 @@ class Scheduler:
         steps, dispatched = CHUNK_STEPS if self.interval_s is None else 1, None
         while True:
             if continuous or not any(slots):
-                self._admit(inbox, slots)
+                self._admit(inbox, slots, wait_for_mates=continuous)
             self.busy = sum(slot is not None for slot in slots)
             if not any(slots):
                 if inbox.done:
@@ -186,31 +194,53 @@ class Scheduler:
                 for slot in filter(None, slots):
                     slot.compiling_s += self.stats.compile.seconds - before
 
-    def _admit(self, inbox: Inbox, slots: list[_Slot | None]) -> None:
+    def _admit(self, inbox: Inbox, slots: list[_Slot | None], wait_for_mates: bool = True) -> None:
         """Take a request for every free slot and prefill them in one call (grouped by
-        `Slots.admit`); each goes to the free row that holds the longest prefix of its prompt."""
+        `Slots.admit`). Each goes to the free row that holds the longest prefix of its prompt, and
+        takes a longer one from any other row that holds it (a running row's prompt, a free row's
+        last sequence: the same system prompt, one prompt asked for n times) by copying its K/V.
+        A prompt sharing more with one admitted now or still prefilling waits for it
+        (`wait_for_mates`): one prefill serves both, the second a step later."""
         free = [i for i in range(self.batch_size) if slots[i] is None]
-        admitted: list[tuple[int, int, Request]] = []
+        prefilling = self.slots.prefilling
+        holds = {  # row → the tokens whose K/V it holds from position 0, for other rows to copy
+            i: np.asarray(slot.request.prompt_ids, np.int32) if slot else self._held[i]
+            for i, slot in enumerate(slots)
+            if not prefilling[i]
+        }
+        coming = [slot.request.prompt_ids for i, slot in enumerate(slots) if slot and prefilling[i]]
+        admitted: list[tuple[int, int, int | None, Request]] = []
+        waiting: list[Request] = []
         while free and (request := inbox.take()) is not None:
             n = len(request.prompt_ids)
             if not 0 < n < n + request.max_tokens <= self.max_context:
+                inbox.put_back(waiting)
                 raise JaxinferError(
                     f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the "
                     f"context of {self.max_context}"
                 )
             held = [reusable(request.prompt_ids, self._held[i]) for i in free]
             best = int(np.argmax(held))
-            admitted.append((free.pop(best), held[best], request))
+            start, source = held[best], None
+            for i, tokens in holds.items():
+                if (shared := reusable(request.prompt_ids, tokens)) > start:
+                    start, source = shared, i
+            mates = coming + [r.prompt_ids for *_, r in admitted]
+            if wait_for_mates and any(reusable(request.prompt_ids, np.asarray(m, np.int32)) > start for m in mates):
+                waiting.append(request)
+                continue
+            admitted.append((free.pop(best), start, source, request))
+        inbox.put_back(waiting)
         if not admitted:
             return
-        if any(r.logprobs is not None for _, _, r in admitted):
+        if any(r.logprobs is not None for *_, r in admitted):
             self.slots.record_logprobs()
-        if any(r.constraint is not None for _, _, r in admitted):
+        if any(r.constraint is not None for *_, r in admitted):
             self.slots.constrain(self.model.tokenizer)
-        if any(r.logit_bias or penalized(r.sampling) for _, _, r in admitted):
+        if any(r.logit_bias or penalized(r.sampling) for *_, r in admitted):
             self.slots.penalize()
-        for i, start, request in admitted:
-            self._held[i] = self._held[i][:start]  # prefill overwrites what follows
+        for i, start, _, request in admitted:
+            self._held[i] = np.asarray(request.prompt_ids[:start], np.int32)  # prefill overwrites what follows
         self.slots.admit(
             [
                 Admission(
@@ -224,13 +254,14 @@ class Scheduler:
                     speculate=r.speculate,
                     constraint=r.constraint,
                     logit_bias=r.logit_bias,
+                    source=source,
                 )
-                for i, start, r in admitted
+                for i, start, source, r in admitted
             ],
             self.stats.compile,
         )
         now = time.perf_counter()
-        for i, _, request in admitted:
+        for i, *_, request in admitted:
             text = TextStream(self.model.tokenizer, request.prompt_ids, request.stop)
             cached = self.slots.admitted(i).start  # none where longrope's factors changed
             slots[i] = _Slot(request, text, now, cached, read=len(request.prompt_ids))

@@ -40,7 +40,17 @@ import numpy as np
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.constrain import Constraint, Matchers
-from jaxinfer.decode import DecodeState, Logprobs, Speculation, admission, decode, initial_state, prefill, retire
+from jaxinfer.decode import (
+    DecodeState,
+    Logprobs,
+    Speculation,
+    admission,
+    copy_rows,
+    decode,
+    initial_state,
+    prefill,
+    retire,
+)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
@@ -168,7 +178,8 @@ def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
 @dataclass
 class Admission:
     """One sequence to start in a row: its prompt, of which the first `start` tokens' K/V the row
-    already holds (a chat's earlier turns), and how it is to be generated."""
+    already holds (a chat's earlier turns) or row `source` does (the same system prompt, a prompt
+    asked for n times: copied over before anything is prefilled), and how it is to be generated."""
 
     row: int
     prompt: list[int]
@@ -180,6 +191,7 @@ class Admission:
     speculate: bool = False  # draft, where the Slots speculate
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`; the Slots `constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (the Slots `penalize`)
+    source: int | None = None  # the row holding the first `start` tokens' K/V, where not this one
 
     @property
     def penalized(self) -> bool:
@@ -366,11 +378,16 @@ class Slots:
         if not self.penalizing and any(a.penalized for a in admissions):
             raise ValueError("a logit bias or presence/frequency penalties need Slots.penalize first")
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
+            holder = lambda a: a.row if a.source is None else a.source  # noqa: E731
             admissions = [
-                a if self._long[a.row] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions
+                a if self._long[holder(a)] == (len(a.prompt) > switch) else replace(a, start=0) for a in admissions
             ]
             for a in admissions:
                 self._long[a.row] = len(a.prompt) > switch
+        for a in admissions:  # before any row of this call is prefilled: a source may be one of them
+            if a.start and a.source not in (None, a.row):
+                args = jax.device_put((np.array([a.source], np.int32), np.array([a.row], np.int32)))
+                self._call(self._program(("copy",), report, copy_rows, *args, constrained=False), *args)
         for a in admissions:
             self._admitted[a.row] = a
             for counter in vars(self._carried).values():
@@ -517,16 +534,17 @@ class Slots:
         with interrupts_held():
             self.state = program(self.params, self.state, *args)
 
-    def _program(self, key: tuple, report: CompileReport, phase, *args, **static):
-        """`phase` (prefill, decode) compiled for the state and these arguments. Over a mesh its state
+    def _program(self, key: tuple, report: CompileReport, phase, *args, constrained: bool = True, **static):
+        """`phase` (prefill, decode, copy_rows) compiled for the state and these arguments, with
+        the matchers' callback where rows may be constrained and the phase makes tokens. Over a mesh its state
         comes out placed as it went in: left to choose, XLA splits the seen-token mask by vocabulary
         as it does the logits, and the next call's state no longer matches the program."""
+        if self.matchers is not None and constrained:
+            static["constrain"] = self.matchers.advance
         if self._placed is not None:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed
             )
-        if self.matchers is not None:
-            static["constrain"] = self.matchers.advance
         return self._programs.get(key, report, phase, self.params, self.state, *args, **static)
 
     def _prefill_long_again(self, switch: int) -> None:

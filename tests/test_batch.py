@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 from reference import alone
 
+from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out
 from jaxinfer.jobs import open_output
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
+from jaxinfer.slots import Decoding
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 
@@ -87,6 +89,41 @@ def test_continuous_batching_fills_a_slot_as_soon_as_it_frees(model):
     static = [r["id"] for r in run_batch(model, [long, *shorts], 2, continuous=False)]
     assert continuous[-1] == "long"  # every short went through the second slot while it ran
     assert static.index("long") == 1  # static: the next group waited for the long one
+
+
+@pytest.mark.parametrize("how", ["float", "int8 cache", "a draft model"])
+def test_requests_sharing_a_prompt_take_one_prefill_between_them(model, how):
+    """Two choices of each of two prompts that share a system prompt: each later one copies the K/V
+    another row holds (arriving together, it waits a step for its mate's prefill), and every text
+    is what the request makes alone. The copy carries an int8 cache's scales and a draft's cache."""
+    decoding = Decoding()
+    if how == "int8 cache":
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
+    if how == "a draft model":  # itself as its own draft: every token is checked through the copied caches
+        decoding = Decoding(16, Speculation(3, model=model.config), model.params)
+    system = "You answer every question in one short sentence, and nothing else at all. Question: "
+    reqs = [
+        Request(
+            f"{question} {k}",
+            model.tokenizer.encode(system + question),
+            Sampling(temperature=0.8, repeat_penalty=1.3) if k else Sampling(),  # the penalty reads the prompt
+            max_tokens=10,
+            seed=k,
+            speculate=how == "a draft model",
+        )
+        for question in ("Why is the sky blue?", "Where is Paris?")
+        for k in range(2)
+    ]
+    records = {}
+    Scheduler(model, 3, 128, decoding).run(reqs, lambda r: records.__setitem__(r["id"], r))
+    for r in reqs:
+        assert records[r.id]["text"] == alone(model, r).text, r.id
+    first, again, other = reqs[0], reqs[1], reqs[2]
+    common = next(i for i, (a, b) in enumerate(zip(first.prompt_ids, other.prompt_ids)) if a != b)
+    assert common >= 16  # MIN_REUSE: worth a copy
+    assert records[first.id]["cached_tokens"] == 0
+    assert records[again.id]["cached_tokens"] == len(first.prompt_ids) - 1  # all but the token that makes logits
+    assert records[other.id]["cached_tokens"] == common
 
 
 def test_ignore_eos_is_per_request_and_every_record_has_its_itl(model):
