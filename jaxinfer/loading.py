@@ -18,7 +18,6 @@ from jax.sharding import Mesh
 from jaxinfer import defaults, forms, gguf_model, kernel, weights
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
@@ -26,6 +25,7 @@ from jaxinfer.quant import METHODS, check_method
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 from jaxinfer.tokenizer import Tokenizer
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

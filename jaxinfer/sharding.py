@@ -146,7 +146,7 @@ def cache_spec(cfg: ModelConfig, devices: int) -> PartitionSpec:
 
 
 def state_shardings(state, cfg: ModelConfig, mesh: Mesh, draft: ModelConfig | None = None):
-    """The decode state's shardings (`decode.DecodeState`, concrete or abstract): the caches split
+    """The decode state's shardings (`state.DecodeState`, concrete or abstract): the caches split
     by `cache_spec`, everything else (tokens, lengths, sampler settings: a few bytes a row) whole."""
     whole = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
     cache = lambda c, cfg: jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), c)  # noqa: E731

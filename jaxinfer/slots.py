@@ -40,23 +40,14 @@ import numpy as np
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.constrain import Constraint, Matchers
-from jaxinfer.decode import (
-    DecodeState,
-    Logprobs,
-    Speculation,
-    admission,
-    copy_rows,
-    decode,
-    initial_state,
-    prefill,
-    retire,
-)
+from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
 from jaxinfer.sampling import Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
+from jaxinfer.state import DecodeState, Logprobs, Speculation, admission, copy_rows, initial_state, retire
 
 MIN_BUCKET = 16  # shortest padded prompt
 MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
@@ -116,7 +107,7 @@ class Decoding:
     - `prefill_chunk`: prompt tokens per prefill call, rounded down to a power of two (`chunk_size`);
       0 is the whole prompt in one call; None the path's own (`PREFILL_CHUNK_KERNEL` where the CPU
       attention kernel runs, else `PREFILL_CHUNK`);
-    - `speculation` (`decode.Speculation`; off by default);
+    - `speculation` (`state.Speculation`; off by default);
     - `draft_params`: the draft model's parameters, where one drafts (its config is `speculation.model`)."""
 
     prefill_chunk: int | None = None

@@ -31,11 +31,11 @@ import numpy as np
 from shapes import SHAPES, deepened, loaded
 
 from jaxinfer import quant
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 
 def bundled_prompts(model) -> dict[str, tuple[list[int], Sampling]]:

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from reference import alone
 
-from jaxinfer.decode import Speculation
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out
 from jaxinfer.jobs import open_output
@@ -21,6 +20,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 

@@ -12,7 +12,6 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 
 from jaxinfer.constrain import Constraint, from_request
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -21,6 +20,7 @@ from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 PROMPT = "import json\n\nCONFIG = "
 NAME = {"type": "string", "maxLength": 12}

@@ -15,7 +15,6 @@ from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import greedy_reference, reference
 
 from jaxinfer import forms
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -23,6 +22,7 @@ from jaxinfer.loading import check_draft, load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 

@@ -12,7 +12,6 @@ import transformers
 from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import alone, hf_logits, reference
 
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -20,6 +19,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.sampling import TOP_LOGPROBS, Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n):"
 

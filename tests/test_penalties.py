@@ -11,7 +11,6 @@ import torch
 from reference import hf_logits, reference
 
 from jaxinfer.api import Parser
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
@@ -19,6 +18,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 PROMPT = "The capital of France is Paris. The capital of France is"
 PENALIZED = Sampling(presence_penalty=0.7, frequency_penalty=1.3)

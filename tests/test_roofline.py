@@ -6,10 +6,11 @@ import pytest
 from kernel_helpers import xla_dot
 
 from jaxinfer import ceilings, kernel
-from jaxinfer.decode import admission, decode_step, initial_state, prefill
+from jaxinfer.decode import decode_step, prefill
 from jaxinfer.loading import load_model
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, prefill_cost
 from jaxinfer.sampling import Sampling
+from jaxinfer.state import admission, initial_state
 
 S = 256
 

@@ -9,7 +9,6 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import greedy_reference, reference
 
-from jaxinfer.decode import Speculation
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
@@ -17,6 +16,7 @@ from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 
