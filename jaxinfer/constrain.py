@@ -311,8 +311,23 @@ class _Vocabulary:
         self.special_token_ids = sorted(i for i in special if i < vocab)
         self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
         self.bos_token_id = tokenizer.bos_id
+        self._by_bytes: dict[bytes, int] | None = None  # a piece's id, by its bytes (built when needed)
 
     def __call__(self, text) -> list[int]:
+        """Tokens that spell exactly `text`. A tokenizer that puts a space before the text
+        (sentencepiece's dummy prefix, a Metaspace pre-tokenizer: Llama 2, TinyLlama, Mistral v0.1)
+        spells " " + text, and llguidance then forced that space inside a match (`--choice yes,no`
+        gave "n" then " "): there the first token loses its space (a lone space is dropped, "▁no"
+        becomes the piece "no" where the vocabulary has one)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special_tokens=False)
+        ids = self._tok.encode(text, add_special_tokens=False)
+        spelled = b"".join(self.tokens[i] for i in ids if i < len(self.tokens))
+        if not ids or spelled != b" " + text.encode():
+            return ids
+        first = self.tokens[ids[0]].removeprefix(b" ")
+        if not first:
+            return ids[1:]
+        if self._by_bytes is None:
+            self._by_bytes = {piece: i for i, piece in reversed(list(enumerate(self.tokens)))}  # the lowest id
+        return [self._by_bytes[first], *ids[1:]] if first in self._by_bytes else ids

@@ -134,6 +134,22 @@ def test_regex_choice_and_grammars(bundled):
     assert cut.finish_reason == "unfinished"  # the budget ran out inside the value: said so
 
 
+def test_a_tokenizer_that_puts_a_space_before_the_text(tiny):
+    """sentencepiece's dummy prefix (Llama 2, TinyLlama): "no" is spelled " no", and llguidance,
+    told so, forced a space inside the match ("n" then " "). It is told each text without it."""
+    model = load_model(tiny("llama", tokenizer="sp"))
+    spelled = b"".join(model.tokenizer.token_bytes(i) for i in model.tokenizer.encode("no", add_special_tokens=False))
+    assert spelled == b" no"  # the case in point
+    engine = Engine(model.config, model.params, 256, model.eos_ids)
+    schema = SCHEMAS[5]  # a const, two integers
+    for seed, sampling in enumerate((Sampling(), Sampling(temperature=1.0), Sampling(temperature=1.0))):
+        choice = _generate(model, engine, Constraint("choice", ("yes", "no", "maybe not")), sampling, seed)
+        assert choice.text in ("yes", "no", "maybe not") and choice.finish_reason == "stop"
+        typed = _generate(model, engine, Constraint("json_schema", schema), sampling, seed, max_tokens=200)
+        assert typed.finish_reason == "stop", typed.text
+        jsonschema.validate(json.loads(typed.text), schema)
+
+
 def test_a_new_schema_compiles_nothing_and_logprobs_stay_inside_the_mask(bundled):
     engine = Engine(bundled.config, bundled.params, 256, bundled.eos_ids)
     _generate(bundled, engine, Constraint("json_schema", SCHEMAS[0]), max_tokens=60)  # all in one kv bucket
