@@ -19,6 +19,8 @@ import secrets
 import time
 from dataclasses import replace
 
+import jax
+
 from jaxinfer import defaults
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
@@ -28,7 +30,6 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
-from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import check_fits, check_text_fits, penalized
 from jaxinfer.tools import check_tools, forced_grammar, format_of, split, template_messages
 
@@ -145,8 +146,8 @@ class Parser:
                 )
             constraint = Constraint("grammar", forced_grammar(forced, tool_format))
         if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
-            if mesh_of(self.model.params) is not None:
-                raise JaxinferError("constrained output runs on one device: this model runs over several")
+            if jax.process_count() > 1:
+                raise JaxinferError("constrained output runs in one process: these are joined over several")
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         speculate &= constraint is None  # a constrained row drafts nothing
         logit_bias = self._logit_bias(item.get("logit_bias"))

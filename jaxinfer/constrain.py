@@ -228,8 +228,20 @@ def _host_primitive():
     host.def_abstract_eval(lambda x, *, fn, result: result)
 
     def lower(ctx, x, *, fn, result):
+        from jax._src.callback import _callback_op_sharding  # io_callback's own choice, private
+
+        # over a mesh: once, on the first device (a maximal sharding), its result given to all
+        once = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
         out, _, _ = mlir.emit_python_callback(
-            ctx, lambda x: (fn(x),), None, [x], ctx.avals_in, ctx.avals_out, has_side_effect=True, returns_token=False
+            ctx,
+            lambda x: (fn(x),),
+            None,
+            [x],
+            ctx.avals_in,
+            ctx.avals_out,
+            has_side_effect=True,
+            returns_token=False,
+            sharding=once,
         )
         return out
 

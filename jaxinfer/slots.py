@@ -297,11 +297,14 @@ class Slots:
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
         and the programs compile once more, with the host callback that advances the matchers
-        (`jaxinfer.constrain`). Not over a mesh: the callback would run in every device's program."""
+        (`jaxinfer.constrain`). Over a mesh it runs once a step, on the first device (`constrain.on_host`);
+        not over processes joined in one (the matchers live in one process)."""
         if self.matchers is not None:
             return
-        if mesh_of(self.params) is not None:
-            raise JaxinferError("constrained output runs on one device: drop devices (or the constraint)", "devices")
+        if jax.process_count() > 1:
+            raise JaxinferError(
+                "constrained output runs in one process: drop the coordinator (or the constraint)", "coordinator"
+            )
         self.matchers = Matchers(tokenizer, self.cfg.sampled_ids, self.batch, self.eos_ids)
         self._grow(allowed=self.matchers.masks)
 

@@ -1,7 +1,8 @@
 """Run as a process of its own, with 4 CPU devices (by `tests/test_sharding.py`): each model's greedy
 tokens through run's engine and batch's runner at --devices 1, 2 and 4, with what each device holds;
-the first model's also with -q int8 (the second's at 1 and 4 devices only).
-Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8", "fits"}}}."""
+the first model's also with -q int8 and constrained rows (the second's at 1 and 4 devices only).
+Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8",
+"constrained", "fits"}}}."""
 
 import json
 import re
@@ -15,6 +16,7 @@ if __name__ == "__main__":  # not when the test imports its prompts: that proces
     jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxinfer import kernel  # noqa: E402
+from jaxinfer.constrain import Constraint  # noqa: E402
 from jaxinfer.convert import convert  # noqa: E402
 from jaxinfer.engine import Engine  # noqa: E402
 from jaxinfer.errors import JaxinferError  # noqa: E402
@@ -69,6 +71,29 @@ def longest(model) -> int:
     raise AssertionError("a 10⁹-position cache was allowed")
 
 
+def constrained(model) -> dict:
+    """A batch of two constrained rows and a free one: the matchers' host call runs once a step,
+    on the first device (`constrain.on_host`), not once per device. Texts and calls."""
+    calls = []
+    requests = [
+        Request(i, model.tokenizer.encode(prompt), GREEDY, 24, seed=0, constraint=constraint)
+        for i, (prompt, constraint) in enumerate(
+            [
+                ("A list of words:", Constraint("regex", r"([a-z]+ )+")),
+                ("Answer yes or no:", Constraint("choice", ("yes", "no"))),
+                ("Free text", None),
+            ]
+        )
+    ]
+    records = []
+    scheduler = Scheduler(model, 3, 256)
+    scheduler.slots.constrain(model.tokenizer)
+    advance = scheduler.slots.matchers.advance
+    scheduler.slots.matchers.advance = lambda tokens: calls.append(1) or advance(tokens)
+    scheduler.run(requests, records.append)
+    return {"texts": {r["id"]: r["text"] for r in records}, "calls": len(calls)}
+
+
 def tokens(path: str, devices: int, quantized: bool) -> dict:
     model = load_model(path, mesh=device_mesh(devices))
     engine = Engine(model.config, model.params, 256, model.eos_ids, Decoding(CHUNK))
@@ -99,6 +124,7 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
         "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
         "converted": devices == 4 and converted(path, model),
         "int8": int8(path, devices) if quantized and devices < 4 else None,  # 2 is where its blocks split
+        "constrained": constrained(model) if quantized and devices != 2 else None,
         "fits": longest(model),
     }
 

@@ -86,6 +86,14 @@ def test_weights_and_cache_are_split(sharded):
     assert max(results["phi3"]["4"]["bytes"]) < 0.9 * results["phi3"]["1"]["bytes"][0]  # o and down still split
 
 
+def test_constrained_rows_over_a_mesh(sharded):
+    """The matchers' host call runs once a step over 4 devices as on one (not once per device, which
+    would feed each matcher every token four times), and the rows make the same text."""
+    one, four = (sharded[0]["llama"][n]["constrained"] for n in ("1", "4"))
+    assert four == one and one["calls"] > 10
+    assert one["texts"]["1"] in ("yes", "no")
+
+
 def test_cli_devices(sharded):
     """The draft model goes onto the target's devices; info's figures are the arrays'. (That the flag
     reaches JAX before it starts, batch's layout choice included, the processes' test shows.)"""
