@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -35,7 +35,7 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import Admission, Decoding, Slots, penalized, reusable
+from jaxinfer.slots import MIN_REUSE, Admission, Decoding, Slots, penalized, reusable
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
 
@@ -202,34 +202,39 @@ class Scheduler:
         A prompt sharing more with one admitted now or still prefilling waits for it
         (`wait_for_mates`): one prefill serves both, the second a step later."""
         free = [i for i in range(self.batch_size) if slots[i] is None]
+        if not free or not len(inbox):
+            return
+        # Rows by their first MIN_REUSE tokens (a prefix shorter than that is not reused): those
+        # whose K/V may be copied (not still prefilling), and the prompts still to be prefilled.
         prefilling = self.slots.prefilling
-        holds = {  # row → the tokens whose K/V it holds from position 0, for other rows to copy
-            i: np.asarray(slot.request.prompt_ids, np.int32) if slot else self._held[i]
-            for i, slot in enumerate(slots)
-            if not prefilling[i]
-        }
-        coming = [slot.request.prompt_ids for i, slot in enumerate(slots) if slot and prefilling[i]]
+        holders: dict[tuple, list] = defaultdict(list)
+        mates: dict[tuple, list] = defaultdict(list)
+        for i, slot in enumerate(slots):
+            tokens = self._held[i] if slot is None else slot.request.prompt_ids
+            (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
         admitted: list[tuple[int, int, int | None, Request]] = []
         waiting: list[Request] = []
         while free and (request := inbox.take()) is not None:
-            n = len(request.prompt_ids)
+            prompt = request.prompt_ids
+            n = len(prompt)
             if not 0 < n < n + request.max_tokens <= self.max_context:
                 inbox.put_back(waiting)
                 raise JaxinferError(
                     f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the "
                     f"context of {self.max_context}"
                 )
-            held = [reusable(request.prompt_ids, self._held[i]) for i in free]
-            best = int(np.argmax(held))
+            held = [reusable(prompt, self._held[i]) for i in free]
+            # the row holding most of the prompt; among equals, the one holding least (kept for its own)
+            best = max(range(len(free)), key=lambda k: (held[k], -len(self._held[free[k]])))
             start, source = held[best], None
-            for i, tokens in holds.items():
-                if (shared := reusable(request.prompt_ids, tokens)) > start:
+            for i, tokens in holders.get(tuple(prompt[:MIN_REUSE]), ()):
+                if (shared := reusable(prompt, tokens)) > start:
                     start, source = shared, i
-            mates = coming + [r.prompt_ids for *_, r in admitted]
-            if wait_for_mates and any(reusable(request.prompt_ids, np.asarray(m, np.int32)) > start for m in mates):
+            if wait_for_mates and any(reusable(prompt, m) > start for _, m in mates.get(tuple(prompt[:MIN_REUSE]), ())):
                 waiting.append(request)
                 continue
             admitted.append((free.pop(best), start, source, request))
+            mates[tuple(prompt[:MIN_REUSE])].append((None, np.asarray(prompt, np.int32)))
         inbox.put_back(waiting)
         if not admitted:
             return
