@@ -6,7 +6,7 @@ option, vLLM and SGLang use): an Earley parser over the grammar's lexemes that, 
 far, gives the set of tokens that can extend them to a valid string, in ~0.1 ms a step here (the
 bundled model's 4,096 tokens: 0.15 ms; llguidance measures ~50 µs for 128k-token vocabularies).
 
-How the mask reaches the device: the decode programs call back to the host (`on_host`) once per
+How the mask reaches the device: the decode programs call back to the host (`HostCall`) once per
 step, after the step's tokens are appended: `Matchers.advance` feeds each constrained row's new
 token to its matcher and returns every row's next bitmask, which the next step's sampling applies.
 The loop never leaves the device (no dispatch per token), and only programs of a state that
@@ -249,13 +249,25 @@ def _host_primitive():
     return host
 
 
-def on_host(fn, result, x):
-    """`fn(x)` on the host, inside a traced program: x a device array, `fn` takes and returns numpy,
-    its result of `result`'s (a jax.ShapeDtypeStruct's) shape and dtype. It runs once each time the
-    program reaches it, in order with the program's other host calls (it has a side effect)."""
-    from jax.core import ShapedArray
+@dataclass(frozen=True)
+class HostCall:
+    """What the decode programs call on the host once a step (`Matchers.advance`: numpy in, numpy
+    out), and over a mesh where its result goes: whole on every device (`whole`, a replicated
+    sharding). Left to choose, XLA split the masks by vocabulary as it does the logits, and warned
+    on stderr that it had to gather them from the first device to do so."""
 
-    return _host_primitive().bind(x, fn=fn, result=ShapedArray(result.shape, result.dtype))
+    fn: object
+    whole: object = None  # a jax.sharding.Sharding over the mesh, or None on one device
+
+    def __call__(self, result, x):
+        """`fn(x)` on the host, inside a traced program: x a device array, the result of
+        `result`'s (a jax.ShapeDtypeStruct's) shape and dtype. It runs once each time the program
+        reaches it, in order with the program's other host calls (it has a side effect)."""
+        import jax
+        from jax.core import ShapedArray
+
+        out = _host_primitive().bind(x, fn=self.fn, result=ShapedArray(result.shape, result.dtype))
+        return out if self.whole is None else jax.lax.with_sharding_constraint(out, self.whole)
 
 
 class Matchers:

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.constrain import on_host
 from jaxinfer.kvcache import KVCache
 from jaxinfer.sampling import Penalties, SamplerArrays, logprobs, sample
 from jaxinfer.state import DecodeState, Logprobs, Speculation
@@ -107,7 +106,7 @@ def _append(
         state = replace(state, penalties=replace(state.penalties, counts=counts))
     if constrain is not None:  # one array each way: each costs the callback a conversion
         W = state.allowed.shape[1]
-        fed = on_host(constrain, jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
+        fed = constrain(jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
         state = replace(state, allowed=fed[:, :W], done=state.done | (fed[:, W] != 0))
     return state, made.sum(1)
 

@@ -36,10 +36,11 @@ from functools import partial
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.constrain import Constraint, Matchers
+from jaxinfer.constrain import Constraint, HostCall, Matchers
 from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
@@ -297,7 +298,7 @@ class Slots:
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
         and the programs compile once more, with the host callback that advances the matchers
-        (`jaxinfer.constrain`). Over a mesh it runs once a step, on the first device (`constrain.on_host`);
+        (`jaxinfer.constrain`). Over a mesh it runs once a step, on the first device (`constrain.HostCall`);
         not over processes joined in one (the matchers live in one process)."""
         if self.matchers is not None:
             return
@@ -534,7 +535,8 @@ class Slots:
         comes out placed as it went in: left to choose, XLA splits the seen-token mask by vocabulary
         as it does the logits, and the next call's state no longer matches the program."""
         if self.matchers is not None and constrained:
-            static["constrain"] = self.matchers.advance
+            mesh = mesh_of(self.params)
+            static["constrain"] = HostCall(self.matchers.advance, mesh and NamedSharding(mesh, PartitionSpec()))
         if self._placed is not None:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed

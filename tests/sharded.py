@@ -26,6 +26,7 @@ from jaxinfer.sampling import Sampling  # noqa: E402
 from jaxinfer.scheduler import Request, Scheduler  # noqa: E402
 from jaxinfer.sharding import bytes_per_device, device_mesh, mesh_of  # noqa: E402
 from jaxinfer.slots import Decoding  # noqa: E402
+from jaxinfer.state import Speculation  # noqa: E402
 
 GREEDY = Sampling(temperature=0.0)
 CHUNK = 16  # the long prompt goes in chunks
@@ -72,11 +73,11 @@ def longest(model) -> int:
 
 
 def constrained(model) -> dict:
-    """A batch of two constrained rows and a free one: the matchers' host call runs once a step,
-    on the first device (`constrain.on_host`), not once per device. Texts and calls."""
+    """A batch of two constrained rows and a free one that drafts: the matchers' host call runs once a step,
+    on the first device (`constrain.HostCall`), not once per device. Texts and calls."""
     calls = []
     requests = [
-        Request(i, model.tokenizer.encode(prompt), GREEDY, 24, seed=0, constraint=constraint)
+        Request(i, model.tokenizer.encode(prompt), GREEDY, 24, seed=0, speculate=True, constraint=constraint)
         for i, (prompt, constraint) in enumerate(
             [
                 ("A list of words:", Constraint("regex", r"([a-z]+ )+")),
@@ -86,7 +87,7 @@ def constrained(model) -> dict:
         )
     ]
     records = []
-    scheduler = Scheduler(model, 3, 256)
+    scheduler = Scheduler(model, 3, 256, Decoding(speculation=Speculation(3)))  # the free row drafts
     scheduler.slots.constrain(model.tokenizer)
     advance = scheduler.slots.matchers.advance
     scheduler.slots.matchers.advance = lambda tokens: calls.append(1) or advance(tokens)

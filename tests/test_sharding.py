@@ -104,6 +104,11 @@ def test_cli_devices(sharded):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == results["llama"]["1"]["run"]
     assert_one_line_error(jaxinfer("run", "-m", paths["llama"], "--devices", "0", "x"), "--devices")
+    # a constraint over 2 devices (the bundled model: its masks are what XLA split by guess, then
+    # warned on stderr that it had to gather them back)
+    chosen = jaxinfer("run", "--devices", "2", "--choice", "yes,no", "-n", "4", "--no-stats", "Is it? Answer:")
+    assert chosen.returncode == 0 and chosen.stdout.strip() in ("yes", "no"), chosen.stderr
+    assert "rematerialization" not in chosen.stderr, chosen.stderr
     facts = json.loads(
         jaxinfer(
             "info", "-m", paths["llama"], "--devices", "4", "--json", "--peak-flops", "1e11", "--peak-bandwidth", "1e10"
