@@ -149,7 +149,6 @@ class Parser:
             if jax.process_count() > 1:
                 raise JaxinferError("constrained output runs in one process: these are joined over several")
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
-        speculate &= constraint is None  # a constrained row drafts nothing
         logit_bias = self._logit_bias(item.get("logit_bias"))
         speculate &= not logit_bias and not penalized(sampling)  # nor does a penalized one
         return Request(

@@ -9,9 +9,11 @@ bundled model's 4,096 tokens: 0.15 ms; llguidance measures ~50 µs for 128k-toke
 How the mask reaches the device: the decode programs call back to the host (`HostCall`) once per
 step, after the step's tokens are appended: `Matchers.advance` feeds each constrained row's new
 token to its matcher and returns every row's next bitmask, which the next step's sampling applies.
-The loop never leaves the device (no dispatch per token), and only programs of a state that
-constrains hold the call: a job without constraints compiles and runs exactly as before. A row
-without a constraint has every bit set, so its tokens are those it makes alone.
+Before a verifying pass (speculation), `Matchers.check` takes the rows' drafts and gives the mask
+of each position after them. The loop never leaves the device (no dispatch per token), and only
+programs of a state that constrains hold the calls: a job without constraints compiles and runs
+exactly as before. A row without a constraint has every bit set, so its tokens are those it makes
+alone.
 """
 
 from __future__ import annotations
@@ -251,22 +253,28 @@ def _host_primitive():
 
 @dataclass(frozen=True)
 class HostCall:
-    """What the decode programs call on the host once a step (`Matchers.advance`: numpy in, numpy
-    out), and over a mesh where its result goes: whole on every device (`whole`, a replicated
-    sharding). Left to choose, XLA split the masks by vocabulary as it does the logits, and warned
-    on stderr that it had to gather them from the first device to do so."""
+    """What the decode programs call on the host (the `Matchers`' `advance` once a step, `check`
+    before a verifying pass: numpy in, numpy out), and over a mesh where the results go: whole on
+    every device (`whole`, a replicated sharding). Left to choose, XLA split the masks by
+    vocabulary as it does the logits, and warned on stderr that it had to gather them to do so."""
 
-    fn: object
+    matchers: object
     whole: object = None  # a jax.sharding.Sharding over the mesh, or None on one device
 
-    def __call__(self, result, x):
+    def advance(self, result, x):
+        return self._call(self.matchers.advance, result, x)
+
+    def check(self, result, x):
+        return self._call(self.matchers.check, result, x)
+
+    def _call(self, fn, result, x):
         """`fn(x)` on the host, inside a traced program: x a device array, the result of
         `result`'s (a jax.ShapeDtypeStruct's) shape and dtype. It runs once each time the program
         reaches it, in order with the program's other host calls (it has a side effect)."""
         import jax
         from jax.core import ShapedArray
 
-        out = _host_primitive().bind(x, fn=self.fn, result=ShapedArray(result.shape, result.dtype))
+        out = _host_primitive().bind(x, fn=fn, result=ShapedArray(result.shape, result.dtype))
         return out if self.whole is None else jax.lax.with_sharding_constraint(out, self.whole)
 
 
@@ -317,6 +325,32 @@ class Matchers:
                 self.masks[row] = -1
         out[:, :-1] = self.masks
         return out
+
+    def check(self, drafted: np.ndarray) -> np.ndarray:
+        """A verifying pass's drafts [B, K] with how many each row has as column K: for each
+        constrained row, the masks of the positions after its first 1..K drafts [B, K, W] (flat)
+        and, last, how many of its drafts the grammar takes while staying open [B] (K for a free
+        row). A draft that completes the match is not taken: the pass samples it as the row's own
+        token, whose `advance` ends the row, as a plain step would. The matchers are rolled back:
+        `advance` feeds what the pass keeps."""
+        drafted = np.asarray(drafted)
+        B, K = drafted.shape[0], drafted.shape[1] - 1
+        masks = np.full((B, K, self.words), -1, np.int32)
+        taken = np.full((B, 1), K, np.int32)
+        for row, matcher in enumerate(self._rows):
+            if matcher is None or self._ended[row]:
+                continue
+            drafts = [int(t) for t in drafted[row, : drafted[row, K]]]
+            taken[row] = 0
+            for token in drafts[: matcher.validate_tokens(drafts)]:
+                matcher.consume_token(token)
+                if matcher.is_stopped():
+                    matcher.rollback(1)
+                    break
+                matcher.unsafe_compute_mask_ptr(masks[row, taken[row, 0]].ctypes.data, masks[row, 0].nbytes)
+                taken[row] += 1
+            matcher.rollback(int(taken[row, 0]))
+        return np.concatenate([masks.reshape(B, -1), taken], axis=1)
 
     def complete(self, row: int) -> bool:
         """Whether the row's text so far is a whole match (a JSON value closed, the regex matched)."""

@@ -75,7 +75,7 @@ def _append(
     """Write tokens [B, T] from each row's `length` on, those `offered` [B, T] (a prefix per row)
     up to the first that ends the row (an EOS id, or its budget reached), with their
     log-probabilities `lp` (chosen [B, T], ids and top [B, T, N]) where the state records them.
-    Where rows are constrained, `constrain` (`constrain.Matchers.advance`, on the host) takes the
+    Where rows are constrained, `constrain` (`constrain.HostCall`: its matchers, on the host) take the
     tokens made and gives the next masks, and the rows whose grammar is complete end.
     Returns the state and how many tokens each row took [B]. One write per array whatever T (a
     verifying pass's K+1 tokens): per-op costs weigh on a small model's step."""
@@ -106,7 +106,7 @@ def _append(
         state = replace(state, penalties=replace(state.penalties, counts=counts))
     if constrain is not None:  # one array each way: each costs the callback a conversion
         W = state.allowed.shape[1]
-        fed = constrain(jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
+        fed = constrain.advance(jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
         state = replace(state, allowed=fed[:, :W], done=state.done | (fed[:, W] != 0))
     return state, made.sum(1)
 
@@ -352,7 +352,10 @@ def verify_step(
     their positions; at each, the token plain decoding would sample there is sampled (given the
     drafts before it); the row keeps the drafts up to the first disagreement and then the model's
     own token. Rejected drafts' K/V stay in the cache past the row's length, where masks ignore
-    them until they are overwritten. Rows without drafts make their one token.
+    them until they are overwritten. Rows without drafts make their one token. A constrained row's
+    drafts go to its matcher first (`constrain.HostCall.check`): those the grammar takes are
+    verified, each position under the mask that follows the drafts before it, so the row keeps
+    what plain constrained steps would make.
 
     A verifying pass costs more than a plain one (SmolLM-135M shape, float32 on XLA CPU: 1.7-1.9×
     at K = 4), so it pays only where drafts are accepted. A row whose pass kept fewer than
@@ -369,6 +372,14 @@ def verify_step(
     else:
         draft, found = lookup(state.tokens, state.length, spec, kv_len)
         count = draft_room(state, kv_len, cfg, found)
+    allowed = None
+    if constrain is not None:  # constrained rows' drafts: those the grammar takes, and each position's mask
+        W = state.allowed.shape[1]
+        checked = constrain.check(
+            jax.ShapeDtypeStruct((B, K * W + 1), jnp.int32), jnp.concatenate([draft, count[:, None]], 1)
+        )
+        count = jnp.minimum(count, checked[:, -1])
+        allowed = jnp.concatenate([state.allowed[:, None], checked[:, :-1].reshape(B, K, W)], axis=1)
     j = jnp.arange(K + 1)
     last = _feed(state, 1, 1)[0]
     feed = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
@@ -389,8 +400,8 @@ def verify_step(
         flat(state.length[:, None] + j),
         cfg,
         state.logprobs is not None,
-        None if state.allowed is None else each(state.allowed),  # a constrained row drafts nothing
-        None if state.penalties is None else jax.tree.map(each, state.penalties),  # nor does a penalized one
+        None if allowed is None else flat(allowed),
+        None if state.penalties is None else jax.tree.map(each, state.penalties),  # a penalized row drafts nothing
     )
     target = target.reshape(B, K + 1)
     lp = lp and tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)

@@ -427,7 +427,7 @@ class Slots:
             [a.seed for a in admissions],
             [a.sampling for a in admissions],
             [a.ignore_eos for a in admissions],
-            [a.speculate and a.constraint is None and not a.penalized for a in admissions],  # those draft nothing
+            [a.speculate and not a.penalized for a in admissions],  # a penalized row drafts nothing
             bucket,
             None if self.matchers is None else self.matchers.masks[[a.row for a in admissions]],
             self._bias(admissions) if self.penalizing else None,
@@ -536,7 +536,7 @@ class Slots:
         as it does the logits, and the next call's state no longer matches the program."""
         if self.matchers is not None and constrained:
             mesh = mesh_of(self.params)
-            static["constrain"] = HostCall(self.matchers.advance, mesh and NamedSharding(mesh, PartitionSpec()))
+            static["constrain"] = HostCall(self.matchers, mesh and NamedSharding(mesh, PartitionSpec()))
         if self._placed is not None:
             phase = jax.jit(
                 phase, static_argnames=tuple(static), donate_argnames=("state",), out_shardings=self._placed

@@ -166,16 +166,21 @@ def test_a_new_schema_compiles_nothing_and_logprobs_stay_inside_the_mask(bundled
 
 
 def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
-    """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, in a job
-    that speculates: each row's text as the row's alone (run's engine, without speculation)."""
+    """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, every
+    row drafting by prompt lookup: each row's text as the row's alone (run's engine, without
+    speculation). A constrained row's drafts are checked by its matcher and verified under each
+    position's mask (`constrain.Matchers.check`)."""
     schema = SCHEMAS[8]
-    prompt = bundled.tokenizer.encode(PROMPT + "{'a': 1, 'b': True}\nCONFIG = {'a': 1, 'b': True}\nCONFIG = ")
+    prompt = bundled.tokenizer.encode(
+        PROMPT + '{"inner": {"a": 1, "b": true}}\nCONFIG = {"inner": {"a": 1, "b": true}}\nCONFIG = '
+    )
+    json_schema = Constraint("json_schema", schema)
     requests = [
-        Request("json", prompt, Sampling(), 120, 1, constraint=Constraint("json_schema", schema)),
+        Request("json", prompt, Sampling(), 120, 1, speculate=True, constraint=json_schema),
         Request("free", prompt, Sampling(), 40, 2, speculate=True),
-        Request("hot json", prompt, Sampling(temperature=0.9), 120, 3, constraint=Constraint("json_schema", schema)),
+        Request("hot json", prompt, Sampling(temperature=0.9), 120, 3, speculate=True, constraint=json_schema),
         Request("hot", prompt, Sampling(temperature=0.9), 40, 4, speculate=True),
-        Request("choice", prompt, Sampling(), 8, 5, constraint=Constraint("choice", ("on", "off"))),
+        Request("choice", prompt, Sampling(), 8, 5, speculate=True, constraint=Constraint("choice", ("on", "off"))),
     ]
     decoding = Decoding(speculation=Speculation(draft=4))
     mixed = {}
@@ -186,10 +191,11 @@ def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
         alone = Generation(bundled, engine, r.prompt_ids, r.sampling, r.max_tokens, r.seed, constraint=r.constraint)
         list(alone)
         assert mixed[r.id]["text"] == alone.text, r.id
-        if r.constraint is None:
-            assert mixed[r.id]["timings"]["speculation"]["drafted"] > 0  # the free rows still speculate
-        else:
+        if r.constraint is not None:
             assert mixed[r.id]["finish_reason"] == "stop"
+    speculated = {r.id: mixed[r.id]["timings"]["speculation"] for r in requests}
+    print(speculated)
+    assert speculated["free"]["drafted"] > 0 and speculated["json"]["accepted"] > 0
     jsonschema.validate(json.loads(mixed["json"]["text"]), schema)
     jsonschema.validate(json.loads(mixed["hot json"]["text"]), schema)
 
