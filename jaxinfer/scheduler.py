@@ -233,8 +233,12 @@ class Scheduler:
             if wait_for_mates and any(reusable(prompt, m) > start for _, m in mates.get(tuple(prompt[:MIN_REUSE]), ())):
                 waiting.append(request)
                 continue
-            admitted.append((free.pop(best), start, source, request))
+            row = free.pop(best)
+            admitted.append((row, start, source, request))
             mates[tuple(prompt[:MIN_REUSE])].append((None, np.asarray(prompt, np.int32)))
+            # not a source for later requests: a copy into it (this one's) runs before theirs out of it
+            held_by_row = holders[tuple(self._held[row][:MIN_REUSE])]
+            held_by_row[:] = [(i, tokens) for i, tokens in held_by_row if i != row]
         inbox.put_back(waiting)
         if not admitted:
             return
