@@ -221,8 +221,8 @@ def _host_primitive():
     numpy (what XLA hands over) and takes its numpy result back: `jax.experimental.io_callback`
     less its wrapper, which device_puts the arguments into new jax.Arrays under a default-device
     context on every call. That wrapper was half of what a constraint cost a step: the bundled model
-    (a 0.45 ms step, this Zen 4, `scripts/bench_constrained.py`-style rounds) ×0.61 of a free row
-    through io_callback, ×0.76 through this."""
+    (a 0.45 ms step, this Zen 4, `python scripts/bench_constrained.py`) ×0.60 of a free row
+    through io_callback, ×0.78 through this."""
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
 
@@ -230,10 +230,15 @@ def _host_primitive():
     host.def_abstract_eval(lambda x, *, fn, result: result)
 
     def lower(ctx, x, *, fn, result):
-        from jax._src.callback import _callback_op_sharding  # io_callback's own choice, private
+        # over a mesh: once, on the first device (a maximal sharding), its result given to all; the
+        # choice is io_callback's own, a private function: should a JAX release move it, one device
+        # still works (a mesh then fails to compile, saying the call needs a sharding)
+        try:
+            from jax._src.callback import _callback_op_sharding
 
-        # over a mesh: once, on the first device (a maximal sharding), its result given to all
-        once = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+            once = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+        except ImportError:
+            once = None
         out, _, _ = mlir.emit_python_callback(
             ctx,
             lambda x: (fn(x),),
