@@ -211,6 +211,21 @@ def test_prefix_reuse_across_requests(server, client):
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
+def test_two_choices_take_one_prefill(server, client):
+    """The second choice of a prompt waits a step for the first's prefill and copies its K/V
+    (`Scheduler._admit`): the prompt's tokens but the last come from a cache, none prefilled twice."""
+
+    def cached() -> float:
+        metrics = http(server, "GET", "/metrics").text
+        return float(re.search(r"^jaxinfer_cached_prompt_tokens_total (\S+)$", metrics, re.M)[1])
+
+    prompt = "class Config:\n    def __init__(self, path, mode='r', encoding='utf-8'):\n        self.path = path\n"
+    before = cached()
+    answer = client.completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0, n=2)
+    assert answer.choices[0].text == answer.choices[1].text  # greedy: the same text twice
+    assert cached() - before == answer.usage.prompt_tokens - 1
+
+
 @pytest.mark.parametrize(
     "body, status, words",
     [
