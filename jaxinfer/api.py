@@ -19,12 +19,10 @@ import secrets
 import time
 from dataclasses import replace
 
-import jax
-
 from jaxinfer import defaults
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
-from jaxinfer.constrain import Constraint, check_for, from_request
+from jaxinfer.constrain import Constraint, check_for, check_one_process, from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import shared_seed
@@ -146,11 +144,10 @@ class Parser:
                 )
             constraint = Constraint("grammar", forced_grammar(forced, tool_format))
         if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
-            if jax.process_count() > 1:
-                raise JaxinferError("constrained output runs in one process: these are joined over several")
+            check_one_process()
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         logit_bias = self._logit_bias(item.get("logit_bias"))
-        speculate &= not logit_bias and not penalized(sampling)  # nor does a penalized one
+        speculate &= not logit_bias and not penalized(sampling)  # a penalized row drafts nothing
         return Request(
             request_id,
             ids,

@@ -177,6 +177,17 @@ def from_request(item: dict) -> Constraint | None:
     return found[0] if found else None
 
 
+def check_one_process() -> None:
+    """Refuse constraints where processes are joined in one mesh (`--coordinator`): the matchers
+    live in one process, and the others' programs would wait on calls they cannot make."""
+    import jax
+
+    if jax.process_count() > 1:
+        raise JaxinferError(
+            "constrained output runs in one process: drop the coordinator (or the constraint)", "coordinator"
+        )
+
+
 def mask_words(vocab: int) -> int:
     """int32 words of a row's token mask: a bit per id sampled from."""
     return (vocab + 31) // 32
@@ -341,7 +352,7 @@ class Matchers:
         drafted = np.asarray(drafted)
         B, K = drafted.shape[0], drafted.shape[1] - 1
         masks = np.full((B, K, self.words), -1, np.int32)
-        taken = np.full((B, 1), K, np.int32)
+        taken = np.full(B, K, np.int32)
         for row, matcher in enumerate(self._rows):
             if matcher is None or self._ended[row]:
                 continue
@@ -352,10 +363,10 @@ class Matchers:
                 if matcher.is_stopped():
                     matcher.rollback(1)
                     break
-                matcher.unsafe_compute_mask_ptr(masks[row, taken[row, 0]].ctypes.data, masks[row, 0].nbytes)
+                matcher.unsafe_compute_mask_ptr(masks[row, taken[row]].ctypes.data, masks[row, 0].nbytes)
                 taken[row] += 1
-            matcher.rollback(int(taken[row, 0]))
-        return np.concatenate([masks.reshape(B, -1), taken], axis=1)
+            matcher.rollback(int(taken[row]))
+        return np.concatenate([masks.reshape(B, -1), taken[:, None]], axis=1)
 
     def complete(self, row: int) -> bool:
         """Whether the row's text so far is a whole match (a JSON value closed, the regex matched)."""

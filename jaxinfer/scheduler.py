@@ -227,15 +227,16 @@ class Scheduler:
             # the row holding most of the prompt; among equals, the one holding least (kept for its own)
             best = max(range(len(free)), key=lambda k: (held[k], -len(self._held[free[k]])))
             start, source = held[best], None
-            for i, tokens in holders.get(tuple(prompt[:MIN_REUSE]), ()):
+            key = tuple(prompt[:MIN_REUSE])
+            for i, tokens in holders.get(key, ()):
                 if (shared := reusable(prompt, tokens)) > start:
                     start, source = shared, i
-            if wait_for_mates and any(reusable(prompt, m) > start for _, m in mates.get(tuple(prompt[:MIN_REUSE]), ())):
+            if wait_for_mates and any(reusable(prompt, m) > start for _, m in mates.get(key, ())):
                 waiting.append(request)
                 continue
             row = free.pop(best)
             admitted.append((row, start, source, request))
-            mates[tuple(prompt[:MIN_REUSE])].append((None, np.asarray(prompt, np.int32)))
+            mates[key].append((None, np.asarray(prompt, np.int32)))
             # not a source for later requests: a copy into it (this one's) runs before theirs out of it
             held_by_row = holders[tuple(self._held[row][:MIN_REUSE])]
             held_by_row[:] = [(i, tokens) for i, tokens in held_by_row if i != row]

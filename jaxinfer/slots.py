@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.constrain import Constraint, HostCall, Matchers
+from jaxinfer.constrain import Constraint, HostCall, Matchers, check_one_process
 from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.processes import agree
@@ -302,10 +302,7 @@ class Slots:
         not over processes joined in one (the matchers live in one process)."""
         if self.matchers is not None:
             return
-        if jax.process_count() > 1:
-            raise JaxinferError(
-                "constrained output runs in one process: drop the coordinator (or the constraint)", "coordinator"
-            )
+        check_one_process()
         self.matchers = Matchers(tokenizer, self.cfg.sampled_ids, self.batch, self.eos_ids)
         self._grow(allowed=self.matchers.masks)
 
