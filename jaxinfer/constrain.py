@@ -3,24 +3,29 @@ one of a few choices, or a grammar (Lark, or llama.cpp's GBNF), valid by constru
 
 The grammar-to-token-mask work is llguidance's (Microsoft's, what llama.cpp's `--grammar` build
 option, vLLM and SGLang use): an Earley parser over the grammar's lexemes that, given the tokens so
-far, gives the set of tokens that can extend them to a valid string, in ~0.1 ms a step here (the
-bundled model's 4,096 tokens: 0.15 ms; llguidance measures ~50 µs for 128k-token vocabularies).
+far, gives the set of tokens that can extend them to a valid string: 4–10 µs a step over the
+bundled model's 4,096 tokens (median; 23 µs at the 90th percentile of a JSON schema's steps; a
+Zen 4), ~170 µs over 49,152 (docs/structured.md).
 
-How the mask reaches the device: the decode programs call back to the host (`HostCall`) once per
-step, after the step's tokens are appended: `Matchers.advance` feeds each constrained row's new
-token to its matcher and returns every row's next bitmask, which the next step's sampling applies.
-Before a verifying pass (speculation), `Matchers.check` takes the rows' drafts and gives the mask
-of each position after them. The loop never leaves the device (no dispatch per token), and only
-programs of a state that constrains hold the calls: a job without constraints compiles and runs
-exactly as before. A row without a constraint has every bit set, so its tokens are those it makes
-alone.
+How the mask reaches the device: the decode programs call the host once per step, after the step's
+tokens are appended (`HostCall`): `Matchers.advance` feeds each constrained row's new token to its
+matcher and returns every row's next bitmask, which the next step's sampling applies. Before a
+verifying pass (speculation), `Matchers.check` takes the rows' drafts and gives the mask of each
+position after them. On the CPU the call is a custom call of our kernels (kernels/constrain.cc),
+which drive llguidance's matchers through its C API with no Python in the step; elsewhere a Python
+callback reaches the same functions. The loop never leaves the device (no dispatch per token), and
+only programs of a state that constrains hold the calls: a job without constraints compiles and
+runs exactly as before. A row without a constraint has every bit set, so its tokens are those it
+makes alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import re
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,10 +70,10 @@ class Constraint:
 
     def check(self) -> None:
         """Refuse a constraint that cannot be compiled (before any weights are read)."""
-        _compiled(self, None)
+        _compiled(self)
 
 
-def _compiled(constraint: Constraint, tokenizer) -> str:
+def _compiled(constraint: Constraint) -> str:
     import llguidance
     from llguidance.gbnf_to_lark import GbnfToLarkError
 
@@ -77,7 +82,7 @@ def _compiled(constraint: Constraint, tokenizer) -> str:
         grammar = constraint.grammar()
     except (ValueError, TypeError, GbnfToLarkError) as e:  # not JSON; a GBNF grammar the converter refuses
         raise JaxinferError(f"the {what} cannot be read: {_first_line(e)}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
         raise JaxinferError(
             f"the {what} cannot be compiled: {_first_line(error)}"
@@ -196,101 +201,263 @@ def mask_words(vocab: int) -> int:
 def check_for(constraint: Constraint, tokenizer, vocab: int, eos_ids: tuple[int, ...]) -> None:
     """Refuse a constraint this model's vocabulary cannot begin to spell (a batch line's, before its
     job admits it: an admission that fails would end the job)."""
-    _matcher(constraint, _vocabulary(tokenizer, vocab, eos_ids))
+    _libraries()[0].llg_free_matcher(_matcher(constraint, _vocabulary(tokenizer, vocab, eos_ids))[0])
+
+
+class _Limits(ctypes.Structure):  # llguidance.h's LlgParserLimits
+    _fields_ = [
+        ("max_items_in_row", ctypes.c_size_t),
+        ("initial_lexer_fuel", ctypes.c_uint64),
+        ("step_lexer_fuel", ctypes.c_uint64),
+        ("step_max_items", ctypes.c_size_t),
+        ("max_lexer_states", ctypes.c_size_t),
+        ("max_grammar_size", ctypes.c_size_t),
+        ("precompute_large_lexemes", ctypes.c_bool),
+        ("verbose_errors", ctypes.c_bool),
+    ]
+
+
+class _MatcherInit(ctypes.Structure):  # LlgConstraintInit
+    _fields_ = [
+        ("tokenizer", ctypes.c_void_p),
+        ("log_buffer_level", ctypes.c_uint32),
+        ("log_stderr_level", ctypes.c_uint32),
+        ("ff_tokens_ok", ctypes.c_bool),
+        ("backtrack_ok", ctypes.c_bool),
+        ("limits", _Limits),
+    ]
+
+
+_TOKENIZE = ctypes.CFUNCTYPE(
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_uint8),
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_uint32),
+    ctypes.c_size_t,
+)
+
+
+class _TokenizerInit(ctypes.Structure):  # LlgTokenizerInitV2 (its size first: later fields default to zero)
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("vocab_size", ctypes.c_uint32),
+        ("tok_eos", ctypes.c_uint32),
+        ("token_lens", ctypes.c_void_p),
+        ("token_bytes", ctypes.c_void_p),
+        ("tokenizer_json", ctypes.c_char_p),
+        ("tokenize_assumes_string", ctypes.c_bool),
+        ("tokenize_fn", _TOKENIZE),
+        ("use_approximate_greedy_tokenize_fn", ctypes.c_bool),
+        ("tokenize_user_data", ctypes.c_void_p),
+        ("slices", ctypes.c_void_p),
+        ("tok_eos_extra", ctypes.c_void_p),
+        ("tok_eos_extra_count", ctypes.c_uint32),
+    ]
+
+
+# llguidance's functions the step calls, in the order `jaxinfer_matchers_bind` takes them
+_STEP_FUNCTIONS = (
+    "llg_matcher_consume_token",
+    "llg_matcher_compute_mask_into",
+    "llg_matcher_is_stopped",
+    "llg_matcher_is_error",
+    "llg_matcher_validate_tokens",
+    "llg_matcher_rollback",
+    "llg_matcher_is_accepting",
+    "llg_free_matcher",
+)
 
 
 @functools.cache
-def _vocabulary(tokenizer, vocab: int, eos_ids: tuple[int, ...]):
-    """llguidance's view of our tokenizer (built once: ~50 ms at 49k tokens)."""
-    import llguidance
+def _libraries() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """llguidance's C API (the library its Python package loads exports it) and our kernels
+    (kernels/constrain.cc), which run each step's matcher work with llguidance's step functions."""
+    import llguidance._lib
 
-    return llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(_Vocabulary(tokenizer, vocab)),
-        n_vocab=vocab,
-        eos_token=[i for i in eos_ids if 0 <= i < vocab] or None,
-    )
+    from jaxinfer import kernel
+
+    kernels = kernel.library()
+    if kernels is None:
+        raise JaxinferError("constrained output needs jaxinfer's compiled kernels: reinstall it with a C++ compiler")
+    llg = ctypes.CDLL(llguidance._lib.__file__)
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    for name, restype, argtypes in (
+        ("llg_new_tokenizer_v2", p, (p, ctypes.c_char_p, size)),
+        ("llg_constraint_init_set_defaults", None, (p, p)),
+        ("llg_new_matcher", p, (p, ctypes.c_char_p, ctypes.c_char_p)),
+        ("llg_matcher_get_error", ctypes.c_char_p, (p,)),
+        ("llg_matcher_compute_mask_into", ctypes.c_int32, (p, p, size)),
+        ("llg_free_matcher", None, (p,)),
+    ):
+        getattr(llg, name).restype, getattr(llg, name).argtypes = restype, argtypes
+    step = [ctypes.cast(getattr(llg, name), p).value for name in _STEP_FUNCTIONS]
+    kernels.jaxinfer_matchers_bind((p * len(step))(*step))
+    i64 = ctypes.c_int64
+    for name, restype, argtypes in (
+        ("jaxinfer_matchers_new", i64, (i64, i64, p)),
+        ("jaxinfer_matchers_free", None, (i64,)),
+        ("jaxinfer_matchers_start", None, (i64, i64, p)),
+        ("jaxinfer_matchers_complete", ctypes.c_bool, (i64, i64)),
+        ("jaxinfer_matchers_steps", i64, (i64,)),
+        ("jaxinfer_matchers_advance", None, (i64, p, i64, p)),
+        ("jaxinfer_matchers_check", None, (i64, p, i64, p)),
+    ):
+        getattr(kernels, name).restype, getattr(kernels, name).argtypes = restype, argtypes
+    return llg, kernels
 
 
-def _matcher(constraint: Constraint, vocabulary) -> tuple:
-    """A fresh matcher for `constraint` and its first mask [W]."""
-    import llguidance
+class _LlgTokenizer:
+    """Our tokenizer as llguidance's C API takes one (`llg_new_tokenizer_v2`): each token's bytes
+    (special tokens marked by a leading 0xFF, as llguidance's llama.cpp bridge does) and a tokenize
+    function, which llguidance calls to spell bytes a grammar forces. Built once per vocabulary
+    (~50 ms at 49k tokens) and kept for the process (the matchers hold it)."""
 
+    def __init__(self, tokenizer, vocab: int, eos_ids: tuple[int, ...]):
+        words = _Vocabulary(tokenizer, vocab)
+        self.vocab_size = vocab
+        lens = np.array([len(t) for t in words.tokens], np.uint32)
+        data = np.frombuffer(b"".join(words.tokens) or b"\0", np.uint8)
+        eos = np.array([i for i in eos_ids if 0 <= i < vocab] or [words.eos_token_id], np.uint32)
+
+        def tokenize(_, text, n, out, room):
+            try:
+                ids = words(ctypes.string_at(text, n))
+            except Exception:  # noqa: BLE001 - nothing can be raised through llguidance: no tokens is its "cannot"
+                return 0
+            for i, token in enumerate(ids[:room]):
+                out[i] = token
+            return len(ids)
+
+        self._keep = (lens, data, eos, _TOKENIZE(tokenize))  # llguidance reads them while the tokenizer lives
+        init = _TokenizerInit(
+            struct_size=ctypes.sizeof(_TokenizerInit),
+            vocab_size=vocab,
+            tok_eos=int(eos[0]),
+            token_lens=lens.ctypes.data,
+            token_bytes=data.ctypes.data,
+            tokenize_assumes_string=True,  # ours reads text: llguidance gives it UTF-8 pieces, the rest greedily
+            tokenize_fn=self._keep[3],
+            tok_eos_extra=eos[1:].ctypes.data,
+            tok_eos_extra_count=len(eos) - 1,
+        )
+        error = ctypes.create_string_buffer(1024)
+        self.pointer = _libraries()[0].llg_new_tokenizer_v2(ctypes.byref(init), error, len(error))
+        if not self.pointer:
+            raise JaxinferError(f"llguidance cannot read this tokenizer: {_first_line(error.value.decode())}")
+
+
+@functools.cache
+def _vocabulary(tokenizer, vocab: int, eos_ids: tuple[int, ...]) -> _LlgTokenizer:
+    return _LlgTokenizer(tokenizer, vocab, eos_ids)
+
+
+def _matcher(constraint: Constraint, vocabulary: _LlgTokenizer) -> tuple[int, np.ndarray]:
+    """A fresh matcher for `constraint` (llguidance's pointer: the caller frees it, or hands it to
+    `jaxinfer_matchers_start`) and its first mask [W]."""
+    llg = _libraries()[0]
     what = constraint.kind.replace("_", " ")
-    matcher = llguidance.LLMatcher(vocabulary, _compiled(constraint, vocabulary), log_level=0)
-    if matcher.is_error():
-        raise JaxinferError(f"the {what}: {_first_line(matcher.get_error())}")
+    init = _MatcherInit()
+    llg.llg_constraint_init_set_defaults(ctypes.byref(init), vocabulary.pointer)
+    init.log_buffer_level = init.log_stderr_level = 0
+    matcher = llg.llg_new_matcher(ctypes.byref(init), b"llguidance", _compiled(constraint).encode())
     mask = np.full(mask_words(vocabulary.vocab_size), -1, np.int32)
-    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-    if not mask.any():
-        raise JaxinferError(f"no token of this model's vocabulary can begin the {what}")
-    return matcher, mask
+    error = llg.llg_matcher_get_error(matcher)
+    if error is None and llg.llg_matcher_compute_mask_into(matcher, mask.ctypes.data, mask.nbytes) == 0:
+        if mask.any():
+            return matcher, mask
+        error = b""
+    else:
+        error = llg.llg_matcher_get_error(matcher) or b"unknown error"
+    llg.llg_free_matcher(matcher)
+    if error:
+        raise JaxinferError(f"the {what} cannot be compiled: {_first_line(error.decode(errors='replace'))}")
+    raise JaxinferError(f"no token of this model's vocabulary can begin the {what}")
 
 
 @functools.cache
 def _host_primitive():
-    """A primitive whose lowering calls a Python function with the host's copy of its argument as
-    numpy (what XLA hands over) and takes its numpy result back: `jax.experimental.io_callback`
-    less its wrapper, which device_puts the arguments into new jax.Arrays under a default-device
-    context on every call. That wrapper was half of what a constraint cost a step: the bundled model
-    (a 0.45 ms step, this Zen 4, `python scripts/bench_constrained.py`) ×0.60 of a free row
-    through io_callback, ×0.78 through this."""
+    """A primitive that runs the matchers' step on the host, inside a decode program: param `step`
+    ("advance" or "check", the `Matchers` method), `matchers`, and the `result`'s shape.
+
+    On the CPU it is a custom call of our kernels (kernels/constrain.cc), with no Python in the
+    step. Elsewhere (a GPU) it is a Python callback to the same functions: the lowering
+    `jax.experimental.io_callback` makes, less its wrapper, which device_puts the arguments into new
+    jax.Arrays under a default-device context on every call. The bundled model (a 0.45 ms step, a
+    Zen 4, `python scripts/bench_constrained.py`), a constrained row ÷ a free one: ×0.60 through
+    io_callback, ×0.78 through the Python callback, ×0.97 through the custom call."""
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
 
-    host = Primitive("jaxinfer_on_host")
-    host.def_abstract_eval(lambda x, *, fn, result: result)
+    host = Primitive("jaxinfer_matchers")
+    host.def_abstract_eval(lambda x, *, step, matchers, result: result)
 
-    def lower(ctx, x, *, fn, result):
+    def maximal(ctx):
         # over a mesh: once, on the first device (a maximal sharding), its result given to all; the
-        # choice is io_callback's own, a private function: should a JAX release move it, one device
+        # choice is io_callback's own, private functions: should a JAX release move them, one device
         # still works (a mesh then fails to compile, saying the call needs a sharding)
         try:
             from jax._src.callback import _callback_op_sharding
 
-            once = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+            return _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
         except ImportError:
-            once = None
+            return None
+
+    def on_cpu(ctx, x, *, step, matchers, result):
+        if getattr(ctx.module_context.axis_context, "num_devices", 1) > 1:  # over a mesh: the callback,
+            # whose sharding XLA keeps (a custom call's maximal sharding it dropped in a nested function:
+            # "side-effect HLO must have sharding")
+            return elsewhere(ctx, x, step=step, matchers=matchers, result=result)
+        import jax
+
+        return jax.ffi.ffi_lowering(f"jaxinfer_constrain_{step}", has_side_effect=True)(
+            ctx, x, set=np.int64(matchers.id)
+        )
+
+    def elsewhere(ctx, x, *, step, matchers, result):
         out, _, _ = mlir.emit_python_callback(
             ctx,
-            lambda x: (fn(x),),
+            lambda x: (getattr(matchers, step)(x),),
             None,
             [x],
             ctx.avals_in,
             ctx.avals_out,
             has_side_effect=True,
             returns_token=False,
-            sharding=once,
+            sharding=maximal(ctx),
         )
         return out
 
-    mlir.register_lowering(host, lower, cacheable=False)
+    mlir.register_lowering(host, elsewhere, cacheable=False)
+    mlir.register_lowering(host, on_cpu, platform="cpu", cacheable=False)
     return host
 
 
 @dataclass(frozen=True)
 class HostCall:
     """What the decode programs call on the host (the `Matchers`' `advance` once a step, `check`
-    before a verifying pass: numpy in, numpy out), and over a mesh where the results go: whole on
-    every device (`whole`, a replicated sharding). Left to choose, XLA split the masks by
-    vocabulary as it does the logits, and warned on stderr that it had to gather them to do so."""
+    before a verifying pass), and over a mesh where the results go: whole on every device (`whole`,
+    a replicated sharding). Left to choose, XLA split the masks by vocabulary as it does the logits,
+    and warned on stderr that it had to gather them to do so."""
 
     matchers: object
     whole: object = None  # a jax.sharding.Sharding over the mesh, or None on one device
 
     def advance(self, result, x):
-        return self._call(self.matchers.advance, result, x)
+        return self._call("advance", result, x)
 
     def check(self, result, x):
-        return self._call(self.matchers.check, result, x)
+        return self._call("check", result, x)
 
-    def _call(self, fn, result, x):
-        """`fn(x)` on the host, inside a traced program: x a device array, the result of
-        `result`'s (a jax.ShapeDtypeStruct's) shape and dtype. It runs once each time the program
-        reaches it, in order with the program's other host calls (it has a side effect)."""
+    def _call(self, step, result, x):
+        """The step on the host, inside a traced program: x an int32 device array, the result of
+        `result`'s (a jax.ShapeDtypeStruct's) shape. It runs once each time the program reaches it,
+        in order with the program's other host calls (it has a side effect)."""
         import jax
         from jax.core import ShapedArray
 
-        out = _host_primitive().bind(x, fn=fn, result=ShapedArray(result.shape, result.dtype))
+        result = ShapedArray(result.shape, result.dtype)
+        out = _host_primitive().bind(x.astype(np.int32), step=step, matchers=self.matchers, result=result)
         return out if self.whole is None else jax.lax.with_sharding_constraint(out, self.whole)
 
 
@@ -298,48 +465,30 @@ class Matchers:
     """One llguidance matcher per constrained row, and every row's next-token bitmask [B, W] (int32
     words, bit t % 32 of word t // 32 set where token t is allowed; every bit set in a free row).
 
-    `advance` is the decode programs' callback: it runs while the device waits, on XLA's thread,
-    and the host changes rows (`start`) only between calls, after their results are back."""
+    The matchers live in our kernels (kernels/constrain.cc), which the decode programs call each
+    step (`advance`, `check`) while the device waits; the host changes rows (`start`) only between
+    calls, after their results are back."""
 
     def __init__(self, tokenizer, vocab: int, batch: int, eos_ids: tuple[int, ...]):
         self.words = mask_words(vocab)
         self._vocabulary = _vocabulary(tokenizer, vocab, eos_ids)
-        self._rows: list = [None] * batch
-        self._ended = np.zeros(batch, bool)  # the row's grammar is complete: nothing more may follow
-        self.masks = np.full((batch, self.words), -1, np.int32)
+        self.masks = np.full((batch, self.words), -1, np.int32)  # the kernels write each row's next mask here
+        self._kernels = _libraries()[1]
+        self.id = self._kernels.jaxinfer_matchers_new(batch, self.words, self.masks.ctypes.data)
+        weakref.finalize(self, self._kernels.jaxinfer_matchers_free, self.id)
 
     def start(self, row: int, constraint: Constraint | None) -> None:
         """Constrain `row` from its next token on (None: free it)."""
-        self._rows[row], self._ended[row] = None, False
-        self.masks[row] = -1
-        if constraint is not None:
-            self._rows[row], self.masks[row] = _matcher(constraint, self._vocabulary)
-
-    def _fill(self, row: int) -> None:
-        matcher = self._rows[row]
-        mask = self.masks[row]
-        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        matcher, self.masks[row] = (None, -1) if constraint is None else _matcher(constraint, self._vocabulary)
+        self._kernels.jaxinfer_matchers_start(self.id, row, matcher)
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:
         """Feed each constrained row the tokens [B, T] it made (the others -1); return the bitmasks
         for the next step [B, W] and, as word W, 1 where the row must end now [B] (its grammar is
         complete, or can go no further: the row's text is what it is)."""
-        tokens = np.asarray(tokens)  # indexing a jax.Array would dispatch a program
-        out = np.zeros((len(self._rows), self.words + 1), np.int32)
-        for row, matcher in enumerate(self._rows):
-            made = tokens[row][tokens[row] >= 0]
-            if matcher is None or not len(made) or self._ended[row]:
-                continue
-            for token in made:
-                if not matcher.consume_token(int(token)):
-                    break
-            if not (matcher.is_stopped() or matcher.is_error()):
-                self._fill(row)
-            if matcher.is_stopped() or matcher.is_error() or not self.masks[row].any():
-                # ended: its steps are discarded from now on; all bits set keeps their sampling finite
-                self._ended[row] = out[row, -1] = True
-                self.masks[row] = -1
-        out[:, :-1] = self.masks
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        out = np.empty((len(self.masks), self.words + 1), np.int32)
+        self._kernels.jaxinfer_matchers_advance(self.id, tokens.ctypes.data, tokens.shape[1], out.ctypes.data)
         return out
 
     def check(self, drafted: np.ndarray) -> np.ndarray:
@@ -349,29 +498,20 @@ class Matchers:
         row). A draft that completes the match is not taken: the pass samples it as the row's own
         token, whose `advance` ends the row, as a plain step would. The matchers are rolled back:
         `advance` feeds what the pass keeps."""
-        drafted = np.asarray(drafted)
-        B, K = drafted.shape[0], drafted.shape[1] - 1
-        masks = np.full((B, K, self.words), -1, np.int32)
-        taken = np.full(B, K, np.int32)
-        for row, matcher in enumerate(self._rows):
-            if matcher is None or self._ended[row]:
-                continue
-            drafts = [int(t) for t in drafted[row, : drafted[row, K]]]
-            taken[row] = 0
-            for token in drafts[: matcher.validate_tokens(drafts)]:
-                matcher.consume_token(token)
-                if matcher.is_stopped():
-                    matcher.rollback(1)
-                    break
-                matcher.unsafe_compute_mask_ptr(masks[row, taken[row]].ctypes.data, masks[row, 0].nbytes)
-                taken[row] += 1
-            matcher.rollback(int(taken[row]))
-        return np.concatenate([masks.reshape(B, -1), taken[:, None]], axis=1)
+        drafted = np.ascontiguousarray(drafted, np.int32)
+        K = drafted.shape[1] - 1
+        out = np.empty((len(self.masks), K * self.words + 1), np.int32)
+        self._kernels.jaxinfer_matchers_check(self.id, drafted.ctypes.data, K, out.ctypes.data)
+        return out
 
     def complete(self, row: int) -> bool:
         """Whether the row's text so far is a whole match (a JSON value closed, the regex matched)."""
-        matcher = self._rows[row]
-        return matcher is None or (not matcher.is_error() and matcher.is_accepting())
+        return self._kernels.jaxinfer_matchers_complete(self.id, row)
+
+    @property
+    def steps(self) -> int:
+        """How many steps have advanced the matchers (over a mesh: once a step, not once a device)."""
+        return self._kernels.jaxinfer_matchers_steps(self.id)
 
 
 class _Vocabulary:

@@ -3,7 +3,8 @@ a path (JAXINFER_ISA, the tests' `isa` fixture), and switched off by tests to co
 own path.
 
 Where they were not built (no C++ compiler) or the backend is not the CPU, `available()` is False
-and every matrix takes XLA's dot.
+and every matrix takes XLA's dot. The library also holds constrained decoding's step
+(`jaxinfer.constrain` binds it to llguidance), which the GPU reaches through a Python callback.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import numpy as np
 
 from jaxinfer.errors import JaxinferError
 
-TARGETS = ("jaxinfer_qmatmul", "jaxinfer_kmatmul", "jaxinfer_fmatmul", "jaxinfer_attention")
+TARGETS = (
+    "jaxinfer_qmatmul",
+    "jaxinfer_kmatmul",
+    "jaxinfer_fmatmul",
+    "jaxinfer_attention",
+    "jaxinfer_constrain_advance",
+    "jaxinfer_constrain_check",
+)
 
 
 def _library_path() -> Path | None:

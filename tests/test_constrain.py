@@ -165,6 +165,40 @@ def test_a_new_schema_compiles_nothing_and_logprobs_stay_inside_the_mask(bundled
     assert abs(sum(np.exp(a["logprob"]) for a in first["top_logprobs"]) - 1) < 1e-4  # the mass is the allowed tokens'
 
 
+def test_the_kernels_step_and_the_python_callback_agree(bundled):
+    """On the CPU the decode programs advance the matchers by a custom call of our kernels, with no
+    Python in the step; elsewhere (a GPU, a mesh) a Python callback reaches the same functions. Both
+    give the same masks, row ends and draft checks on the same tokens (random allowed tokens, and
+    drafts that the grammar partly refuses)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.constrain import HostCall, Matchers
+
+    B, K, V = 3, 3, bundled.config.sampled_ids
+    kernels, callback = (Matchers(bundled.tokenizer, V, B, bundled.eos_ids) for _ in range(2))
+    for m in (kernels, callback):
+        m.start(0, Constraint("json_schema", SCHEMAS[5]))
+        m.start(2, Constraint("choice", ("yes", "no")))  # row 1 free
+    W = kernels.words
+    advance = jax.jit(lambda t: HostCall(kernels).advance(jax.ShapeDtypeStruct((B, W + 1), jnp.int32), t))
+    check = jax.jit(lambda d: HostCall(kernels).check(jax.ShapeDtypeStruct((B, K * W + 1), jnp.int32), d))
+    assert "jaxinfer_constrain_advance" in advance.lower(jnp.zeros((B, 1), jnp.int32)).as_text()
+
+    rng = np.random.default_rng(0)
+    ends = 0
+    for _ in range(30):
+        allowed = [np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V]) for row in kernels.masks]
+        drafts = np.array([[*rng.choice(a, 1), *rng.integers(0, V, K - 1), rng.integers(0, K + 1)] for a in allowed])
+        np.testing.assert_array_equal(np.asarray(check(drafts)), callback.check(drafts))
+        tokens = np.array([[rng.choice(a)] for a in allowed])
+        fed = np.asarray(advance(tokens))
+        np.testing.assert_array_equal(fed, callback.advance(tokens))
+        np.testing.assert_array_equal(kernels.masks, callback.masks)
+        ends += fed[:, W].sum()
+    assert ends >= 1 and kernels.steps == callback.steps == 30  # the choice ended; one call a step
+
+
 def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
     """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, every
     row drafting by prompt lookup: each row's text as the row's alone (run's engine, without

@@ -4,6 +4,7 @@ out of the text in each format (the server's end-to-end test is in test_server.p
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import transformers
 
@@ -132,20 +133,17 @@ def test_tool_fields_are_checked():
 def test_a_forced_call_grammar_takes_the_calls_split_reads(tiny, fmt):
     """Each format's grammar accepts a call as the model writes it (which `split` reads back) and
     refuses arguments its function's parameters do not allow."""
-    import llguidance
-
-    from jaxinfer.constrain import _vocabulary
+    from jaxinfer.constrain import Matchers
 
     tokenizer = Tokenizer(tiny("llama"))
-    vocabulary = _vocabulary(tokenizer, tokenizer.vocab_size, ())
+    matchers = Matchers(tokenizer, tokenizer.vocab_size, 1, ())
     tools = [WEATHER, {"type": "function", "function": {"name": "noop"}}]
-    grammar = llguidance.LLMatcher.grammar_from_lark(forced_grammar(tools, fmt))
     call = {"name": "get_weather", ("parameters" if fmt == "llama3" else "arguments"): {"city": "Paris"}}
     text = json.dumps(call, ensure_ascii=False)
     text = {"hermes": f"<tool_call>\n{text}\n</tool_call>", "mistral": f"[{text}]", "llama3": text}[fmt]
     for candidate, valid in [(text, True), (text.replace('"Paris"', "7"), False)]:
-        matcher = llguidance.LLMatcher(vocabulary, grammar)
-        ok = matcher.consume_tokens(tokenizer.encode(candidate, add_special_tokens=False))
-        assert (ok and matcher.is_accepting()) == valid, (fmt, candidate, matcher.get_error()[:160])
+        matchers.start(0, Constraint("grammar", forced_grammar(tools, fmt)))
+        matchers.advance(np.array([tokenizer.encode(candidate, add_special_tokens=False)]))
+        assert matchers.complete(0) == valid, (fmt, candidate)
     assert [c["function"]["name"] for c in split(text, fmt)[1]] == ["get_weather"]
     Constraint("grammar", forced_grammar(tools, fmt)).check()
