@@ -8,11 +8,11 @@ scheduler on the same requests, and a leak check over many requests with some cl
 The requests: seeded slices of this repository's Python source as prompts (16–64 tokens), greedy, EOS
 off so every request makes `--tokens`. The server runs as `jaxinfer serve -b CLIENTS` (a process of its
 own, as users run it); batch is `Scheduler(model, CLIENTS, ...)`, what `jaxinfer batch -b CLIENTS`
-runs, in this process. Batch runs the whole set three times and times the last, less its compile
-time; the server runs it until a round compiles no program (at least twice, at most 8 times: its
-admission groups vary with the clients' arrival order, and the third round of 64 requests still
-compiled 1–2 prefill programs in 2026-11-26's runs), then times one more, whose compiled programs
-are reported.
+runs, in this process, its compile time taken out. Both are warmed up (batch twice; the server until
+a round compiles no program, at least twice, at most 8 times: its admission groups vary with the
+clients' arrival order), then `--rounds` timed rounds of each alternate, batch then serve (this
+machine's speed drifts by ±20% between minutes: figures of two sittings do not compare); the
+median of the rounds' ratios is reported, and the programs the server compiled in its timed rounds.
 Reported: aggregate generated tokens/s of each and their ratio; the clients' time to first
 token (from sending), inter-token latency (each request's time from its first text to its last over
 its tokens after the first) and the gaps between streamed chunks (a chunk carries what a dispatch
@@ -26,6 +26,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -117,26 +118,33 @@ async def load(url: str, texts: list[str], tokens: int, clients: int, leave_ever
     return sum(made), time.perf_counter() - start, seen
 
 
-def batch_tok_s(texts: list[str], tokens: int, clients: int, context: int) -> float:
-    from jaxinfer.api import Parser
-    from jaxinfer.forms import layout_for_batch
-    from jaxinfer.loading import load_model
-    from jaxinfer.scheduler import Scheduler
+class Batch:
+    """`jaxinfer batch`'s scheduler on the same requests, in this process: warmed up as the server is
+    (twice), then `tok_s()` times one run, less its compile time."""
 
-    model = load_model(layout=layout_for_batch(clients))
-    parser = Parser(model, context)
-    requests = [
-        parser.parse(i, {"prompt": t, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
-        for i, t in enumerate(texts)
-    ]
-    runner = Scheduler(model, clients, context)
-    for _ in range(2):  # as the server's warm-up
-        runner.run(requests, lambda r: None)
-    done, compiled = runner.stats.generated_tokens, runner.stats.compile.seconds
-    start = time.perf_counter()
-    runner.run(requests, lambda r: None)
-    seconds = time.perf_counter() - start - (runner.stats.compile.seconds - compiled)
-    return (runner.stats.generated_tokens - done) / seconds
+    def __init__(self, texts: list[str], tokens: int, clients: int, context: int):
+        from jaxinfer.api import Parser
+        from jaxinfer.forms import layout_for_batch
+        from jaxinfer.loading import load_model
+        from jaxinfer.scheduler import Scheduler
+
+        model = load_model(layout=layout_for_batch(clients))
+        parser = Parser(model, context)
+        self.requests = [
+            parser.parse(i, {"prompt": t, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+            for i, t in enumerate(texts)
+        ]
+        self.runner = Scheduler(model, clients, context)
+        for _ in range(2):
+            self.runner.run(self.requests, lambda r: None)
+
+    def tok_s(self) -> float:
+        stats = self.runner.stats
+        done, compiled = stats.generated_tokens, stats.compile.seconds
+        start = time.perf_counter()
+        self.runner.run(self.requests, lambda r: None)
+        seconds = time.perf_counter() - start - (stats.compile.seconds - compiled)
+        return (stats.generated_tokens - done) / seconds
 
 
 def main() -> None:
@@ -145,6 +153,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each, alternated")
     parser.add_argument("--leak", type=int, default=0, metavar="N", help="N requests, every 10th client leaving")
     args = parser.parse_args()
     server = Server(
@@ -173,6 +182,7 @@ def main() -> None:
             )
             return
         texts = prompts(args.requests)
+        batch = Batch(texts, args.tokens, args.clients, args.context)
         warm_up = 0  # the same set, until a round compiles nothing (from the second on, rows hold the prompts)
         while warm_up < 8:
             before = server.metric("jaxinfer_programs_compiled")
@@ -181,23 +191,30 @@ def main() -> None:
             if warm_up >= 2 and server.metric("jaxinfer_programs_compiled") == before:
                 break
         before = server.metric("jaxinfer_programs_compiled")
-        made, seconds, seen = asyncio.run(load(server.url, texts, args.tokens, args.clients))
+        rounds = []  # (batch tok/s, serve tok/s), alternated: this machine drifts by ±20% between minutes
+        seen = {"ttft": [], "gaps": [], "itl": []}
+        for _ in range(args.rounds):
+            batched = batch.tok_s()
+            made, seconds, round_seen = asyncio.run(load(server.url, texts, args.tokens, args.clients))
+            rounds.append((batched, made / seconds))
+            for name, values in round_seen.items():
+                seen[name] += values
         compiled = server.metric("jaxinfer_programs_compiled") - before
     finally:
         server.stop()
-    served = made / seconds
-    batched = batch_tok_s(texts, args.tokens, args.clients, args.context)
+    ratios = [served / batched for batched, served in rounds]
     print(
         json.dumps(
             {
                 "clients": args.clients,
                 "requests": args.requests,
                 "tokens": args.tokens,
-                "serve_tok_s": round(served, 1),
-                "batch_tok_s": round(batched, 1),
-                "serve_over_batch": round(served / batched, 3),
+                "serve_tok_s": round(statistics.median(served for _, served in rounds), 1),
+                "batch_tok_s": round(statistics.median(batched for batched, _ in rounds), 1),
+                "serve_over_batch": round(statistics.median(ratios), 3),
+                "rounds": [round(r, 3) for r in ratios],
                 "warm_up_rounds": warm_up,
-                "programs_compiled_in_timed_round": compiled,
+                "programs_compiled_in_timed_rounds": compiled,
                 "ttft_ms": {q: round(1000 * percentile(seen["ttft"], p), 1) for q, p in (("p50", 0.5), ("p99", 0.99))},
                 "itl_ms": {q: round(1000 * percentile(seen["itl"], p), 2) for q, p in (("p50", 0.5), ("p99", 0.99))},
                 "chunk_gap_ms": {
