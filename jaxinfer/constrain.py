@@ -495,7 +495,7 @@ class Matchers:
         """A verifying pass's drafts [B, K] with how many each row has as column K: for each
         constrained row, the masks of the positions after its first 1..K drafts [B, K, W] (flat)
         and, last, how many of its drafts the grammar takes while staying open [B] (K for a free
-        row). A draft that completes the match is not taken: the pass samples it as the row's own
+        row, or one without drafts). A draft that completes the match is not taken: the pass samples it as the row's own
         token, whose `advance` ends the row, as a plain step would. The matchers are rolled back:
         `advance` feeds what the pass keeps."""
         drafted = np.ascontiguousarray(drafted, np.int32)

@@ -61,12 +61,13 @@ struct Set {
   void advance(const int32_t* tokens, int64_t t, int32_t* out) {
     ++steps;
     for (int64_t row = 0; row < batch; ++row) {
-      LlgMatcher* m = rows[row];
       const int32_t* made = tokens + row * t;
       bool any = false;
       for (int64_t i = 0; i < t; ++i) any |= made[i] >= 0;
       out[row * (words + 1) + words] = 0;
-      if (m != nullptr && any && !ended[row]) {
+      // a row that made nothing (not running: the host may be starting it anew) is not read
+      LlgMatcher* m = any ? rows[row] : nullptr;
+      if (m != nullptr && !ended[row]) {
         for (int64_t i = 0; i < t; ++i) {
           if (made[i] >= 0 && llg.consume_token(m, static_cast<uint32_t>(made[i])) != 0) break;
         }
@@ -90,10 +91,10 @@ struct Set {
       std::memset(masks_after, 0xff, k * words * sizeof(int32_t));
       int32_t& taken = masks_after[k * words];
       taken = static_cast<int32_t>(k);
-      LlgMatcher* m = rows[row];
-      if (m == nullptr || ended[row]) continue;
       const int32_t* row_drafts = drafted + row * (k + 1);
       const int64_t n = std::min<int64_t>(std::max(row_drafts[k], 0), k);
+      LlgMatcher* m = n > 0 ? rows[row] : nullptr;  // no drafts (or not running): as advance, not read
+      if (m == nullptr || ended[row]) continue;
       std::vector<uint32_t> drafts(row_drafts, row_drafts + n);
       taken = 0;
       const int32_t valid = llg.validate_tokens(m, drafts.data(), drafts.size());
@@ -166,7 +167,9 @@ extern "C" void jaxinfer_matchers_free(int64_t id) {
 }
 
 // `row` constrained by `matcher` (taken over: freed with the set or the row's next one), its first
-// mask already in the row of `masks`; a null matcher frees the row.
+// mask already in the row of `masks`; a null matcher frees the row. A step in flight may run beside
+// it: a row being started makes no tokens there, so the step reads no matcher of it (and the mask
+// it copies out for it, the admission's prefill sets again).
 extern "C" void jaxinfer_matchers_start(int64_t id, int64_t row, void* matcher) {
   jaxinfer::Set* set = find(id);
   llg.free_matcher(set->rows[row]);
