@@ -254,6 +254,21 @@ def test_bad_constraints_say_what_is_wrong():
     assert from_request({"response_format": {"type": "json_object"}}) == Constraint("json_object")
 
 
+def test_an_install_without_the_kernels_refuses_constraints_in_one_line(monkeypatch, bundled):
+    """The matchers' step lives in the compiled kernels: where they were not built (no C++ compiler at
+    install), a constraint is refused in one line before anything runs."""
+    from jaxinfer import constrain, kernel
+
+    monkeypatch.setattr(kernel, "library", lambda: None)
+    constrain._libraries.cache_clear()
+    try:
+        with pytest.raises(JaxinferError, match="compiled kernels") as e:
+            constrain.Matchers(bundled.tokenizer, bundled.config.sampled_ids, 1, bundled.eos_ids)
+        assert "\n" not in str(e.value)
+    finally:
+        constrain._libraries.cache_clear()
+
+
 @pytest.mark.slow
 def test_cli_constraints_in_run_and_batch(tmp_path):
     schema = tmp_path / "schema.json"
