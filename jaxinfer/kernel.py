@@ -57,16 +57,18 @@ def library() -> ctypes.CDLL | None:
 
 
 # The kernels' caps by name → the level `jaxinfer_cap_isa` takes, best first: the CPU's best paths;
-# its best family without matrix units (x86: AVX-512 without AMX); the base vector family alone (x86:
-# AVX2 + FMA; ARM: NEON without SDOT); the portable C++. A cap only lowers: a CPU without AVX-512
-# takes AVX2 under "avx512". Each machine names only the caps its architecture has.
+# its best family without matrix units (x86: AVX-512 without AMX); the base vector family with its
+# dot product (x86: AVX2 with AVX-VNNI, as Alder Lake has it; ARM: NEON with SDOT, which is native);
+# the base vector family alone (x86: AVX2 + FMA, as Zen 1-3; ARM: NEON without SDOT); the portable
+# C++. A cap only lowers: a CPU without AVX-512 takes AVX2 under "avx512". Each machine names only
+# the caps its architecture has.
 _MACHINE = platform.machine().lower()
 if _MACHINE in ("x86_64", "amd64"):
-    ISA_CAPS = {"native": 0, "avx512": 1, "avx2": 2, "generic": 3}
+    ISA_CAPS = {"native": 0, "avx512": 1, "avx2-vnni": 2, "avx2": 3, "generic": 4}
 elif _MACHINE in ("aarch64", "arm64"):
-    ISA_CAPS = {"native": 0, "neon": 2, "generic": 3}
+    ISA_CAPS = {"native": 0, "neon": 3, "generic": 4}
 else:
-    ISA_CAPS = {"native": 0, "generic": 3}
+    ISA_CAPS = {"native": 0, "generic": 4}
 
 
 def _own_cap() -> int:

@@ -84,8 +84,9 @@ DISTINCT_CAPS = _distinct_caps()
 
 @pytest.fixture(params=list(kernel.ISA_CAPS))
 def isa(request):
-    """Each code path of the CPU kernels this CPU can take: its best, AVX-512 without AMX, AVX2 (ARM:
-    NEON without SDOT), the portable one (those a cap leaves the same as a better cap's are skipped)."""
+    """Each code path of the CPU kernels this CPU can take: its best, AVX-512 without AMX, AVX2 with
+    AVX-VNNI, AVX2 (ARM: NEON without SDOT), the portable one (those a cap leaves the same as a better
+    cap's are skipped)."""
     if request.param not in DISTINCT_CAPS:
         pytest.skip(
             "the same paths as a better cap on this "

@@ -140,11 +140,11 @@ def test_each_cap_names_the_family_this_cpu_has():
     if not lines:  # qemu-user shows the host's
         pytest.skip(f"/proc/cpuinfo has no {key!r} line: it describes another architecture")
     flags = set(lines[0].split(":")[1].split())
-    families = [  # (cap level, family, the CPU has it)
+    families = [  # (the highest cap level that keeps it, family, the CPU has it)
         (1, "avx512", {"avx512f", "avx512bw", "avx512vl"} <= flags),
-        (2, "avx2", {"avx2", "fma"} <= flags),
-        (2, "neon", "asimd" in flags),
-        (3, "generic", True),
+        (3, "avx2", {"avx2", "fma"} <= flags),
+        (3, "neon", "asimd" in flags),
+        (4, "generic", True),
     ]
     for cap, level in kernel.ISA_CAPS.items():
         with kernel.capped(cap):
@@ -152,7 +152,9 @@ def test_each_cap_names_the_family_this_cpu_has():
             family, *adds = kernel.isa().split("-")
             assert family == next(name for at, name, has in families if at >= max(level, 1) and has), cap
             assert ("amx" in adds) == (level == 0 and "amx_tile" in flags and family == "avx512"), cap
-            assert ("dotprod" in adds) == (level < 2 and "asimddp" in flags), cap
+            assert ("dotprod" in adds) == (level < 3 and "asimddp" in flags), cap
+            if family == "avx2":  # AVX-VNNI: /proc/cpuinfo's avx_vnni
+                assert ("vnni" in adds) == (level < 3 and "avx_vnni" in flags), cap
 
 
 @needs_kernel
@@ -161,7 +163,7 @@ def test_the_environment_picks_the_path():
     process: it is read at load), as the tests' cap does; a name that is no cap is refused in one line."""
     show = [sys.executable, "-c", "from jaxinfer import kernel; print(kernel.isa())"]
     env = {key: value for key, value in os.environ.items() if key != "JAXINFER_ISA"}
-    base = next(cap for cap, level in kernel.ISA_CAPS.items() if level >= 2)
+    base = next(cap for cap, level in kernel.ISA_CAPS.items() if level >= 3)
     run = subprocess.run(show, env={**env, "JAXINFER_ISA": base}, capture_output=True, text=True, check=True)
     with kernel.capped(base):
         assert run.stdout.strip() == kernel.isa()

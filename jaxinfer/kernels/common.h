@@ -17,9 +17,12 @@
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define JAXINFER_AMX 1
 #endif
-// VDPBF16PS's intrinsics likewise (GCC 10, clang 9).
+// VDPBF16PS's intrinsics likewise (GCC 10, clang 9), and AVX-VNNI's (GCC 11, clang 12).
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
 #define JAXINFER_AVX512_BF16 1
+#endif
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define JAXINFER_AVX_VNNI 1
 #endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -37,15 +40,17 @@
 namespace jaxinfer {
 
 // JAXINFER_ISA and the tests cap the paths a CPU takes, to compare each with the one below it: its
-// best; its best family without matrix units (AMX); the base vector family alone (x86: AVX2 + FMA,
-// ARM: NEON without SDOT); the portable C++.
-enum Cap : int { kNative = 0, kNoAmx = 1, kBaseVectors = 2, kPortable = 3 };
+// best; its best family without matrix units (AMX); the base vector family with its dot product
+// (x86: AVX2 with AVX-VNNI, no AVX-512: Alder Lake; ARM: NEON with SDOT); the base vector family
+// alone (x86: AVX2 + FMA, Zen 1-3; ARM: NEON without SDOT); the portable C++.
+enum Cap : int { kNative = 0, kNoAmx = 1, kBaseDot = 2, kBaseVectors = 3, kPortable = 4 };
 inline std::atomic<int> isa_cap{kNative};
 
 // What this CPU has, asked once. The kernels never ask: `paths()` (paths.h) picks their table by
 // these and the cap.
 struct Cpu {
   bool avx2 = false;         // AVX2 + FMA (Haswell, Zen 1 on)
+  bool avx_vnni = false;     // VPDPBUSD on 256 bits, VEX-coded (Alder Lake, Zen 4 on): CPUID 7.1 EAX bit 4
   bool avx512 = false;       // AVX-512 F, BW and VL (Skylake-X, Zen 4 on)
   bool avx512_vnni = false;  // VPDPBUSD on 512 bits
   bool avx512_bf16 = false;  // VDPBF16PS (Cooper Lake, Sapphire Rapids, Zen 4 on): CPUID 7.1 EAX bit 5
@@ -59,6 +64,8 @@ inline const Cpu& cpu() {
 #if defined(__x86_64__)
     unsigned a, b, cx, d;
     c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    // (not __builtin_cpu_supports("avxvnni"): GCC 12's libgcc said no on a Zen 4 that has it)
+    c.avx_vnni = c.avx2 && __get_cpuid_count(7, 1, &a, &b, &cx, &d) && (a & (1u << 4));
     c.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     c.avx512_vnni = c.avx512 && __builtin_cpu_supports("avx512vnni");
     c.avx512_bf16 = c.avx512 && __get_cpuid_count(7, 1, &a, &b, &cx, &d) && (a & (1u << 5));

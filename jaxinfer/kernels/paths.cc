@@ -13,18 +13,18 @@ const Paths& paths() {
     Paths& t = tables[cap];
     add_generic(t);
     if (cap < kPortable) {
-      add_avx2(t);
+      add_avx2(t, cap < kBaseVectors);
       add_neon(t, cap < kBaseVectors);
     }
-    if (cap < kBaseVectors) add_avx512(t, cap < kNoAmx);
+    if (cap < kBaseDot) add_avx512(t, cap < kNoAmx);
   });
   return tables[cap];
 }
 
 }  // namespace jaxinfer
 
-// JAXINFER_ISA and the tests: 0 the CPU's best paths, 1 no AMX, 2 the base vector family (AVX2, NEON
-// without SDOT), 3 the portable ones.
+// JAXINFER_ISA and the tests: 0 the CPU's best paths, 1 no AMX, 2 the base vector family with its dot
+// product (AVX2 with AVX-VNNI, NEON with SDOT), 3 without it (AVX2, NEON), 4 the portable ones.
 extern "C" void jaxinfer_cap_isa(int cap) { jaxinfer::isa_cap.store(cap); }
 
 // The paths taken under the current cap (`jaxinfer.kernel.isa()`): the family, then what it adds.

@@ -157,7 +157,7 @@ inline int attend_slot(int64_t hd) {  // where hd's path is in Paths::attend, or
 
 // Each family adds what this CPU has of it over what is already there.
 void add_generic(Paths&);
-void add_avx2(Paths&);
+void add_avx2(Paths&, bool vnni);
 void add_avx512(Paths&, bool amx);
 void add_neon(Paths&, bool dotprod);
 

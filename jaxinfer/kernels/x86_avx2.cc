@@ -1,5 +1,5 @@
 // The AVX2 + FMA family (Haswell, Zen 1 on: most desktops and laptops): float tiles and attention on
-// 8-float vectors (simd.h), int8/int4 on VPMADDUBSW. An AVX-512 CPU takes these for whatever its own
+// 8-float vectors (simd.h), int8/int4 on VPMADDUBSW, or on AVX-VNNI's VPDPBUSD where the CPU has it. An AVX-512 CPU takes these for whatever its own
 // family lacks, and `JAXINFER_ISA=avx2` makes it take them all.
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -178,6 +178,68 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile<decltype(rows)::value, kBits>(p, g, row); });
 }
 
+#if defined(JAXINFER_AVX_VNNI)
+// AVX-VNNI (Alder Lake, Zen 4 on): as the AVX-512 path's VNNI tiles on 8 outputs a vector. The weights
+// are read as unsigned (int8: q ^ 0x80 = q + 128; int4 nibbles: q + 8), x's 4 bytes broadcast as the
+// signed operand, and the offset comes back per block as `offset * sum(xq)`: one VPDPBUSD per 4 k of 8
+// outputs where the plain path takes VPMADDUBSW, VPMADDWD and an add (and x's sign folded into w).
+// Compiled for AVX-VNNI here only: the rest of this file must run on CPUs without it.
+template <int kRows, int kBits>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem& p, int64_t g, int64_t row0) {
+  constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
+  constexpr int offset = kBits == 8 ? 128 : 8;
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.q + (g * p.k_blocks + b) * weight_bytes;
+    const int32_t* xb[kRows];
+    __m256i dot[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.k_blocks + b;
+      xb[r] = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(-offset * p.xsum[at]);
+    }
+    if constexpr (kBits == 8) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c)), flip);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32)), flip);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i x = _mm256_set1_epi32(xb[r][c]);
+          dot[r][0] = _mm256_dpbusd_avx_epi32(dot[r][0], w0, x);
+          dot[r][1] = _mm256_dpbusd_avx_epi32(dot[r][1], w1, x);
+        }
+      }
+    } else {
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+          const __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < kRows; ++r) {
+            dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], first, _mm256_set1_epi32(xb[r][c]));
+            dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], second, _mm256_set1_epi32(xb[r][c + 4]));
+          }
+        }
+      }
+    }
+    const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
+    const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+}
+
+template <int kBits>
+void qgroups_vnni(const QProblem& p, int64_t g0, int64_t g1) {
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_vnni<decltype(rows)::value, kBits>(p, g, row); });
+}
+#endif
+
 // KProblem's formats on the same instructions. Per chunk c of a block, the 4-bit codes as int4's,
 // with a fifth bit, or Q6_K's fifth and sixth, shifted into bit 4 (srli on 16-bit lanes, then masked
 // per byte, so no bit crosses into its neighbour). Unsigned codes (all but Q6_K) go to VPMADDUBSW as
@@ -282,12 +344,19 @@ void round_values(const float* x, float* out, int64_t n) {  // as round_to_bf16
 
 }  // namespace
 
-void add_avx2(Paths& t) {
+void add_avx2(Paths& t, bool vnni) {
   if (!cpu().avx2) return;
   t.name = "avx2";
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+#if defined(JAXINFER_AVX_VNNI)
+  if (vnni && cpu().avx_vnni) {  // int8/int4; the k-quants stay on VPMADDUBSW
+    t.name += "-vnni";
+    t.qgroups[0] = qgroups_vnni<8>;
+    t.qgroups[1] = qgroups_vnni<4>;
+  }
+#endif
   add_kgroups(t, std::make_integer_sequence<int, kKinds>{});
   t.fgroups[0] = simd::fgroups_narrow<Avx2, false>;
   t.fgroups[1] = simd::fgroups_narrow<Avx2, true>;
@@ -305,5 +374,5 @@ void add_avx2(Paths& t) {
 #else
 #include "paths.h"
 
-void jaxinfer::add_avx2(Paths&) {}  // not an x86 CPU
+void jaxinfer::add_avx2(Paths&, bool) {}  // not an x86 CPU
 #endif
