@@ -193,11 +193,12 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
   for (int64_t b = 0; b < p.k_blocks; ++b) {
     const uint8_t* wb = p.q + (g * p.k_blocks + b) * weight_bytes;
     const int32_t* xb[kRows];
-    __m256i dot[kRows][2];
+    __m256i dot[kRows][2], odd[kRows][2];  // two chains per half (chunks c even and odd): half the latency
     for (int r = 0; r < kRows; ++r) {
       const int64_t at = (row0 + r) * p.k_blocks + b;
       xb[r] = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
       dot[r][0] = dot[r][1] = _mm256_set1_epi32(-offset * p.xsum[at]);
+      odd[r][0] = odd[r][1] = _mm256_setzero_si256();
     }
     if constexpr (kBits == 8) {
       const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -206,8 +207,9 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
         const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32)), flip);
         for (int r = 0; r < kRows; ++r) {
           const __m256i x = _mm256_set1_epi32(xb[r][c]);
-          dot[r][0] = _mm256_dpbusd_avx_epi32(dot[r][0], w0, x);
-          dot[r][1] = _mm256_dpbusd_avx_epi32(dot[r][1], w1, x);
+          __m256i(&into)[2] = c % 2 ? odd[r] : dot[r];
+          into[0] = _mm256_dpbusd_avx_epi32(into[0], w0, x);
+          into[1] = _mm256_dpbusd_avx_epi32(into[1], w1, x);
         }
       }
     } else {
@@ -218,11 +220,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
           const __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < kRows; ++r) {
             dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], first, _mm256_set1_epi32(xb[r][c]));
-            dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], second, _mm256_set1_epi32(xb[r][c + 4]));
+            odd[r][h] = _mm256_dpbusd_avx_epi32(odd[r][h], second, _mm256_set1_epi32(xb[r][c + 4]));
           }
         }
       }
     }
+    for (int r = 0; r < kRows; ++r)
+      for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_add_epi32(dot[r][h], odd[r][h]);
     const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
     const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
     for (int r = 0; r < kRows; ++r) {
@@ -246,84 +250,176 @@ void qgroups_vnni(const QProblem& p, int64_t g0, int64_t g1) {
 // they are (a pair is at most 2 · 31 · 127, so four add up in int16) and come back as
 // scale · dot - min · sum(xq); Q6_K's code - 32 is signed and takes |x| times it with x's sign as int8
 // does, each half of 16 summed apart (4 · 2 · 32 · 127 < 2^15) and scaled by its own sub-scale in int32.
+// On AVX-VNNI every code is unsigned (Q6_K's too, its 32 · sum(xq) of each half taken back), and
+// VPDPBUSD sums into int32 at once.
+
+// Chunks c and c + 4 of outputs 8h..8h+7 of a block: the codes, unsigned (Q6_K's minus 32 where `kCentred`).
+template <int kBits, bool kCentred>
+inline void kcodes(const uint8_t* wb, const __m256i high[2], int c, int h, __m256i& first, __m256i& second) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(1), bits2 = _mm256_set1_epi8(3);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
+  first = _mm256_and_si256(v, low);
+  second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (kBits == 5) {
+    first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c), bit), 4));
+    second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c + 4), bit), 4));
+  }
+  if constexpr (kBits == 6) {
+    first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], 2 * c), bits2), 4));
+    second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[1], 2 * c), bits2), 4));
+    if constexpr (kCentred) {
+      first = _mm256_sub_epi8(first, _mm256_set1_epi8(32));
+      second = _mm256_sub_epi8(second, _mm256_set1_epi8(32));
+    }
+  }
+}
+
+// The bits above the low nibbles of a block's outputs 8h..8h+7 (none for the 4-bit formats).
+template <int kBits>
+inline void khigh(const uint8_t* wb, int h, __m256i high[2]) {
+  high[0] = high[1] = _mm256_setzero_si256();
+  if constexpr (kBits >= 5) high[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * h));
+  if constexpr (kBits == 6) high[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 320 + 32 * h));
+}
+
+// A block's outputs 8h..8h+7 into acc[r][h] from each row's int32 dots of its two halves (chunks
+// 0-3 and 4-7 of the block's k; Q6_K scales each by its sub-scale, the others add them).
+template <int kRows, int kKind>
+inline void kscale(const KProblem& p, int64_t g, int64_t b, int h, int64_t row0, const __m256i dot[kRows][2], __m256 acc[kRows][2]) {
+  const uint16_t* super = p.supers(g, b);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 8 * h)));
+  if constexpr (kKind == kQ6K) {
+    const uint8_t* sub = p.subs(g, b);
+    const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)));
+    const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)));
+    for (int r = 0; r < kRows; ++r) {
+      const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(dot[r][0], s0), _mm256_mullo_epi32(dot[r][1], s1));
+      acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b])), acc[r][h]);
+    }
+    return;
+  }
+  __m256 scale = d, min;
+  if constexpr (kKind == kQ4K || kKind == kQ5K) {
+    const uint8_t* sub = p.subs(g, b);
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
+    scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)))));
+    min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)))));
+  } else if constexpr (kKind == kQ5_0) {
+    min = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
+  } else {
+    min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t at = (row0 + r) * p.k_blocks + b;
+    const __m256 sum = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1])), scale,
+                                       _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(p.xsum[at])), min));
+    acc[r][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(p.xs[at]), acc[r][h]);
+  }
+}
+
+template <int kRows>
+inline void kstore(const KProblem& p, int64_t g, int64_t row0, const __m256 acc[kRows][2]) {
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+}
+
 template <int kRows, int kKind>
 void ktile(const KProblem& p, int64_t g, int64_t row0) {
   constexpr int bits = k_bits(kKind);
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi8(1), bits2 = _mm256_set1_epi8(3);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.k_blocks; ++b) {
     const uint8_t* wb = p.block(g, b);
-    const uint16_t* super = p.supers(g, b);
     const int32_t* xb[kRows];
     for (int r = 0; r < kRows; ++r) xb[r] = reinterpret_cast<const int32_t*>(p.xq + ((row0 + r) * p.k_blocks + b) * kBlock);
     for (int h = 0; h < 2; ++h) {  // outputs 8h..8h+7
       __m256i sums[kRows][2];  // int16: unsigned codes, chunks c < 2 and c >= 2 (of 0..3, each with c + 4); Q6_K the halves
       for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-      __m256i high[2] = {};
-      if constexpr (bits >= 5) high[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 32 * h));
-      if constexpr (bits == 6) high[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 320 + 32 * h));
+      __m256i high[2];
+      khigh<bits>(wb, h, high);
       for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
-        __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (bits == 5) {
-          first = _mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c), bit), 4));
-          second = _mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], c + 4), bit), 4));
-        }
-        if constexpr (bits == 6) {
-          const __m256i thirtytwo = _mm256_set1_epi8(32);
-          first = _mm256_sub_epi8(_mm256_or_si256(first, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[0], 2 * c), bits2), 4)), thirtytwo);
-          second = _mm256_sub_epi8(_mm256_or_si256(second, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[1], 2 * c), bits2), 4)), thirtytwo);
-          for (int r = 0; r < kRows; ++r) {
-            const __m256i x0 = _mm256_set1_epi32(xb[r][c]), x1 = _mm256_set1_epi32(xb[r][c + 4]);
+        __m256i first, second;
+        kcodes<bits, true>(wb, high, c, h, first, second);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(xb[r][c]), x1 = _mm256_set1_epi32(xb[r][c + 4]);
+          if constexpr (kKind == kQ6K) {
             sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(_mm256_abs_epi8(x0), _mm256_sign_epi8(first, x0)));
             sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(_mm256_abs_epi8(x1), _mm256_sign_epi8(second, x1)));
-          }
-        } else {
-          for (int r = 0; r < kRows; ++r) {
-            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first, _mm256_set1_epi32(xb[r][c])), _mm256_maddubs_epi16(second, _mm256_set1_epi32(xb[r][c + 4])));
+          } else {
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first, x0), _mm256_maddubs_epi16(second, x1));
             sums[r][c / 2] = _mm256_add_epi16(sums[r][c / 2], pair);
           }
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 8 * h)));
-      if constexpr (kKind == kQ6K) {
-        const uint8_t* sub = p.subs(g, b);
-        const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)));
-        const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)));
-        for (int r = 0; r < kRows; ++r) {
-          const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_madd_epi16(sums[r][0], ones), s0), _mm256_mullo_epi32(_mm256_madd_epi16(sums[r][1], ones), s1));
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b])), acc[r][h]);
-        }
-      } else {
-        __m256 scale = d, min;
-        if constexpr (kKind == kQ4K || kKind == kQ5K) {
-          const uint8_t* sub = p.subs(g, b);
-          const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
-          scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * h)))));
-          min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup + 8 * h)))));
-        } else if constexpr (kKind == kQ5_0) {
-          min = _mm256_mul_ps(d, _mm256_set1_ps(16.f));
-        } else {
-          min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + kGroup + 8 * h)));
-        }
-        for (int r = 0; r < kRows; ++r) {
-          const int64_t at = (row0 + r) * p.k_blocks + b;
-          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sums[r][0], ones), _mm256_madd_epi16(sums[r][1], ones));
-          const __m256 sum = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot), scale, _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(p.xsum[at])), min));
-          acc[r][h] = _mm256_fmadd_ps(sum, _mm256_set1_ps(p.xs[at]), acc[r][h]);
-        }
-      }
+      __m256i dot[kRows][2];
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < 2; ++i) dot[r][i] = _mm256_madd_epi16(sums[r][i], ones);
+      kscale<kRows, kKind>(p, g, b, h, row0, dot, acc);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+  kstore<kRows>(p, g, row0, acc);
 }
 
 template <int kKind>
 void kgroups(const KProblem& p, int64_t g0, int64_t g1) {
   groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { ktile<decltype(rows)::value, kKind>(p, g, row); });
 }
+
+#if defined(JAXINFER_AVX_VNNI)
+template <int kRows, int kKind>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void ktile_vnni(const KProblem& p, int64_t g, int64_t row0) {
+  constexpr int bits = k_bits(kKind);
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.k_blocks; ++b) {
+    const uint8_t* wb = p.block(g, b);
+    const int32_t* xb[kRows];
+    __m256i start[kRows][2];  // Q6_K: -32 · each half's sum(xq), its codes' offset
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.k_blocks + b;
+      xb[r] = reinterpret_cast<const int32_t*>(p.xq + at * kBlock);
+      start[r][0] = start[r][1] = _mm256_setzero_si256();
+      if constexpr (kKind == kQ6K) {
+        start[r][0] = _mm256_set1_epi32(-32 * p.xhalf[at]);
+        start[r][1] = _mm256_set1_epi32(-32 * (p.xsum[at] - p.xhalf[at]));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i high[2];
+      khigh<bits>(wb, h, high);
+      __m256i dot[kRows][2], odd[kRows][2];  // chunks c even and odd apart: two chains, half the latency
+      for (int r = 0; r < kRows; ++r) {
+        dot[r][0] = start[r][0], dot[r][1] = start[r][1];
+        odd[r][0] = odd[r][1] = _mm256_setzero_si256();
+      }
+      for (int c = 0; c < 4; ++c) {
+        __m256i first, second;
+        kcodes<bits, false>(wb, high, c, h, first, second);
+        for (int r = 0; r < kRows; ++r) {
+          __m256i(&into)[2] = c % 2 ? odd[r] : dot[r];
+          into[0] = _mm256_dpbusd_avx_epi32(into[0], first, _mm256_set1_epi32(xb[r][c]));
+          into[1] = _mm256_dpbusd_avx_epi32(into[1], second, _mm256_set1_epi32(xb[r][c + 4]));
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < 2; ++i) dot[r][i] = _mm256_add_epi32(dot[r][i], odd[r][i]);
+      kscale<kRows, kKind>(p, g, b, h, row0, dot, acc);
+    }
+  }
+  kstore<kRows>(p, g, row0, acc);
+}
+
+template <int kKind>
+void kgroups_vnni(const KProblem& p, int64_t g0, int64_t g1) {
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { ktile_vnni<decltype(rows)::value, kKind>(p, g, row); });
+}
+
+template <int... kKind>
+void add_kgroups_vnni(Paths& t, std::integer_sequence<int, kKind...>) {
+  ((t.kgroups[kKind] = kgroups_vnni<kKind>), ...);
+}
+#endif
 
 template <int... kKind>
 void add_kgroups(Paths& t, std::integer_sequence<int, kKind...>) {
@@ -350,14 +446,15 @@ void add_avx2(Paths& t, bool vnni) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+  add_kgroups(t, std::make_integer_sequence<int, kKinds>{});
 #if defined(JAXINFER_AVX_VNNI)
-  if (vnni && cpu().avx_vnni) {  // int8/int4; the k-quants stay on VPMADDUBSW
+  if (vnni && cpu().avx_vnni) {
     t.name += "-vnni";
     t.qgroups[0] = qgroups_vnni<8>;
     t.qgroups[1] = qgroups_vnni<4>;
+    add_kgroups_vnni(t, std::make_integer_sequence<int, kKinds>{});
   }
 #endif
-  add_kgroups(t, std::make_integer_sequence<int, kKinds>{});
   t.fgroups[0] = simd::fgroups_narrow<Avx2, false>;
   t.fgroups[1] = simd::fgroups_narrow<Avx2, true>;
   t.round = round_values;
