@@ -80,28 +80,45 @@ class Server:
         self.process.wait()
 
 
+class _Watch:
+    """One request's times as its chunks come: its first text (TTFT from sending), the gaps between
+    texts, and its ITL (first text to last over the tokens after the first) once its usage says how many."""
+
+    def __init__(self, seen: dict):
+        self.seen, self.sent, self.first, self.last = seen, time.perf_counter(), None, None
+
+    def text(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.seen["ttft"].append(now - self.sent)
+            self.first = now
+        else:
+            self.seen["gaps"].append(now - self.last)
+        self.last = now
+
+    def usage(self, made: int) -> int:
+        if made > 1 and self.last is not None and self.last > self.first:
+            self.seen["itl"].append((self.last - self.first) / (made - 1))
+        return made
+
+
+def _body(prompt: str, tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    return body | {"stream_options": {"include_usage": True}}
+
+
 async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, leave: bool, seen: dict) -> int:
     """Stream one completion; returns the tokens it got (from the usage chunk)."""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    sent, first, last, made = time.perf_counter(), None, None, 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+    watch, made = _Watch(seen), 0
+    async with client.stream("POST", url + "/v1/completions", json=_body(prompt, tokens)) as answer:
         async for line in answer.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            now = time.perf_counter()
             if chunk.get("usage"):
-                made = chunk["usage"]["completion_tokens"]
-                if made > 1 and last is not None and last > first:
-                    seen["itl"].append((last - first) / (made - 1))
+                made = watch.usage(chunk["usage"]["completion_tokens"])
             elif chunk["choices"][0]["text"]:
-                if last is None:
-                    seen["ttft"].append(now - sent)
-                    first = now
-                else:
-                    seen["gaps"].append(now - last)
-                last = now
+                watch.text()
                 if leave:
                     return 0
     return made
@@ -112,29 +129,20 @@ async def one_raw(url: str, prompt: str, tokens: int, leave: bool, seen: dict) -
     only the usage chunk parsed. The load generator shares the server's cores: httpx's parsing and a
     json.loads per event took 0.96 s of CPU in 5.55 s of four rounds of 64 × 128 (9% of 2 cores)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    body = json.dumps(body | {"stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(_body(prompt, tokens)).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     head += f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    sent, first, last, made = time.perf_counter(), None, None, 0
+    watch, made = _Watch(seen), 0
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(head.encode() + body)
         async for line in reader:  # headers, chunk sizes and blank lines pass by
             if not line.startswith(b"data: {"):
                 continue
-            now = time.perf_counter()
             if line.startswith(b'data: {"usage"') or b'"usage": {' in line:
-                made = json.loads(line[6:])["usage"]["completion_tokens"]
-                if made > 1 and last is not None and last > first:
-                    seen["itl"].append((last - first) / (made - 1))
+                made = watch.usage(json.loads(line[6:])["usage"]["completion_tokens"])
             elif b'"text": ""' not in line:
-                if last is None:
-                    seen["ttft"].append(now - sent)
-                    first = now
-                else:
-                    seen["gaps"].append(now - last)
-                last = now
+                watch.text()
                 if leave:
                     return 0
     finally:

@@ -122,6 +122,24 @@ inline __m256 widen_scale(const QProblem& p, const uint16_t* s) {  // 8 scales
   return p.f16_scale ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))) : Avx2::widen(s);
 }
 
+// A block's int32 dots (outputs 8h..8h+7 of each row) into acc[r][h], scaled by w's and x's scales.
+template <int kRows>
+inline void qscale(const QProblem& p, int64_t g, int64_t b, int64_t row0, const __m256i dot[kRows][2], __m256 acc[kRows][2]) {
+  const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
+  const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
+    for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);
+  }
+}
+
+// A tile's 16 outputs of each row (QProblem's or KProblem's).
+template <int kRows, class Problem>
+inline void store_tile(const Problem& p, int64_t g, int64_t row0, const __m256 acc[kRows][2]) {
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+}
+
 template <int kRows, int kBits>
 void qtile(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
@@ -162,15 +180,9 @@ void qtile(const QProblem& p, int64_t g, int64_t row0) {
         for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_sub_epi32(_mm256_madd_epi16(sums[r][h], ones), offset);
       }
     }
-    const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
-    const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
-      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);
-    }
+    qscale<kRows>(p, g, b, row0, dot, acc);
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+  store_tile<kRows>(p, g, row0, acc);
 }
 
 template <int kBits>
@@ -227,15 +239,9 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
     }
     for (int r = 0; r < kRows; ++r)
       for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_add_epi32(dot[r][h], odd[r][h]);
-    const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
-    const __m256 sw[2] = {widen_scale(p, scale), widen_scale(p, scale + 8)};
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 xs = _mm256_set1_ps(p.xs[(row0 + r) * p.k_blocks + b]);
-      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(sw[h], xs), acc[r][h]);
-    }
+    qscale<kRows>(p, g, b, row0, dot, acc);
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
+  store_tile<kRows>(p, g, row0, acc);
 }
 
 template <int kBits>
@@ -317,12 +323,6 @@ inline void kscale(const KProblem& p, int64_t g, int64_t b, int h, int64_t row0,
   }
 }
 
-template <int kRows>
-inline void kstore(const KProblem& p, int64_t g, int64_t row0, const __m256 acc[kRows][2]) {
-  for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
-}
-
 template <int kRows, int kKind>
 void ktile(const KProblem& p, int64_t g, int64_t row0) {
   constexpr int bits = k_bits(kKind);
@@ -358,7 +358,7 @@ void ktile(const KProblem& p, int64_t g, int64_t row0) {
       kscale<kRows, kKind>(p, g, b, h, row0, dot, acc);
     }
   }
-  kstore<kRows>(p, g, row0, acc);
+  store_tile<kRows>(p, g, row0, acc);
 }
 
 template <int kKind>
@@ -407,7 +407,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void ktile_vnni(const KProblem&
       kscale<kRows, kKind>(p, g, b, h, row0, dot, acc);
     }
   }
-  kstore<kRows>(p, g, row0, acc);
+  store_tile<kRows>(p, g, row0, acc);
 }
 
 template <int kKind>
