@@ -381,7 +381,7 @@ def _host_primitive():
     ("advance" or "check", the `Matchers` method), `matchers`, and the `result`'s shape.
 
     On the CPU it is a custom call of our kernels (kernels/constrain.cc), with no Python in the
-    step. Elsewhere (a GPU) it is a Python callback to the same functions: the lowering
+    step. Elsewhere (a GPU; several CPU devices) it is a Python callback to the same functions: the lowering
     `jax.experimental.io_callback` makes, less its wrapper, which device_puts the arguments into new
     jax.Arrays under a default-device context on every call. The bundled model (a 0.45 ms step, a
     Zen 4, `python scripts/bench_constrained.py`), a constrained row ÷ a free one: ×0.60 through
@@ -466,8 +466,9 @@ class Matchers:
     words, bit t % 32 of word t // 32 set where token t is allowed; every bit set in a free row).
 
     The matchers live in our kernels (kernels/constrain.cc), which the decode programs call each
-    step (`advance`, `check`) while the device waits; the host changes rows (`start`) only between
-    calls, after their results are back."""
+    step (`advance`, `check`) while the device waits. The host may `start` a row while a step runs
+    (a scheduler admits while the last dispatch decodes): such a row makes no token in that step,
+    and the step reads nothing of it."""
 
     def __init__(self, tokenizer, vocab: int, batch: int, eos_ids: tuple[int, ...]):
         self.words = mask_words(vocab)
@@ -515,16 +516,14 @@ class Matchers:
 
 
 class _Vocabulary:
-    """Our tokenizer as llguidance's `TokenizerWrapper` reads one: each token's bytes (special
-    tokens marked by a leading 0xFF, as llguidance's llama.cpp bridge does), and a tokenize function."""
+    """What llguidance reads of our tokenizer (`_LlgTokenizer`): each token's bytes (special tokens
+    marked by a leading 0xFF, as llguidance's llama.cpp bridge does), and a tokenize function."""
 
     def __init__(self, tokenizer, vocab: int):
         self._tok = tokenizer
         special = set(tokenizer.special_ids)
         self.tokens = [(b"\xff" if i in special else b"") + tokenizer.token_bytes(i) for i in range(vocab)]
-        self.special_token_ids = sorted(i for i in special if i < vocab)
         self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-        self.bos_token_id = tokenizer.bos_id
         self._by_bytes: dict[bytes, int] | None = None  # a piece's id, by its bytes (built when needed)
 
     def __call__(self, text) -> list[int]:
