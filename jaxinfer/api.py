@@ -22,9 +22,10 @@ from dataclasses import replace
 from jaxinfer import defaults
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
-from jaxinfer.constrain import Constraint, check_for, check_one_process, from_request
+from jaxinfer.constrain import Constraint, check_one_process, from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
+from jaxinfer.matchers import check_for
 from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request

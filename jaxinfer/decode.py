@@ -75,7 +75,7 @@ def _append(
     """Write tokens [B, T] from each row's `length` on, those `offered` [B, T] (a prefix per row)
     up to the first that ends the row (an EOS id, or its budget reached), with their
     log-probabilities `lp` (chosen [B, T], ids and top [B, T, N]) where the state records them.
-    Where rows are constrained, `constrain` (`constrain.HostCall`: its matchers, on the host) take the
+    Where rows are constrained, `constrain` (`matchers.HostCall`: its matchers, on the host) take the
     tokens made and gives the next masks, and the rows whose grammar is complete end.
     Returns the state and how many tokens each row took [B]. One write per array whatever T (a
     verifying pass's K+1 tokens): per-op costs weigh on a small model's step."""
@@ -353,7 +353,7 @@ def verify_step(
     drafts before it); the row keeps the drafts up to the first disagreement and then the model's
     own token. Rejected drafts' K/V stay in the cache past the row's length, where masks ignore
     them until they are overwritten. Rows without drafts make their one token. A constrained row's
-    drafts go to its matcher first (`constrain.HostCall.check`): those the grammar takes are
+    drafts go to its matcher first (`matchers.HostCall.check`): those the grammar takes are
     verified, each position under the mask that follows the drafts before it, so the row keeps
     what plain constrained steps would make.
 

@@ -4,7 +4,7 @@ own path.
 
 Where they were not built (no C++ compiler) or the backend is not the CPU, `available()` is False
 and every matrix takes XLA's dot. The library also holds constrained decoding's step
-(`jaxinfer.constrain` binds it to llguidance), which the GPU reaches through a Python callback.
+(`jaxinfer.matchers` binds it to llguidance), which the GPU reaches through a Python callback.
 """
 
 from __future__ import annotations

@@ -40,9 +40,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig, longrope_switch
-from jaxinfer.constrain import Constraint, HostCall, Matchers, check_one_process
+from jaxinfer.constrain import Constraint, check_one_process
 from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
+from jaxinfer.matchers import HostCall, Matchers
 from jaxinfer.processes import agree
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
@@ -298,7 +299,7 @@ class Slots:
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
         and the programs compile once more, with the host callback that advances the matchers
-        (`jaxinfer.constrain`). Over a mesh it runs once a step, on the first device (`constrain.HostCall`);
+        (`jaxinfer.matchers`). Over a mesh it runs once a step, on the first device (`matchers.HostCall`);
         not over processes joined in one (the matchers live in one process)."""
         if self.matchers is not None:
             return

@@ -74,7 +74,7 @@ def longest(model) -> int:
 
 def constrained(model) -> dict:
     """A batch of two constrained rows and a free one that drafts: the matchers' host call runs once a step,
-    on the first device (`constrain.HostCall`), not once per device. Texts and calls."""
+    on the first device (`matchers.HostCall`), not once per device. Texts and calls."""
     requests = [
         Request(i, model.tokenizer.encode(prompt), GREEDY, 24, seed=0, speculate=True, constraint=constraint)
         for i, (prompt, constraint) in enumerate(

@@ -173,7 +173,7 @@ def test_the_kernels_step_and_the_python_callback_agree(bundled):
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.constrain import HostCall, Matchers
+    from jaxinfer.matchers import HostCall, Matchers
 
     B, K, V = 3, 3, bundled.config.sampled_ids
     kernels, callback = (Matchers(bundled.tokenizer, V, B, bundled.eos_ids) for _ in range(2))
@@ -203,7 +203,7 @@ def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
     """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, every
     row drafting by prompt lookup: each row's text as the row's alone (run's engine, without
     speculation). A constrained row's drafts are checked by its matcher and verified under each
-    position's mask (`constrain.Matchers.check`)."""
+    position's mask (`matchers.Matchers.check`)."""
     schema = SCHEMAS[8]
     prompt = bundled.tokenizer.encode(
         PROMPT + '{"inner": {"a": 1, "b": true}}\nCONFIG = {"inner": {"a": 1, "b": true}}\nCONFIG = '
@@ -257,16 +257,16 @@ def test_bad_constraints_say_what_is_wrong():
 def test_an_install_without_the_kernels_refuses_constraints_in_one_line(monkeypatch, bundled):
     """The matchers' step lives in the compiled kernels: where they were not built (no C++ compiler at
     install), a constraint is refused in one line before anything runs."""
-    from jaxinfer import constrain, kernel
+    from jaxinfer import kernel, matchers
 
     monkeypatch.setattr(kernel, "library", lambda: None)
-    constrain._libraries.cache_clear()
+    matchers._libraries.cache_clear()
     try:
         with pytest.raises(JaxinferError, match="compiled kernels") as e:
-            constrain.Matchers(bundled.tokenizer, bundled.config.sampled_ids, 1, bundled.eos_ids)
+            matchers.Matchers(bundled.tokenizer, bundled.config.sampled_ids, 1, bundled.eos_ids)
         assert "\n" not in str(e.value)
     finally:
-        constrain._libraries.cache_clear()
+        matchers._libraries.cache_clear()
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def test_tool_fields_are_checked():
 def test_a_forced_call_grammar_takes_the_calls_split_reads(tiny, fmt):
     """Each format's grammar accepts a call as the model writes it (which `split` reads back) and
     refuses arguments its function's parameters do not allow."""
-    from jaxinfer.constrain import Matchers
+    from jaxinfer.matchers import Matchers
 
     tokenizer = Tokenizer(tiny("llama"))
     matchers = Matchers(tokenizer, tokenizer.vocab_size, 1, ())

@@ -1,7 +1,7 @@
 // Constrained rows' matchers (llguidance's, through its C API), advanced inside the decode programs:
 // `jaxinfer_constrain_advance` feeds each constrained row the tokens a step made and gives every
 // row's next bitmask; `jaxinfer_constrain_check` gives the masks after a verifying pass's drafts
-// (jaxinfer/constrain.py says what each returns). As a custom call they run on XLA's thread with no
+// (jaxinfer/matchers.py says what each returns). As a custom call they run on XLA's thread with no
 // Python in between: through a Python callback, the hand-over (the GIL, numpy arrays each way, XLA's
 // threads waking after it) cost ~0.12 ms a step, a quarter of the bundled model's, while the
 // matchers' own work is a few µs. On other backends a Python callback reaches the same functions
