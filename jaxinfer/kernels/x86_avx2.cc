@@ -1,6 +1,7 @@
 // The AVX2 + FMA family (Haswell, Zen 1 on: most desktops and laptops): float tiles and attention on
-// 8-float vectors (simd.h), int8/int4 on VPMADDUBSW, or on AVX-VNNI's VPDPBUSD where the CPU has it. An AVX-512 CPU takes these for whatever its own
-// family lacks, and `JAXINFER_ISA=avx2` makes it take them all.
+// 8-float vectors (simd.h), int8/int4 on VPMADDUBSW, or on AVX-VNNI's VPDPBUSD where the CPU has it.
+// An AVX-512 CPU takes these for whatever its own family lacks, and `JAXINFER_ISA=avx2` (or
+// `avx2-vnni`) makes it take them all.
 #if defined(__x86_64__)
 #include <immintrin.h>
 
