@@ -203,11 +203,12 @@ def run(
     from jaxinfer.chat_template import ChatTemplate
     from jaxinfer.engine import Engine, compile_ahead
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.generate import Generation, check_echo
+    from jaxinfer.generate import Generation
     from jaxinfer.processes import share
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
     from jaxinfer.slots import check_text_fits
+    from jaxinfer.text import check_echo
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import Speculated, percentile
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out, layout_for_batch
 from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
@@ -27,6 +26,7 @@ from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of
 from jaxinfer.slots import Admission, Decoding, Slots, check_fits
+from jaxinfer.timings import Speculated, percentile
 
 STEPS_PER_CALL = 16
 

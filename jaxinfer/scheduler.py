@@ -1,5 +1,7 @@
-"""The one scheduler under every driver that takes many requests: B sequence slots over one
-preallocated cache (`kvcache`), continuous batching, fed by a batch job's list or a server's inbox.
+"""The one scheduler under every driver: B sequence slots over one preallocated cache (`kvcache`),
+continuous batching, fed by a batch job's list, a server's inbox, or (B = 1) `Engine`'s requests for
+run and chat. Each driver turns the same loop (`Scheduler.turn`: admit, collect, dispatch); batch
+and serve read text and records, `Engine` token ids (`Request.on_tokens`).
 
 Requests are prefilled into free slots (every newly free slot in one `Slots.admit`, on those rows only;
 a long prompt a chunk per decode step, so the running rows keep streaming) and decoded together by the
@@ -28,16 +30,25 @@ from typing import Callable, Iterable
 import numpy as np
 
 from jaxinfer.constrain import Constraint
-from jaxinfer.engine import Speculated, finish_reason, percentile
 from jaxinfer.errors import JaxinferError
-from jaxinfer.generate import TextStream, logprob_entries, prompt_logprob_entries
 from jaxinfer.loading import LoadedModel
-from jaxinfer.processes import stop_point
+from jaxinfer.processes import agree, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import MIN_REUSE, Admission, Decoding, Slots, penalized, reusable
+from jaxinfer.text import TextStream, logprob_entries, prompt_logprob_entries
+from jaxinfer.timings import Speculated, Timings, percentile
 
 CHUNK_STEPS = 64  # decode steps per dispatch at most: bounds how late stop strings and Ctrl-C are seen
+
+
+def finish_reason(eos: bool, budget_spent: bool, unfinished: bool) -> str:
+    """Why a row ended: "eos", "length" (its budget), "unfinished" (a constrained row whose budget
+    ran out, or that could go no further, before its match was whole), else "stop" (a constraint's
+    match, complete)."""
+    if unfinished:
+        return "unfinished"
+    return "eos" if eos else "length" if budget_spent else "stop"
 
 
 @dataclass
@@ -60,8 +71,13 @@ class Request:
     # where the text is wanted as it is made: called from the scheduler's thread with each new piece,
     # the number of tokens that made it, and (where logprobs are asked for) their entries
     on_text: Callable[[str, int, list[dict]], None] | None = None
+    # a client of token ids (`Engine`), instead of text and a record: called from the scheduler's
+    # thread with each of the row's new token ids, their log-probabilities where asked for
+    # ((chosen, ids [N], top [N]) each), and with the last of them its finish reason (None before)
+    on_tokens: Callable[[list[int], list, str | None], None] | None = None
     cancelled: bool = False  # set from any thread: the row stops at the next step, its result says "cancelled"
     arrived: float | None = None  # perf_counter when it came (None: when the run started)
+    timings: Timings | None = None  # where the client holds it: the row's, kept current as it runs
 
 
 class Inbox:
@@ -124,16 +140,16 @@ class _Listed(Inbox):
 @dataclass
 class _Slot:
     request: Request
-    text: TextStream
-    admitted: float  # perf_counter at admission
-    cached: int = 0  # prompt tokens the row already held (not prefilled)
+    text: TextStream | None  # None for a client of token ids
+    timings: Timings  # the request's own, or one of the row's
+    admitted: float  # perf_counter as its admission began
     first_token: float | None = None
     last_token: float = 0.0  # perf_counter when the row's latest tokens reached the host
-    itl_s: list[float] = field(default_factory=list)  # one per token after the first
-    compiling_s: float = 0.0  # compile time (a new kv bucket) since the row's latest tokens: not its latency
+    compiling_s: float = 0.0  # compile time since the row's latest tokens (or its admission): not its latency
     compiled_s: float = 0.0  # all compile time after its first token
-    read: int = 0  # tokens of the row already passed to `text`
-    logprobs: list = field(default_factory=list)  # where asked for: the row's tokens' (`TokenStream.logprobs`)
+    read: int = 0  # the row's length as last collected
+    passes: int = 0  # its decode passes counted into its timings' kv_read
+    logprobs: list = field(default_factory=list)  # where asked for and read as text: its tokens' (chosen, ids, top)
 
 
 @dataclass
@@ -145,9 +161,10 @@ class BatchStats:
 
 
 class Scheduler:
-    """`interval_s`: where results stream (a server), each dispatch runs as many decode steps as fit
-    in about that long, so text reaches clients and new requests their slots that often; None
-    (a batch job) runs CHUNK_STEPS per dispatch."""
+    """B rows and the loop that drives them (`turn`). `model`: its config, params, eos_ids and
+    tokenizer (None: the rows' clients read token ids). How many decode steps a dispatch runs:
+    `pace`, from `interval_s` (streaming: about that long a dispatch, so text reaches clients and
+    new requests their rows that often) up to `max_steps`; without it (a batch job) `max_steps`."""
 
     def __init__(
         self,
@@ -156,52 +173,90 @@ class Scheduler:
         max_context: int,
         decoding: Decoding = Decoding(),
         interval_s: float | None = None,
+        max_steps: int = CHUNK_STEPS,
     ):
         self.model, self.batch_size, self.max_context = model, batch_size, max_context
         self.slots = Slots(model.config, model.params, batch_size, max_context, model.eos_ids, decoding)
         self.stats = BatchStats()
-        self.interval_s = interval_s
-        self.busy = 0  # rows running a request
-        self._held = [np.zeros(0, np.int32)] * batch_size  # per row: the tokens whose K/V it holds, from 0
+        self.pace(interval_s, max_steps)
+        self._started = time.perf_counter()  # a request's arrival where it gives none
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty cache, every row free: nothing of earlier requests is reused."""
+        self.slots.reset()
+        self.rows: list[_Slot | None] = [None] * self.batch_size
+        self._held = [np.zeros(0, np.int32)] * self.batch_size  # per row: the tokens whose K/V it holds, from 0
+
+    def pace(self, interval_s: float | None, max_steps: int = CHUNK_STEPS) -> None:
+        """Dispatches from now on: as many decode steps as fit in about `interval_s` (the first one
+        step), at most `max_steps`; `max_steps` each where `interval_s` is None."""
+        self.interval_s, self.max_steps = interval_s, max_steps
+        self._steps = max_steps if interval_s is None else 1
+        self._dispatched: float | None = None  # perf_counter of the last dispatch
+        self._kv_len = 0  # cache positions its steps attended over
+
+    @property
+    def busy(self) -> int:
+        """Rows running a request."""
+        return sum(row is not None for row in self.rows)
 
     def run(self, requests: Iterable[Request] | Inbox, on_result: Callable[[dict], None], continuous: bool = True):
         """Generate every request (those of a list, or those put in an `Inbox` until it is closed);
-        `on_result(record)` is called as each one finishes."""
+        `on_result(record)` is called as each one finishes. `continuous=False` is static batching."""
         inbox = requests if isinstance(requests, Inbox) else _Listed(requests)
-        slots: list[_Slot | None] = [None] * self.batch_size
-        started = time.perf_counter()
-        steps, dispatched = CHUNK_STEPS if self.interval_s is None else 1, None
+        self._started = time.perf_counter()
         while True:
-            if continuous or not any(slots):
-                self._admit(inbox, slots, wait_for_mates=continuous)
-            self.busy = sum(slot is not None for slot in slots)
-            if not any(slots):
+            if not self.turn(inbox, on_result, continuous):
                 if inbox.done:
                     return
                 inbox.wait()
-                continue
-            made = self._collect(slots, on_result, started)
-            if made < 0 and len(inbox) and continuous:
-                continue  # fill the freed slots before decoding on
-            if any(slots):
-                if self.interval_s is not None and dispatched is not None and made > 0:  # the next takes ~interval_s
-                    per_token = (time.perf_counter() - dispatched) / made
-                    steps = max(1, min(CHUNK_STEPS, int(self.interval_s / max(per_token, 1e-6))))
-                stop_point()  # joined processes: a Ctrl-C in the first stops all here
-                before = self.stats.compile.seconds
-                dispatched = time.perf_counter()
-                self.slots.step(steps, self.stats.compile, stop_on_finish=True)
-                for slot in filter(None, slots):
-                    slot.compiling_s += self.stats.compile.seconds - before
 
-    def _admit(self, inbox: Inbox, slots: list[_Slot | None], wait_for_mates: bool = True) -> None:
+    def turn(self, inbox: Inbox, on_result: Callable[[dict], None] | None = None, continuous: bool = True) -> bool:
+        """One round of the loop every driver runs: admit waiting requests into free rows, collect
+        what the last dispatch made (new text or tokens to the clients; finished rows handed over,
+        `on_result(record)` for a request read as text, and freed), dispatch the next decode steps.
+        The dispatch runs on while the caller goes on (it waits at the next round's collect).
+        False where no row runs: nothing to wait for but the inbox."""
+        if continuous or not self.busy:
+            self._admit(inbox, wait_for_mates=continuous)
+        if not self.busy:
+            return False
+        made = self._collect(on_result)
+        if made < 0 and len(inbox) and continuous:
+            return True  # fill the freed rows before decoding on
+        if self.busy:
+            self._dispatch(made)
+        return True
+
+    def _dispatch(self, made: int) -> None:
+        """The next decode steps of every live row, sized by `pace` from the last dispatch's time
+        per token (the most `made` by a row)."""
+        if self.interval_s is not None and self._dispatched is not None and made > 0:
+            per_token = (time.perf_counter() - self._dispatched) / made
+            steps = max(1, min(self.max_steps, int(self.interval_s / max(per_token, 1e-6))))
+            self._steps = agree(steps)  # joined processes run the same programs
+        stop_point()  # joined processes: a Ctrl-C in the first stops all here
+        report = CompileReport()
+        self._dispatched = time.perf_counter()
+        self._kv_len = self.slots.step(self._steps, report, stop_on_finish=True).kv_len
+        self._compiled(report, filter(None, self.rows))
+
+    def _compiled(self, report: CompileReport, rows: Iterable[_Slot]) -> None:
+        """A call's compile time is the scheduler's, and no part of the latency of the rows that waited for it."""
+        self.stats.compile.add(report)
+        for slot in rows:
+            slot.compiling_s += report.seconds
+            slot.timings.compile.add(report)
+
+    def _admit(self, inbox: Inbox, wait_for_mates: bool = True) -> None:
         """Take a request for every free slot and prefill them in one call (grouped by
         `Slots.admit`). Each goes to the free row that holds the longest prefix of its prompt, and
         takes a longer one from any other row that holds it (a running row's prompt, a free row's
         last sequence: the same system prompt, one prompt asked for n times) by copying its K/V.
         A prompt sharing more with one admitted now or still prefilling waits for it
         (`wait_for_mates`): one prefill serves both, the second a step later."""
-        free = [i for i in range(self.batch_size) if slots[i] is None]
+        free = [i for i in range(self.batch_size) if self.rows[i] is None]
         if not free or not len(inbox):
             return
         # Rows by their first MIN_REUSE tokens (a prefix shorter than that is not reused): those
@@ -209,7 +264,7 @@ class Scheduler:
         prefilling = self.slots.prefilling
         holders: dict[tuple, list] = defaultdict(list)
         mates: dict[tuple, list] = defaultdict(list)
-        for i, slot in enumerate(slots):
+        for i, slot in enumerate(self.rows):
             tokens = self._held[i] if slot is None else slot.request.prompt_ids
             (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
         admitted: list[tuple[int, int, int | None, Request]] = []
@@ -249,8 +304,12 @@ class Scheduler:
             self.slots.constrain(self.model.tokenizer)
         if any(r.logit_bias or penalized(r.sampling) for *_, r in admitted):
             self.slots.penalize()
+        timings: list[Timings] = []  # known before the prefill runs: an interrupted one (chat's Ctrl-C) says them too
         for i, start, _, request in admitted:
             self._held[i] = np.asarray(request.prompt_ids[:start], np.int32)  # prefill overwrites what follows
+            timings.append(request.timings if request.timings is not None else Timings())
+            timings[-1].prompt_tokens, timings[-1].cached_tokens = len(request.prompt_ids), start
+        began, report = time.perf_counter(), CompileReport()
         self.slots.admit(
             [
                 Admission(
@@ -268,67 +327,98 @@ class Scheduler:
                 )
                 for i, start, source, r in admitted
             ],
-            self.stats.compile,
+            report,
         )
-        now = time.perf_counter()
-        for i, *_, request in admitted:
-            text = TextStream(self.model.tokenizer, request.prompt_ids, request.stop)
-            cached = self.slots.admitted(i).start  # none where longrope's factors changed
-            slots[i] = _Slot(request, text, now, cached, read=len(request.prompt_ids))
-            self.stats.cached_tokens += cached
+        for (i, *_, request), timing in zip(admitted, timings):
+            text = None if request.on_tokens else TextStream(self.model.tokenizer, request.prompt_ids, request.stop)
+            self.rows[i] = _Slot(request, text, timing, began, read=len(request.prompt_ids))
+            timing.cached_tokens = self.slots.admitted(i).start  # none where longrope's factors changed
+            self.stats.cached_tokens += timing.cached_tokens
+        self._compiled(report, (self.rows[i] for i, *_ in admitted))
 
-    def _collect(self, slots: list[_Slot | None], on_result, started: float) -> int:
-        """Pass new tokens to each live slot's text; hand over and free the finished ones. Returns
-        the most tokens a row made since the last call, or -1 if a row was freed."""
+    def _collect(self, on_result: Callable[[dict], None] | None) -> int:
+        """Pass each live row's new tokens to its client (its text, or its `on_tokens`); hand over
+        and free the finished rows. Returns the most tokens a row made since the last call, or -1
+        if a row was freed."""
         tokens, length, done = self.slots.fetch()
-        prefilling = self.slots.prefilling
-        asked = any(slot and slot.request.logprobs is not None for slot in slots)
+        prefilling, counters = self.slots.prefilling, self.slots.counters
+        asked = any(slot and slot.request.logprobs is not None for slot in self.rows)
         lp = self.slots.fetch_logprobs() if asked else None
         now = time.perf_counter()
-        finished = np.zeros(len(slots), bool)
+        finished = np.zeros(self.batch_size, bool)
         most = 0
-        for i, slot in enumerate(slots):
+        for i, slot in enumerate(self.rows):
             if slot is None or prefilling[i]:  # a long prompt between chunks: no token yet
                 continue
-            request = slot.request
-            made = int(length[i]) - slot.read
+            request, end = slot.request, int(length[i])
+            made = end - slot.read
             most = max(most, made)
-            if slot.first_token is None:
-                slot.first_token = now
-            elif made:  # the wait since the row's last tokens, admissions of others included, spread over the new ones
-                slot.itl_s += [(now - slot.last_token - slot.compiling_s) / made] * made
-                slot.compiled_s += slot.compiling_s
-            if made:
-                slot.last_token, slot.compiling_s = now, 0.0
-            pieces, first = [], len(slot.text.token_ids)
-            for position in range(slot.read, int(length[i])):
-                pieces.append(slot.text.push(int(tokens[i, position])))
-                if request.logprobs is not None:
-                    slot.logprobs.append(lp.at(i, position))
-                if slot.text.stopped:
-                    break
+            self._time(slot, made, now, int(counters.passes[i]))
+            if request.speculate:
+                decoded = end - len(request.prompt_ids) - 1
+                slot.timings.speculation = Speculated(
+                    int(counters.drafted[i]), int(counters.accepted[i]), int(counters.passes[i]), decoded
+                )
+            new = [int(t) for t in tokens[i, slot.read : end]]
+            logprobs = [lp.at(i, position) for position in range(slot.read, end)] if lp is not None else []
+            slot.read = end
             self.stats.generated_tokens += made
-            slot.read = int(length[i])
-            if request.on_text and pieces:
-                request.on_text("".join(pieces), len(pieces), self._entries(slot, first))
-            if done[i] or slot.text.stopped or request.cancelled:
+            if slot.text is not None:
+                self._read_text(slot, new, logprobs)
+            if done[i] or (slot.text is not None and slot.text.stopped) or request.cancelled:
                 finished[i] = True
                 self.stats.finished += 1
-                eos = bool(done[i]) and not request.ignore_eos and int(tokens[i, length[i] - 1]) in self.model.eos_ids
-                c = self.slots.counters
-                spec = Speculated(
-                    int(c.drafted[i]),
-                    int(c.accepted[i]),
-                    int(c.passes[i]),
-                    int(length[i]) - len(request.prompt_ids) - 1,
-                )
+                eos = bool(done[i]) and not request.ignore_eos and int(tokens[i, end - 1]) in self.model.eos_ids
                 unfinished = request.constraint is not None and not self.slots.matchers.complete(i)
-                on_result(self._record(slot, eos, unfinished, now, started, spec if request.speculate else None))
-                slots[i] = None
-                self._held[i] = tokens[i, : int(length[i]) - self.slots.speculation.uncached].copy()
-        if finished.any():
-            self.slots.retire(finished)  # a stop string: the row stops now
+                reason = (
+                    "cancelled"
+                    if request.cancelled
+                    else "stop"
+                    if slot.text is not None and slot.text.stopped
+                    else finish_reason(eos, end - len(request.prompt_ids) >= request.max_tokens, unfinished)
+                )
+                if request.on_tokens:
+                    request.on_tokens(new, logprobs, reason)
+                elif on_result is not None:
+                    on_result(self._record(slot, reason, now))
+                self.rows[i] = None
+                self._held[i] = tokens[i, : end - self.slots.speculation.uncached].copy()
+            elif request.on_tokens and new:
+                request.on_tokens(new, logprobs, None)
+        if (stopped := finished & ~done).any():
+            self.slots.retire(stopped)  # a stop string, a cancel: the row stops now
         return -1 if finished.any() else most
+
+    def _time(self, slot: _Slot, made: int, now: float, passes: int) -> None:
+        """The row's timings, after it made `made` tokens by `now` over `passes` decode passes in all:
+        TTFT and each inter-token gap (others' admissions included, compiles not), spread over the
+        tokens that came together; the cache positions its passes attended over (the kv buckets)."""
+        timings = slot.timings
+        if slot.first_token is None:
+            slot.first_token = now
+            timings.ttft_s = now - slot.admitted - slot.compiling_s
+        elif made:
+            timings.itl_s += [(now - slot.last_token - slot.compiling_s) / made] * made
+            slot.compiled_s += slot.compiling_s
+        if made:
+            slot.last_token, slot.compiling_s = now, 0.0
+        timings.generated_tokens += made
+        timings.decode_s = slot.last_token - slot.first_token - slot.compiled_s
+        timings.kv_read += (passes - slot.passes) * self._kv_len
+        slot.passes = passes
+
+    def _read_text(self, slot: _Slot, new: list[int], logprobs: list) -> None:
+        """The row's new tokens through its text (up to a stop string), the text to its request's
+        `on_text` as it comes."""
+        request, pieces, first = slot.request, [], len(slot.text.token_ids)
+        for k, token in enumerate(new):
+            pieces.append(slot.text.push(token))
+            if request.logprobs is not None:
+                slot.logprobs.append(logprobs[k])
+            if slot.text.stopped:
+                break
+        if request.on_text and pieces:
+            request.on_text("".join(pieces), len(pieces), self._entries(slot, first))
 
     def _entries(self, slot: _Slot, first: int) -> list[dict]:
         """The logprob entries of the slot's tokens from `first` on, where its request asks."""
@@ -337,31 +427,27 @@ class Scheduler:
         tokens = slot.text.token_ids[first:]
         return logprob_entries(self.model.tokenizer, tokens, slot.logprobs[first:], slot.request.logprobs)
 
-    def _record(
-        self, slot: _Slot, eos: bool, unfinished: bool, now: float, started: float, speculated: Speculated | None
-    ) -> dict:
-        text, request = slot.text, slot.request
+    def _record(self, slot: _Slot, reason: str, now: float) -> dict:
+        """A finished request read as text: what batch writes and serve answers."""
+        text, request, timings = slot.text, slot.request, slot.timings
         text.flush()
         generated = len(text.token_ids)
-        arrived = started if request.arrived is None else request.arrived
-        decode_s = now - slot.first_token - slot.compiled_s
-        itl_ms = [1000 * s for s in slot.itl_s] or [0.0]
+        arrived = self._started if request.arrived is None else request.arrived
+        decode_s = timings.decode_s
+        itl_ms = [1000 * s for s in timings.itl_s] or [0.0]
+        speculated = timings.speculation
         return (
             {
                 "id": request.id,
                 "text": text.text,
                 "prompt_tokens": len(request.prompt_ids),
                 "generated_tokens": generated,
-                "cached_tokens": slot.cached,
-                "finish_reason": "cancelled"
-                if request.cancelled
-                else "stop"
-                if text.stopped
-                else finish_reason(eos, generated >= request.max_tokens, unfinished),
+                "cached_tokens": timings.cached_tokens,
+                "finish_reason": reason,
                 "seed": request.seed,
                 "timings": {
                     "queued_s": round(slot.admitted - arrived, 4),
-                    "ttft_s": round(slot.first_token - slot.admitted, 4),
+                    "ttft_s": round(timings.ttft_s, 4),
                     "total_s": round(now - slot.admitted, 4),
                     "decode_tok_s": round((generated - 1) / decode_s, 2) if decode_s > 0 and generated > 1 else 0.0,
                     "itl_ms": {
