@@ -360,7 +360,7 @@ class Scheduler:
                     int(counters.drafted[i]), int(counters.accepted[i]), int(counters.passes[i]), decoded
                 )
             new = [int(t) for t in tokens[i, slot.read : end]]
-            logprobs = [lp.at(i, position) for position in range(slot.read, end)] if lp is not None else []
+            logprobs = [] if request.logprobs is None else [lp.at(i, p) for p in range(slot.read, end)]
             slot.read = end
             self.stats.generated_tokens += made
             if slot.text is not None:
