@@ -32,8 +32,9 @@ STREAM_MAX_STEPS = 1024  # a streamed chunk's most decode steps
 
 @dataclass
 class TokenStream:
-    """Iterate to get the new token ids chunk by chunk; stopping early is just not iterating on.
-    Once it is exhausted, `finish_reason` is 'eos' or 'length' and `timings` is complete."""
+    """Iterate to get the new token ids chunk by chunk; stopping early is just not iterating on
+    (the row is stopped at the engine's next request, "cancelled"). Once it is exhausted,
+    `finish_reason` says why (`scheduler.finish_reason`) and `timings` is complete."""
 
     seed: int
     timings: Timings

@@ -115,6 +115,14 @@ void fgroups_in_tiles(const FProblem& p, int64_t g0, int64_t g1, Tile&& tile) {
   if constexpr (kCols > 1) wide(std::integral_constant<int, 1>{});
 }
 
+// Decode's one row over bfloat16 weights fetches each group's weights this many inputs ahead (2 KiB
+// of its stream): the hardware's prefetch alone left it under the bandwidth float32 reaches. AVX2 path
+// on the Zen 4 EPYC, B = 1 decode tok/s at 0 / 16 / 32 / 64 / 128 / 256 / 512 inputs ahead, two
+// rounds: SmolLM-135M 103–107 / 101–102 / 111–113 / 123–133 / 120–128 / 107–110 / 87–90 (29 → 35 GB/s),
+// TinyLlama-1.1B 19.9, 22.1 at 0, 21.6, 26.0 at 64, 20.9, 26.1 at 128. Float32 weights gained nothing
+// (SmolLM-135M 101–104 at 0, 83–104 at 32, 93 at 64): they already stream at the bandwidth.
+constexpr int64_t kOneRowAhead = 64;
+
 // The float tiles of the families whose registers hold 128 or 256 bits (AVX2: 16 of 8 floats; NEON:
 // 32 of 4): one row by 4 groups (decode), two rows by 2, from four rows on 6 rows by one group (AVX2:
 // 8, 8 and 12 sums, 2 weight vectors and 6 broadcasts per 12 FMAs; NEON: 16, 16 and 24), so that the
@@ -125,7 +133,9 @@ void fgroups_narrow(const FProblem& p, int64_t g0, int64_t g1) {
     ftile<V, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, ahead);
   };
   if (p.m == 1) {
-    fgroups_in_tiles<1, 4>(p, g0, g1, tile);
+    fgroups_in_tiles<1, 4>(p, g0, g1, [&tile](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t) {
+      tile(rows, cols, g, row0, k0, k1, kBf16 ? kOneRowAhead : 0);
+    });
   } else if (p.m <= 3) {
     fgroups_in_tiles<2, 2>(p, g0, g1, tile);
   } else {
