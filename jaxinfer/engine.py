@@ -87,7 +87,7 @@ class Engine:
         eos_ids: tuple[int, ...],
         decoding: Decoding = Decoding(),
     ):
-        self.cfg, self.params, self.max_context, self.eos_ids = cfg, params, max_context, eos_ids
+        self.cfg, self.max_context = cfg, max_context
         self.scheduler = Scheduler(_Weights(cfg, params, eos_ids), 1, max_context, decoding)
 
     @property

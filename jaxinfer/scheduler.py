@@ -180,11 +180,14 @@ class Scheduler:
         self.stats = BatchStats()
         self.pace(interval_s, max_steps)
         self._started = time.perf_counter()  # a request's arrival where it gives none
-        self.reset()
+        self._free_rows()  # the Slots start empty
 
     def reset(self) -> None:
         """An empty cache, every row free: nothing of earlier requests is reused."""
         self.slots.reset()
+        self._free_rows()
+
+    def _free_rows(self) -> None:
         self.rows: list[_Slot | None] = [None] * self.batch_size
         self._held = [np.zeros(0, np.int32)] * self.batch_size  # per row: the tokens whose K/V it holds, from 0
 
