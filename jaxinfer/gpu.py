@@ -12,15 +12,17 @@ product times the block's scales, so every byte of the matrix is read once, as s
 rows (M ≤ `ROWS`) take it; more rows (prefill, large batches) are compute-bound, and XLA's product
 of the dequantized matrix serves them.
 
-`MODE` "interpret" runs the kernel through Pallas' interpreter on any backend (the CPU tests check
-what the GPU runs); None runs it where the backend is a GPU and the kernel, tried once on a small
-matrix of each width, compiles and gives the dequantized matrix's product there (`_works`): where
+`MODE` (`JAXINFER_GPU_KERNELS` in the environment) "interpret" runs this module's kernel and
+`gpu_attention`'s through Pallas' interpreter on any backend (the CPU tests check what the GPU
+runs); "off" never runs them (XLA does their work, to compare); unset, they run where the backend is
+a GPU and the kernel, tried once on a small case, compiles and answers right there (`_works`): where
 it does not, matrices stay packed and XLA multiplies them, as before the kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from functools import partial
 
@@ -28,33 +30,48 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import BLOCK, GROUP, METHODS, pack, quantize
 
 ROWS = 16  # the kernel's rows: Triton's dot takes 16 at least; decode's batches up to 16 take it
 BN = 128  # outputs per program at most (fewer where they do not divide the matrix's: a power of two ≥ 16)
 PROGRAMS = 264  # at least this many programs (2 per multiprocessor of an H100): the inputs split until there are
-MODE: str | None = None  # "interpret": the kernel through Pallas' interpreter, on any backend
+MODE: str | None = os.environ.get("JAXINFER_GPU_KERNELS") or None  # "interpret", "off"; None: on a GPU
+if MODE not in (None, "interpret", "off"):
+    raise JaxinferError(f"JAXINFER_GPU_KERNELS must be interpret or off, not {MODE!r}")
+
+
+def kernels_run() -> bool:
+    """Whether this module's kernels (and `gpu_attention`'s) may run here: on a GPU, or anywhere
+    through Pallas' interpreter (`MODE` "interpret")."""
+    return MODE == "interpret" or (MODE is None and jax.default_backend() == "gpu")
 
 
 def kernel_here() -> bool:
-    return MODE == "interpret" or (MODE is None and jax.default_backend() == "gpu" and _works())
+    """Whether quantized matrices take the kernel: where it may run and, on a GPU, works (`_works`)."""
+    return kernels_run() and (MODE == "interpret" or _works())
 
 
 @functools.cache
 def _works() -> bool:
     """The kernel compiled and checked on this GPU: int8 and int4 columns of a 256 × 512 matrix
-    against their dequantized product (a failure to lower or a wrong answer turns it off). On a
+    against their dequantized product (a failure to lower or a wrong answer turns it off)."""
+    return tried(_check)
+
+
+def tried(check) -> bool:
+    """A GPU kernel's check, run once: its answer, False where it raised (it did not lower). On a
     thread of its own, whose JAX traces nothing: the first question may come while tracing
     (`lay_out` under `eval_shape`, a program that multiplies), where the check would be traced too."""
     answer = []
 
-    def check():
+    def run():
         try:
-            answer.append(_check())
+            answer.append(bool(check()))
         except Exception:
             answer.append(False)
 
-    thread = threading.Thread(target=check, name="jaxinfer-gpu-check")
+    thread = threading.Thread(target=run, name="jaxinfer-gpu-check")
     thread.start()
     thread.join()
     return answer[0]
@@ -92,13 +109,13 @@ def _program(x_ref, q_ref, s_ref, o_ref, *, blocks: int, bits: int):
     o_ref[...] = jax.lax.fori_loop(0, blocks, block, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-def _split(k_blocks: int, programs: int) -> int:
-    """Into how many shares the inputs' blocks go: the fewest that make `PROGRAMS` programs, each a
-    whole number of blocks."""
-    split = 1
-    while programs * split < PROGRAMS and k_blocks % (2 * split) == 0:
-        split *= 2
-    return split
+def split(k_blocks: int, programs: int) -> int:
+    """Into how many shares `k_blocks` blocks go (a matrix's inputs, attention's keys) so that
+    `programs` programs a share make `PROGRAMS`: the fewest that do, each a whole number of blocks."""
+    shares = 1
+    while programs * shares < PROGRAMS and k_blocks % (2 * shares) == 0:
+        shares *= 2
+    return shares
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
@@ -112,8 +129,8 @@ def _quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, i
     N = scale.shape[1]
     bn = next(n for n in (BN, 64, 32, 16) if N % n == 0)  # quantized matrices' outputs come in 16s
     rows = jnp.zeros((ROWS, K), x.dtype).at[:M].set(x)
-    split = _split(K // BLOCK, N // bn)
-    share = K // split  # inputs per program
+    shares = split(K // BLOCK, N // bn)
+    share = K // shares  # inputs per program
     per_code = 8 // bits  # codes a byte
     params = {}
     if not interpret:
@@ -122,8 +139,8 @@ def _quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, i
         params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=3)
     out = pl.pallas_call(
         partial(_program, blocks=share // BLOCK, bits=bits),
-        out_shape=jax.ShapeDtypeStruct((split, ROWS, N), jnp.float32),
-        grid=(N // bn, split),
+        out_shape=jax.ShapeDtypeStruct((shares, ROWS, N), jnp.float32),
+        grid=(N // bn, shares),
         in_specs=[
             pl.BlockSpec((ROWS, share), lambda i, j: (0, j)),
             pl.BlockSpec((share // per_code, bn), lambda i, j: (j, i)),

@@ -7,6 +7,11 @@ so XLA updates it in place instead of copying gigabytes per step.
 scale (max|x| / 127), quantized once when written: 68 bytes per 64-value head instead of 256, so
 3.8× the context fits (1.9× against bfloat16). A scale is constant along the head dimension, so
 attention never dequantizes: K's scales multiply the scores, V's the attention weights.
+
+Who attends over it (`KVCache.kernel`, decided once, when it is made): the CPU kernel where it is
+built ("cpu": both phases, in its own layout); on a GPU, decode's steps through the Pallas kernel of
+`jaxinfer.gpu_attention` ("gpu": XLA's layout, which prefill's chunks and speculative checks read
+through XLA); elsewhere XLA's einsums (`model._attend`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import kernel
+from jaxinfer import gpu_attention, kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 
@@ -45,23 +50,29 @@ class KVCache:
     v: jax.Array  # as k
     k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
     v_scale: jax.Array | None = None
-    kernel: bool = field(default=False, metadata=dict(static=True))  # attended by the CPU kernel (`attend`)
+    kernel: str | None = field(default=None, metadata=dict(static=True))  # "cpu" (`attend`), "gpu" (`decode`)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, whole: bool = True) -> KVCache:
         """An empty cache in `dtype`, or in int8 with scales where `cfg.kv_dtype` says so. On one
-        device (`whole`: not spread over a mesh, whose shards the kernel's custom call would gather
-        every layer) a float cache is attended by the CPU kernel where it is built."""
+        device (`whole`: not spread over a mesh, whose shards a kernel's custom call would gather
+        every layer) a float cache is attended by the CPU kernel where it is built, and decode's
+        steps by the GPU's where that runs (`gpu_attention.here`)."""
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        gpu = "gpu" if whole and gpu_attention.here(cfg, dtype) else None
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
             return cls(
-                k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=scales, v_scale=scales.copy()
+                k=jnp.zeros(shape, jnp.int8),
+                v=jnp.zeros(shape, jnp.int8),
+                k_scale=scales,
+                v_scale=scales.copy(),
+                kernel=gpu,
             )
-        fused = whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS
-        if fused:
+        if whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS:
             shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=fused)
+            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel="cpu")
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=gpu)
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""
@@ -102,6 +113,24 @@ class KVCache:
         rows = jnp.arange(q.shape[0]) if rows is None else rows
         return kernel.attention(q, positions, self.k, self.v, rows, layer, kv_len, window, scale, softcap)
 
+    def decode(
+        self,
+        layer: int,
+        q: jax.Array,
+        positions: jax.Array,
+        rows: jax.Array | None,
+        kv_len: int,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> jax.Array:
+        """The GPU kernel's attention of one query a row, q [B, KV, G, hd] at positions [B], over
+        `layer`'s first `kv_len` positions of cache rows `rows` (default: all), each row up to its
+        own position: float32 [B, KV, G, hd] (`gpu_attention.attend`)."""
+        return gpu_attention.attend(
+            q, positions, self.k, self.v, self.k_scale, self.v_scale, layer, rows, kv_len, window, scale, softcap
+        )
+
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None
     ) -> KVCache:
@@ -113,7 +142,7 @@ class KVCache:
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
         # either way [R, T, KV, hd]
-        at = (layer, rows, slice(None), positions) if self.kernel else (layer, rows, positions)
+        at = (layer, rows, slice(None), positions) if self.kernel == "cpu" else (layer, rows, positions)
         if self.k_scale is None:
             return KVCache(
                 k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
@@ -126,4 +155,5 @@ class KVCache:
             v=self.v.at[at].set(vq, mode="drop"),
             k_scale=self.k_scale.at[at].set(ks, mode="drop"),
             v_scale=self.v_scale.at[at].set(vs, mode="drop"),
+            kernel=self.kernel,
         )

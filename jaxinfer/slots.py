@@ -245,7 +245,7 @@ class Slots:
         if prefill_chunk is None:  # the path's own: flash attention (the CPU kernel's, cuDNN's) keeps big chunks cheap
             prefill_chunk = (
                 PREFILL_CHUNK_KERNEL
-                if self.state.cache.kernel
+                if self.state.cache.kernel == "cpu"
                 else PREFILL_CHUNK
                 if check_backend() == "cpu"
                 else PREFILL_CHUNK_ACCELERATOR

@@ -58,9 +58,9 @@ def test_the_cache_says_who_attends():
     """A float cache on one device is the kernel's; an int8 cache, a head size the kernel has no
     path for, a mesh's cache, or any cache where the kernels are off is XLA's."""
     cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 64, 1e-5, 256, 1e4, sliding_windows=(None, None))
-    assert KVCache.zeros(cfg, 1, 16, jnp.float32).kernel
-    assert not KVCache.zeros(replace(cfg, kv_dtype="int8"), 1, 16, jnp.float32).kernel
-    assert not KVCache.zeros(replace(cfg, head_dim=48), 1, 16, jnp.float32).kernel
-    assert not KVCache.zeros(cfg, 1, 16, jnp.float32, whole=False).kernel
+    assert KVCache.zeros(cfg, 1, 16, jnp.float32).kernel == "cpu"
+    assert KVCache.zeros(replace(cfg, kv_dtype="int8"), 1, 16, jnp.float32).kernel is None
+    assert KVCache.zeros(replace(cfg, head_dim=48), 1, 16, jnp.float32).kernel is None
+    assert KVCache.zeros(cfg, 1, 16, jnp.float32, whole=False).kernel is None
     with xla_dot():
-        assert not KVCache.zeros(cfg, 1, 16, jnp.float32).kernel
+        assert KVCache.zeros(cfg, 1, 16, jnp.float32).kernel is None

@@ -76,7 +76,7 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
     # The same K/V as the model's: the draft's cache holds the row's tokens but the last two.
     held = len(ids) + len(gen.token_ids) - 2
     state = engine.slots.state
-    axis = 3 if state.cache.kernel else 2  # positions: [L, R, KV, S, hd] on the kernel, [L, R, S, KV, hd] on XLA
+    axis = 3 if state.cache.kernel == "cpu" else 2  # positions: [L, R, KV, S, hd] on the CPU kernel
     for ours, drafts in ((state.cache.k, state.draft_cache.k), (state.cache.v, state.draft_cache.v)):
         np.testing.assert_allclose(np.take(drafts, range(held), axis), np.take(ours, range(held), axis), atol=1e-5)
 

@@ -42,9 +42,9 @@ def test_columns_hold_the_packed_matrix_and_the_kernel_multiplies_it(interpret, 
 
 
 def test_the_inputs_split_until_the_programs_fill_the_gpu():
-    assert gpu._split(4096 // 32, 14336 // 128) == 4  # 8B gate/up: 112 programs × 4 shares
-    assert gpu._split(14336 // 32, 4096 // 128) == 16  # 8B down: 32 × 16 (256 would not fill them)
-    assert gpu._split(3, 1) == 1  # blocks that do not halve stay whole
+    assert gpu.split(4096 // 32, 14336 // 128) == 4  # 8B gate/up: 112 programs × 4 shares
+    assert gpu.split(14336 // 32, 4096 // 128) == 16  # 8B down: 32 × 16 (256 would not fill them)
+    assert gpu.split(3, 1) == 1  # blocks that do not halve stay whole
 
 
 @pytest.mark.parametrize("quantize", ["int4"])  # int8's columns: the matrices' test; 4 bits unpack more
@@ -100,3 +100,20 @@ def test_the_kernel_check_answers_where_it_is_first_asked_while_tracing(interpre
     answers = []
     jax.eval_shape(lambda: answers.append(gpu._works.__wrapped__()) or jnp.zeros(()))
     assert answers == [True]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kernel_lowers_to_triton_at_the_8b_shapes(bits):
+    """What JAX hands XLA's GPU backend for the Llama-3.1-8B shape's matrices (the down projection's
+    shares are 896 inputs, not a power of two): a Triton call each. JAX lowers for CUDA on any
+    machine; the compilation to the GPU's code is checked there (`gpu._works`)."""
+    for K, N in ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)):
+        args = (
+            jnp.zeros((gpu.ROWS, K), jnp.bfloat16),
+            jnp.zeros((K // (8 // bits), N), jnp.int8 if bits == 8 else jnp.uint8),
+            jnp.zeros((K // 32, N), jnp.bfloat16),
+        )
+        lowered = (
+            jax.jit(lambda *a: gpu._quantized_matmul(*a, bits, False)).trace(*args).lower(lowering_platforms=("cuda",))
+        )
+        assert "xla.gpu.triton" in lowered.as_text(), (K, N)
