@@ -47,7 +47,6 @@ class ModelConfig:
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
     sandwich_norms: bool = False  # Gemma 2/3: a norm on the attention's and the MLP's outputs too
     rope_local: tuple = ()  # Gemma 3: (theta, scaling) of the sliding layers; (): as the others
-    fused_projections: bool = False  # Phi-3: wqkv = [q; k; v] and wgate_up = [gate; up], one matmul each
     rotary_dim: int = 0  # Phi-4-mini: rope over the first rotary_dim dims of each head; 0: all of them
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.

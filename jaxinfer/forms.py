@@ -11,8 +11,9 @@ plain arrays.
   kernel reads it, or on a GPU in columns as `jaxinfer.gpu`'s kernel reads them (`layout`).
 
 A loaded tree's matrices are in one layout (`lay_out`): "out_in" (Plain), "in_out" (the layers'
-matrices Transposed), "packed"; Quantized ones stay as they are in each, but on a GPU (where its
-kernel runs: `gpu.kernel_here`) the scale-per-block methods' go into columns.
+matrices Transposed), "packed", "fused" (a GPU's: "out_in" with the projections that share their
+input stacked into one matrix, `FUSED`); Quantized ones stay as they are in each, but on a GPU
+(where its kernel runs: `gpu.kernel_here`) the scale-per-block methods' go into columns.
 """
 
 from __future__ import annotations
@@ -180,15 +181,26 @@ def take_rows(w: Form, ids: jax.Array, dtype) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------- layouts
-LAYOUTS = ("out_in", "in_out", "packed")
+LAYOUTS = ("out_in", "in_out", "packed", "fused")
+
+# A layer's matrices that multiply the same input, and the one matrix "fused" stacks them into (its
+# outputs one after the other; biases alike): Phi-3's own checkpoints hold them so. On a GPU a decode
+# step's small products are each a kernel whose launch and ramp outlast its bytes (the 1B shape's k and
+# v projections are 2 MB each, under a microsecond at the bandwidth), so one product each saves three
+# kernels a layer and reads the same bytes.
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+FUSE: bool | None = None  # the default layout fuses: None on GPUs (tests set it to check the layout on a CPU)
 
 
 def layout_for_batch(batch: int, sharded: bool = False) -> str:
     """The layout decode runs fastest in at this batch size: packed for the kernel wherever it takes
     a vectorised path, except over a mesh (`sharded`: the kernel's custom call takes whole matrices,
-    XLA's dot takes each device's shard); on XLA's dot, [in, out] for batches and [out, in] for one row."""
+    XLA's dot takes each device's shard); on a GPU, on one device, "fused"; on XLA's dot, [in, out]
+    for batches and [out, in] for one row."""
     if kernel.vectorised() and not sharded:
         return "packed"
+    if (FUSE if FUSE is not None else jax.default_backend() == "gpu") and not sharded:
+        return "fused"
     return "in_out" if batch > 1 else "out_in"
 
 
@@ -197,18 +209,57 @@ def check_layout(layout: str | None, sharded: bool = False) -> str:
     layout = layout or layout_for_batch(1, sharded)
     if layout not in LAYOUTS:
         raise JaxinferError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "fused" and sharded:  # a mesh shards q, k and v by their heads, each its own way
+        raise JaxinferError("the fused layout is for one device, not a mesh")
     return layout
+
+
+def stack(parts: list) -> Form | None:
+    """The matrices as one, their outputs one after the other, in their form; None where they are
+    not of one form (a GGUF file may quantize v by another method than q and k)."""
+    first = parts[0]
+    if any(type(p) is not type(first) for p in parts):
+        return None
+    if isinstance(first, Quantized):
+        if any((p.method, p.layout) != (first.method, first.layout) for p in parts):
+            return None
+        axis = 1 if first.layout == "columns" else 0  # columns [in, out]; packed by groups of outputs
+        arrays = [jnp.concatenate(a, axis) for a in zip(*(p.arrays for p in parts))]
+        return Quantized(arrays[0], arrays[1], first.method, arrays[2] if len(arrays) > 2 else None, first.layout)
+    return type(first)(jnp.concatenate([p.w for p in parts], 1 if isinstance(first, Transposed) else 0))
+
+
+def _fused(layer: dict, consume: bool) -> dict:
+    """A layer's projections that share their input stacked (`FUSED`), where it holds them all in one form."""
+    layer = dict(layer)
+    for name, parts in FUSED.items():
+        matrices = [layer.get(f"w{p}") for p in parts]
+        biases = [layer.get(f"b{p}") for p in parts]
+        if None in matrices or (None in biases and any(b is not None for b in biases)):
+            continue
+        if (matrix := stack(matrices)) is None:
+            continue
+        layer[f"w{name}"] = matrix
+        if biases[0] is not None:
+            layer[f"b{name}"] = jnp.concatenate(biases)
+        for p in parts:
+            replaced = (layer.pop(f"w{p}"), layer.pop(f"b{p}", None))
+            if consume:
+                for array in jax.tree.leaves(replaced):
+                    array.delete()
+    return layer
 
 
 def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
     """A tree as the checkpoint lays it out ("out_in": Plain) in `layout`; `consume` frees each
-    matrix it replaces (peak memory: one matrix more).
+    matrix it replaces (peak memory: one layer's matrices more).
 
     "packed" packs every packable matrix (the layers', the embedding, the LM head) and makes every
     other float leaf (norms, biases, a matrix the packing does not fit) float32: the kernel sums in
     float32 whatever width its weights are stored in (on AMX, prefill's activations carried to 16
     significant bits), so the rest of the model computes in float32 too: bfloat16 weights read half
-    the bytes, and the model computes as a float32 one. "in_out" transposes the layers' matrices."""
+    the bytes, and the model computes as a float32 one. "in_out" transposes the layers' matrices;
+    "fused" stacks each layer's projections of one input (`FUSED`)."""
 
     def one(value, layer: bool):
         if isinstance(value, Quantized) and columns and _whole(value) and quant.METHODS[value.method].kind < 0:
@@ -236,6 +287,8 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
         return params
     tree = {key: one(value, False) for key, value in params.items() if key != "layers"}
     tree["layers"] = [{key: one(value, True) for key, value in layer.items()} for layer in params["layers"]]
+    if layout == "fused":
+        tree["layers"] = [_fused(layer, consume) for layer in tree["layers"]]
     return tree
 
 
@@ -247,10 +300,12 @@ def _whole(leaf: Quantized) -> bool:
 
 def layout_of(params: dict) -> str:
     """The layout a tree's layers are in (`LAYOUTS`), as `lay_out` left them."""
-    held = params["layers"][0].values()
-    if any(isinstance(leaf, Packed) for leaf in held):
+    layer = params["layers"][0]
+    if any(isinstance(leaf, Packed) for leaf in layer.values()):
         return "packed"
-    return "in_out" if any(isinstance(leaf, Transposed) for leaf in held) else "out_in"
+    if any(isinstance(leaf, Transposed) for leaf in layer.values()):
+        return "in_out"
+    return "fused" if any(f"w{name}" in layer for name in FUSED) else "out_in"
 
 
 def quantized_by(params: dict) -> str | None:

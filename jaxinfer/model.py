@@ -138,7 +138,7 @@ def attention(
     """Layer i's attention for the blocks' tokens x [N, D] (in the blocks' order, each flattened):
     the projections over all N at once, each block's attention over its own rows."""
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if cfg.fused_projections:
+    if "wqkv" in layer:  # Phi-3's, or stacked on a GPU (`forms.FUSED`)
         q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [H * hd, (H + KV) * hd], axis=-1)
     else:
         q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
@@ -280,7 +280,7 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    if cfg.fused_projections:
+    if "wgate_up" in layer:
         gate, up = jnp.split(linear(x, layer, "gate_up", cfg), 2, axis=-1)
     else:
         gate, up = linear(x, layer, "gate", cfg), linear(x, layer, "up", cfg)

@@ -3,7 +3,10 @@
 device's busy time against the chunk's span (the rest is idle: launches, host syncs, the loop's
 own bookkeeping). The trace (`--trace DIR`) opens in Perfetto.
 
-    python scripts/profile_decode.py MODEL_DIR [--dtype bfloat16] [--quantize int8] [-b 1] [-p 520]
+    python scripts/profile_decode.py MODEL_DIR [--dtype bfloat16] [--quantize int8] [-b 1] [-p 520] [--layout out_in]
+
+`JAXINFER_GPU_KERNELS=off` runs decode's attention (and int8/int4 products) on XLA instead of the
+GPU's kernels; `--layout out_in` keeps q/k/v and gate/up apart (a GPU's default, "fused", stacks them).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantize")
     ap.add_argument("--kv-dtype")
+    ap.add_argument("--layout", help="the weights' layout (forms.LAYOUTS; default: the backend's)")
     ap.add_argument("-b", "--batch", type=int, default=1)
     # 520 + 7 chunks of 64 stay in one kv bucket (1024): no chunk pays a new bucket's compile
     ap.add_argument("-p", "--prompt", type=int, default=520)
@@ -69,7 +73,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
 
-    opened = open_model(a.model, dtype=a.dtype, quantize=a.quantize, kv_dtype=a.kv_dtype)
+    opened = open_model(a.model, dtype=a.dtype, quantize=a.quantize, kv_dtype=a.kv_dtype, layout=a.layout)
     cfg, params = opened.model.config, opened.model.params
     S = a.prompt + a.steps * (a.chunks + 2) + 1
     slots = Slots(cfg, params, a.batch, S, eos_ids=())

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import forms, model
+from jaxinfer import forms, kernel, model
 from jaxinfer.checkpoint import restore_params, save_params
+from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import Packed, Plain, Quantized, Transposed
 from jaxinfer.loading import load_model
 from jaxinfer.modeldir import ORBAX_DIR
@@ -92,3 +93,54 @@ def test_checkpoints_converted_before_the_forms_still_load(tmp_path, method):
     for a, b in zip(jax.tree.leaves(restore_params(tmp_path / "again", abstract)), jax.tree.leaves(before)):
         np.testing.assert_array_equal(a, b)
     assert json.loads((path / "config.json").read_text()).get("jaxinfer_quantize") == stored.quantize
+
+
+@pytest.mark.parametrize("kind", ["plain", "transposed", "packed", "packed-bf16", "int8", "int4"])
+def test_matrices_stacked_multiply_as_each_one_does(kind):
+    """`forms.stack`: one product over the stacked outputs equals the parts' products side by side, in
+    every form (columns: tests/test_gpu.py's model test)."""
+    rng = np.random.default_rng(2)
+    parts = [jnp.asarray(rng.standard_normal((n, 64)), jnp.float32) for n in (64, 32, 32)]
+    index = ["plain", "transposed", "packed", "packed-bf16", "int8", "int4"].index(kind)
+    held = [every_form(w)[index] for w in parts]
+    stacked = forms.stack(held)
+    assert type(stacked) is type(held[0])
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(forms.matmul(x, stacked)),
+        np.concatenate([np.asarray(forms.matmul(x, m)) for m in held], -1),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    # forms or methods that differ are left apart
+    assert forms.stack([held[0], Plain(parts[1]) if kind != "plain" else Quantized.of(parts[1], "int8")]) is None
+    if kind == "int8":
+        assert forms.stack([held[0], Quantized.of(parts[1], "int4")]) is None
+
+
+@pytest.mark.parametrize("arch, quantize", [("llama", None), ("qwen2", None), ("llama", "int4"), ("phi3", None)])
+def test_the_fused_layout_computes_what_the_checkpoints_layout_does(tiny, arch, quantize):
+    """A GPU's default layout: each layer's q/k/v and gate/up one matrix (Qwen2's biases too; Phi-3's
+    are already), the same logits as the checkpoint's layout within float32 rounding."""
+    path = tiny(arch)
+    plain = load_model(path, layout="out_in", quantize=quantize, dtype="float32")
+    fused = load_model(path, layout="fused", quantize=quantize, dtype="float32")
+    layer = fused.params["layers"][0]
+    assert {"wqkv", "wgate_up"} <= set(layer) and not {"wq", "wk", "wv", "wgate", "wup"} & set(layer)
+    assert ("bqkv" in layer) == (arch == "qwen2") and forms.layout_of(fused.params) == "fused"
+    tokens = jnp.asarray([[0, 11, 42, 7, 19, 3]])
+    positions = jnp.arange(6)[None]
+    outputs = [
+        model.logits(m.params, model.forward(m.params, m.config, tokens, positions, None, 6)[0], m.config)
+        for m in (plain, fused)
+    ]
+    np.testing.assert_allclose(np.asarray(outputs[1]), np.asarray(outputs[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_layout_is_for_one_device(monkeypatch):
+    with pytest.raises(JaxinferError, match="one device"):
+        forms.check_layout("fused", sharded=True)
+    monkeypatch.setattr(forms, "FUSE", True)  # as on a GPU, where the CPU kernels are not used
+    monkeypatch.setattr(kernel, "enabled", False)
+    assert forms.layout_for_batch(1) == forms.layout_for_batch(16) == "fused"
+    assert forms.layout_for_batch(16, sharded=True) == "in_out"

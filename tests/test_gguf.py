@@ -299,3 +299,16 @@ def test_a_quantized_file_refuses_quantize_and_a_float_one_takes_it():
     model = load_model(DATA / "llama-sp.F32.gguf", quantize="q8_0", layout="out_in")
     assert isinstance(model.params["layers"][0]["wq"], forms.Quantized)
     assert model.params["layers"][0]["wq"].q.dtype == jnp.int8
+
+
+@pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "qwen2-bpe.BF16.gguf"])
+def test_a_file_in_the_fused_layout_computes_what_its_own_does(name):
+    """A GPU's layout stacks q/k/v and gate/up where the file quantizes them alike (Q4_K_M quantizes
+    v by Q6_K: q/k/v stay apart, gate/up are stacked); the same logits within float32 rounding."""
+    own, fused = load_model(DATA / name), load_model(DATA / name, layout="fused")
+    layer = fused.params["layers"][0]
+    assert "wgate_up" in layer and ("wqkv" in layer) == ("Q4_K_M" not in name)
+    ids = own.tokenizer.encode(gguf_prompt())
+    expected, _ = our_prompt_logits(own, ids, S=128)
+    got, _ = our_prompt_logits(fused, ids, S=128)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()

@@ -60,15 +60,16 @@ def test_a_model_in_columns_generates_what_the_packed_form_does(tiny, monkeypatc
     monkeypatch.setattr(kernel, "enabled", False)  # the packed form through XLA's product, as a GPU had it
     expected = greedy(load_model(path, quantize=quantize))
     monkeypatch.setattr(gpu, "MODE", "interpret")
-    model = load_model(path, quantize=quantize)
+    model = load_model(path, quantize=quantize, layout="fused")  # a GPU's: q/k/v, gate/up stacked in columns
     assert {
         leaf.layout
         for leaf in jax.tree.leaves(model.params, is_leaf=forms.is_form)
         if isinstance(leaf, forms.Quantized)
     } == {"columns"}
+    assert "wqkv" in model.params["layers"][0]
     assert greedy(model) == expected
     stored = forms.to_stored(model.params)  # checkpoints keep the packed form
-    assert stored["layers"][0]["wq"]["q"].ndim == 5
+    assert stored["layers"][0]["wqkv"]["q"].ndim == 5
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel lowers")

@@ -32,7 +32,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         raise JaxinferError(
             f"config.json: longrope needs {rotary // 2} short and long factors, one per rotated pair of dims"
         )
-    return ModelConfig(architecture=arch, **fields, fused_projections=True, rotary_dim=rotary)
+    return ModelConfig(architecture=arch, **fields, rotary_dim=rotary)
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
