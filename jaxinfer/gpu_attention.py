@@ -1,23 +1,25 @@
-"""Decode's attention on a GPU: each row's one query over the cache where it lies, up to the row's
-own position (not the whole kv bucket), split over the keys so that a batch of one still fills the
-GPU (flash-decoding's split-K); an int8 cache read as stored. A Pallas kernel, lowered through Triton.
+"""Attention over the cache on a GPU, where cuDNN's does not serve (`model.flash`): decode's steps,
+speculative checks, a prompt's later chunks, soft-capping, float32, int8 caches. A Pallas kernel,
+lowered through Triton: flash attention reading the cache where it lies, each query up to its own
+position (not the whole kv bucket), split over the keys where the queries alone would not fill the
+GPU (flash-decoding's split-K).
 
 Through XLA a decode step's attention ran as several kernels a layer over the whole bucket (scores,
 mask, max, exp, sums, the value product: the 1B shape's step was 389 kernels, ~40% of its time in
-small ones; BENCHMARKS.md, "On a GPU"), and a bucket holds up to twice the positions a row has
-written. Here one program takes one row, one kv head and one share of the bucket's keys: it holds
-the kv head's G query heads (padded to `HEADS`, Triton's dot takes 16 rows at least) and walks its
-share `BLOCK_K` keys at a time with the running softmax, visiting only the blocks between the row's
-first visible key (a sliding window's) and its position; shares past the position do nothing.
-XLA then merges the shares' (max, sum, weighted values), one small fusion. int8 K/V are converted in
-registers, their per-position scales multiplying the scores (K) and the weights (V), as the XLA path
-does (`model._attend`).
+small ones; BENCHMARKS.md, "On a GPU"), a bucket holds up to twice the positions a row has written,
+and a fresh prompt that cuDNN could not take held its [T, T] scores in memory. Here a kv head's
+queries are rows (each of its T positions × its G query heads, `queries`), and one program takes
+one cache row, one kv head, a block of up to `ROWS` query rows and one share of the keys: it walks
+its share `BLOCK_K` keys at a time with the running softmax, visiting only the blocks between its
+rows' first visible key (a sliding window's) and their last position; shares past them do nothing.
+XLA then merges the shares' (max, sum, weighted values). int8 K/V are converted in registers, their
+per-position scales multiplying the scores (K) and the weights (V), as the XLA path does
+(`model._attend`).
 
 Which caches take it: `KVCache.zeros` says once, per cache (`here`): a GPU (or `gpu.MODE`
-"interpret", where the CPU tests run the same kernel through Pallas' interpreter), one device,
-16-bit compute, a head dim of 64, 128 or 256 and at most 16 query heads a kv head, and the kernel
-tried once for that kind of head on this GPU (`gpu.tried`): where it does not lower or answers
-wrong, decode's attention stays on XLA's einsums.
+"interpret", where the CPU tests run the same kernel through Pallas' interpreter), one device, a
+head dim of 64, 128 or 256, and the kernel tried once for that kind of head on this GPU
+(`gpu.tried`): where it does not lower or answers wrong, attention stays on XLA's einsums.
 """
 
 from __future__ import annotations
@@ -33,34 +35,34 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer import gpu
 from jaxinfer.config import ModelConfig
 
-BLOCK_K = 64  # keys a step of a program: [16, 64] scores, [64, head dim] keys and values in registers
-HEADS = 16  # query rows a program holds (a kv head's G, padded)
+BLOCK_K = 64  # keys a step of a program: [rows, 64] scores, [64, head dim] keys and values
+ROWS = 64  # query rows a program holds at most (positions × query heads of one kv head)
+MIN_ROWS = 16  # and at least: Triton's dot takes 16 rows (decode's G heads are padded to it)
 HEAD_DIMS = (64, 128, 256)  # Triton's tiles are powers of two
+DTYPES = ("bfloat16", "float16", "float32")  # float32: its products in full precision (IEEE), as XLA's
 MIN = float(jnp.finfo(jnp.float32).min)
 
 
 def here(cfg: ModelConfig, dtype) -> bool:
-    """Whether decode's attention of this model, computing in `dtype`, takes the kernel."""
-    fits = gpu.kernels_run() and (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and cfg.head_dim in HEAD_DIMS
-        and cfg.num_heads // cfg.num_kv_heads <= HEADS
-    )
-    kind = (cfg.head_dim, jnp.dtype(dtype).name, cfg.kv_dtype == "int8", bool(cfg.attn_softcap))
-    return fits and (gpu.MODE == "interpret" or _works(*kind))
+    """Whether attention over this model's cache, computing in `dtype`, takes the kernel."""
+    name = jnp.dtype(dtype).name
+    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS):
+        return False
+    return gpu.MODE == "interpret" or _works(cfg.head_dim, name, cfg.kv_dtype == "int8", bool(cfg.attn_softcap))
 
 
 @functools.cache
 def _works(head_dim: int, dtype: str, quantized: bool, softcap: bool) -> bool:
-    """The kernel, for this kind of head, compiled on this GPU and equal to XLA's attention."""
+    """The kernel, for this kind of head, compiled on this GPU and equal to the softmax over the keys."""
     return gpu.tried(partial(_check, head_dim, dtype, quantized, softcap))
 
 
 def _check(head_dim: int, dtype: str, quantized: bool, softcap: bool) -> bool:
-    """Two rows at positions in different shares, against the softmax over their keys in float32."""
+    """Two rows of three queries (one in each of two shares, the other in one share's middle),
+    against the softmax over their keys in float32."""
     rows, kv_heads, group, length, cap = 2, 2, 4, 4 * BLOCK_K, 30.0 if softcap else None
     keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (rows, kv_heads, group, head_dim)).astype(dtype)
+    q = jax.random.normal(keys[0], (rows, 3, kv_heads, group, head_dim)).astype(dtype)
     shape = (1, rows, length, kv_heads, head_dim)
     if quantized:  # codes and per-position scales as an int8 cache holds them
         k, v = (jax.random.randint(key, shape, -127, 128).astype(jnp.int8) for key in keys[1:3])
@@ -69,14 +71,14 @@ def _check(head_dim: int, dtype: str, quantized: bool, softcap: bool) -> bool:
     else:
         k, v = (jax.random.normal(key, shape).astype(dtype) for key in keys[1:3])
         scales, dense = (None, None), [k, v]
-    positions = jnp.asarray([length - 1, BLOCK_K + 3])
+    positions = jnp.asarray([[length - 3, length - 2, length - 1], [BLOCK_K + 3, BLOCK_K + 4, BLOCK_K + 5]])
     got = attend(q, positions, k, v, *scales, 0, None, length, None, head_dim**-0.5, cap)
     k, v = (a[0].astype(jnp.float32) for a in dense)  # [rows, length, KV, hd]
-    scores = jnp.einsum("bkgh,bskh->bkgs", q.astype(jnp.float32), k) * head_dim**-0.5
+    scores = jnp.einsum("btkgh,bskh->btkgs", q.astype(jnp.float32), k, precision="highest") * head_dim**-0.5
     scores = scores if cap is None else jnp.tanh(scores / cap) * cap
-    seen = jnp.arange(length)[None, :] <= positions[:, None]
-    weights = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), -1)
-    expected = jnp.einsum("bkgs,bskh->bkgh", weights, v)
+    seen = jnp.arange(length) <= positions[..., None]  # [rows, 3, length]
+    weights = jax.nn.softmax(jnp.where(seen[:, :, None, None], scores, -jnp.inf), -1)
+    expected = jnp.einsum("btkgs,bskh->btkgh", weights, v, precision="highest")
     return bool(jnp.abs(got - expected).max() <= 2e-2 * jnp.abs(expected).max())
 
 
@@ -94,20 +96,61 @@ def attend(
     scale: float,
     softcap: float | None,
 ) -> jax.Array:
-    """Queries q [R, KV, G, hd] (one per row, at positions [R]) over `layer`'s keys and values
-    k, v [L, B, S, KV, hd] of cache rows `rows` [R] (None: the first R), at most `kv_len` positions
-    (static); int8 with scales [L, B, S, KV]. Returns the attention float32 [R, KV, G, hd]."""
-    R, KV, G, hd = q.shape
-    rows = jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    """Queries q [R, T, KV, G, hd] at positions [R, T] over `layer`'s keys and values k, v
+    [L, B, S, KV, hd] of cache rows `rows` [R] (None: the first R), at most `kv_len` positions
+    (static), each query over the keys at its position and before (within the window); int8 with
+    scales [L, B, S, KV]. Returns the attention float32 [R, T, KV, G, hd]."""
+    R, T, KV, G, hd = q.shape
+    queries = T * G  # a kv head's query rows: position t's heads at t·G … t·G + G - 1
+    block_rows = min(ROWS, max(MIN_ROWS, pl.next_power_of_2(queries)))
+    blocks = pl.cdiv(queries, block_rows)
     block = min(BLOCK_K, kv_len)
-    splits = gpu.split(kv_len // block, R * KV)
+    splits = gpu.split(kv_len // block, R * KV * blocks)
     out, top, total = _attend(
-        rows,
-        positions.astype(jnp.int32),
-        q,
+        jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32),
+        jnp.repeat(positions.astype(jnp.int32), G, axis=1),  # each query row's position [R, T·G]
+        jnp.moveaxis(q, 2, 1).reshape(R, KV, queries, hd),
         k,
         v,
         *(() if k_scale is None else (k_scale, v_scale)),
+        layer=layer,
+        kv_len=kv_len,
+        block=block,
+        block_rows=block_rows,
+        splits=splits,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        interpret=gpu.MODE == "interpret",
+    )
+    # the shares merged: each weighted by how far its max lies below the query's (a share that saw
+    # no key holds max MIN, sum 0: weight 0; a query that saw none at all, 0)
+    weight = jnp.exp(top - top.max(2, keepdims=True))  # [R, KV, splits, queries]
+    total = (total * weight).sum(2)
+    merged = (out * weight[..., None]).sum(2) / jnp.where(total > 0, total, 1)[..., None]
+    return jnp.moveaxis(merged.reshape(R, KV, T, G, hd), 1, 2)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("layer", "kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "interpret"),
+)
+def _attend(
+    rows, positions, q, k, v, *scales, layer, kv_len, block, block_rows, splits, window, scale, softcap, interpret
+):
+    R, KV, queries, hd = q.shape
+    blocks = pl.cdiv(queries, block_rows)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+    whole = pl.BlockSpec()  # the array as it lies: the program indexes its cache row, head and keys
+    # program (b, h, i · splits + j): query block i, share j; a last block's rows past `queries` are
+    # loaded as 0 and never stored
+    per_program = lambda *shape: pl.BlockSpec(  # noqa: E731
+        (None, None, None, block_rows, *shape), lambda b, h, ij: (b, h, ij % splits, ij // splits, *[0] * len(shape))
+    )
+    kernel = partial(
+        _program,
+        queries=queries,
+        splits=splits,
         layer=layer,
         kv_len=kv_len,
         block=block,
@@ -115,83 +158,84 @@ def attend(
         window=window,
         scale=scale,
         softcap=softcap,
-        interpret=gpu.MODE == "interpret",
     )
-    # the shares merged: each weighted by how far its max lies below the row's (a share that saw no
-    # key holds max MIN, sum 0: weight 0)
-    weight = jnp.exp(top - top.max(2, keepdims=True))  # [R, KV, splits, G]
-    return (out * weight[..., None]).sum(2) / (total * weight).sum(2)[..., None]
-
-
-@partial(jax.jit, static_argnames=("layer", "kv_len", "block", "share", "window", "scale", "softcap", "interpret"))
-def _attend(rows, positions, q, k, v, *scales, layer, kv_len, block, share, window, scale, softcap, interpret):
-    R, KV, G, hd = q.shape
-    splits = kv_len // share
-    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
-    whole = pl.BlockSpec()  # the array as it lies: the program indexes its row, head and keys
-    # a kv head's G query heads in a block of HEADS rows: those past G are loaded as 0, never stored
-    per_program = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, h, j: (b, h, j, *[0] * len(shape)))  # noqa: E731
     return pl.pallas_call(
-        partial(
-            _program,
-            group=G,
-            layer=layer,
-            kv_len=kv_len,
-            block=block,
-            share=share,
-            window=window,
-            scale=scale,
-            softcap=softcap,
-        ),
+        kernel,
         out_shape=[
-            jax.ShapeDtypeStruct((R, KV, splits, G, hd), jnp.float32),
-            jax.ShapeDtypeStruct((R, KV, splits, G), jnp.float32),
-            jax.ShapeDtypeStruct((R, KV, splits, G), jnp.float32),
+            jax.ShapeDtypeStruct((R, KV, splits, queries, hd), jnp.float32),
+            jax.ShapeDtypeStruct((R, KV, splits, queries), jnp.float32),
+            jax.ShapeDtypeStruct((R, KV, splits, queries), jnp.float32),
         ],
-        grid=(R, KV, splits),
-        in_specs=[whole, whole, pl.BlockSpec((None, None, HEADS, hd), lambda b, h, j: (b, h, 0, 0))]
+        grid=(R, KV, blocks * splits),
+        in_specs=[
+            whole,
+            pl.BlockSpec((None, block_rows), lambda b, h, ij: (b, ij // splits)),
+            pl.BlockSpec((None, None, block_rows, hd), lambda b, h, ij: (b, h, ij // splits, 0)),
+        ]
         + [whole] * (2 + len(scales)),
-        out_specs=[per_program(HEADS, hd), per_program(HEADS), per_program(HEADS)],
+        out_specs=[per_program(hd), per_program(), per_program()],
         interpret=interpret,
         **params,
     )(rows, positions, q, k, v, *scales)
 
 
 def _program(
-    rows_ref, positions_ref, q_ref, k_ref, v_ref, *refs, group, layer, kv_len, block, share, window, scale, softcap
+    rows_ref,
+    positions_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    queries,
+    splits,
+    layer,
+    kv_len,
+    block,
+    share,
+    window,
+    scale,
+    softcap,
 ):
-    """One row's, one kv head's, one share's: the unnormalised weighted values [G, hd], the scores'
-    max and the weights' sum [G] over the share's visible keys (the first G of the block's rows)."""
+    """One cache row's, one kv head's, one block of query rows', one share's: the unnormalised
+    weighted values [rows, hd], the scores' max and the weights' sum [rows] over the share's keys
+    each query row sees."""
     *scale_refs, out_ref, top_ref, total_ref = refs
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row, position = rows_ref[b], positions_ref[b]
-    lowest = 0 if window is None else jnp.maximum(position - window + 1, 0)
-    first = jnp.maximum(lowest // block, j * (share // block))
-    last = jnp.minimum(jnp.minimum(position, kv_len - 1) // block + 1, (j + 1) * (share // block))
-    heads = jnp.arange(HEADS) < group
-    q = plgpu.load(q_ref, mask=heads[:, None], other=0)
+    b, h, ij = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j = ij // splits, ij % splits
+    rows = q_ref.shape[0]
+    live = i * rows + jnp.arange(rows) < queries
+    row = rows_ref[b]
+    position = plgpu.load(positions_ref, mask=live, other=0)  # [rows]
+    lowest = jnp.zeros_like(position) if window is None else jnp.maximum(position - window + 1, 0)
+    first = jnp.maximum(jnp.min(jnp.where(live, lowest, kv_len)) // block, j * (share // block))
+    reach = jnp.minimum(jnp.max(jnp.where(live, position, 0)), kv_len - 1)
+    last = jnp.minimum(reach // block + 1, (j + 1) * (share // block))
+    q = plgpu.load(q_ref, mask=live[:, None], other=0)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
-    def step(i, carry):
+    def step(n, carry):
         out, top, total = carry
-        keys = pl.ds(i * block, block)
-        scores = plgpu.dot(q, k_ref[layer, row, keys, h, :].astype(q.dtype), trans_b=True) * scale  # [HEADS, block]
+        keys = pl.ds(n * block, block)
+        k = k_ref[layer, row, keys, h, :].astype(q.dtype)
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block]
         if scale_refs:
             scores *= scale_refs[0][layer, row, keys, h][None, :]
         if softcap:
             scores = jnp.tanh(scores / softcap) * softcap
-        at = i * block + jnp.arange(block)
-        scores = jnp.where(((at >= lowest) & (at <= position))[None, :], scores, MIN)
-        new = jnp.maximum(top, scores.max(1))
-        weights = jnp.exp(scores - new[:, None])
+        at = n * block + jnp.arange(block)
+        seen = (at[None, :] >= lowest[:, None]) & (at[None, :] <= position[:, None])
+        new = jnp.maximum(top, jnp.where(seen, scores, MIN).max(1))
+        weights = jnp.where(seen, jnp.exp(scores - new[:, None]), 0.0)
         before = jnp.exp(top - new)
         total = total * before + weights.sum(1)
         if scale_refs:
             weights *= scale_refs[1][layer, row, keys, h][None, :]
         values = v_ref[layer, row, keys, h, :].astype(q.dtype)
-        return out * before[:, None] + plgpu.dot(weights.astype(q.dtype), values), new, total
+        out = out * before[:, None] + plgpu.dot(weights.astype(q.dtype), values, precision=precision)
+        return out, new, total
 
-    start = (jnp.zeros((HEADS, q.shape[1]), jnp.float32), jnp.full(HEADS, MIN), jnp.zeros(HEADS, jnp.float32))
+    start = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full(rows, MIN), jnp.zeros(rows, jnp.float32))
     out, top, total = jax.lax.fori_loop(first, last, step, start)
-    plgpu.store(out_ref, out, mask=heads[:, None])
-    plgpu.store(top_ref, top, mask=heads)
-    plgpu.store(total_ref, total, mask=heads)
+    plgpu.store(out_ref, out, mask=live[:, None])
+    plgpu.store(top_ref, top, mask=live)
+    plgpu.store(total_ref, total, mask=live)

@@ -9,9 +9,9 @@ scale (max|x| / 127), quantized once when written: 68 bytes per 64-value head in
 attention never dequantizes: K's scales multiply the scores, V's the attention weights.
 
 Who attends over it (`KVCache.kernel`, decided once, when it is made): the CPU kernel where it is
-built ("cpu": both phases, in its own layout); on a GPU, decode's steps through the Pallas kernel of
-`jaxinfer.gpu_attention` ("gpu": XLA's layout, which prefill's chunks and speculative checks read
-through XLA); elsewhere XLA's einsums (`model._attend`).
+built ("cpu", in its own layout); on a GPU the Pallas kernel of `jaxinfer.gpu_attention` ("gpu", in
+XLA's layout; a fresh prompt goes to cuDNN's flash attention first where that fits, `model.flash`);
+elsewhere XLA's einsums (`model._attend`). Both kernels serve both phases.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ class KVCache:
     v: jax.Array  # as k
     k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
     v_scale: jax.Array | None = None
-    kernel: str | None = field(default=None, metadata=dict(static=True))  # "cpu" (`attend`), "gpu" (`decode`)
+    kernel: str | None = field(default=None, metadata=dict(static=True))  # who attends: "cpu", "gpu" (`attend`)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, whole: bool = True) -> KVCache:
         """An empty cache in `dtype`, or in int8 with scales where `cfg.kv_dtype` says so. On one
         device (`whole`: not spread over a mesh, whose shards a kernel's custom call would gather
-        every layer) a float cache is attended by the CPU kernel where it is built, and decode's
-        steps by the GPU's where that runs (`gpu_attention.here`)."""
+        every layer) a float cache is attended by the CPU kernel where it is built, and any cache
+        by the GPU's where that runs (`gpu_attention.here`)."""
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         gpu = "gpu" if whole and gpu_attention.here(cfg, dtype) else None
         if cfg.kv_dtype == "int8":
@@ -103,33 +103,21 @@ class KVCache:
         scale: float,
         softcap: float | None,
     ) -> jax.Array:
-        """The kernel's attention of queries q [B, T, KV, G, hd] at positions [B, T] over `layer`'s
-        first `kv_len` positions of cache rows `rows` (default: all), float32 [B, T, KV, G, hd]:
-        it reads the cache where it lies, each key once per block of queries. Its cache is held
-        by kv head, [L, B, KV, S, hd], so the keys one item of the kernel reads are one contiguous
-        run; held by position as XLA's (a row's kv heads interleaved), decode's attention took 10%
-        longer (SmolLM-135M shape, B=16 over 128 positions: 6.7 → 7.5 ms a step) and a B=4 decode
-        step over 2048 positions 11% longer."""
+        """The kernel's attention (`kernel`: the CPU's or the GPU's) of queries q [B, T, KV, G, hd]
+        at positions [B, T] over `layer`'s first `kv_len` positions of cache rows `rows` (default:
+        all), float32 [B, T, KV, G, hd]: it reads the cache where it lies, each query's keys up to
+        its own position. The CPU kernel's cache is held by kv head, [L, B, KV, S, hd], so the keys
+        one item of the kernel reads are one contiguous run; held by position as XLA's (a row's kv
+        heads interleaved), decode's attention took 10% longer (SmolLM-135M shape, B=16 over 128
+        positions: 6.7 → 7.5 ms a step) and a B=4 decode step over 2048 positions 11% longer. The
+        GPU's (`jaxinfer.gpu_attention`) reads XLA's layout, which its prefill's einsums share."""
+        if self.kernel == "gpu":
+            scales = (self.k_scale, self.v_scale)
+            return gpu_attention.attend(
+                q, positions, self.k, self.v, *scales, layer, rows, kv_len, window, scale, softcap
+            )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
         return kernel.attention(q, positions, self.k, self.v, rows, layer, kv_len, window, scale, softcap)
-
-    def decode(
-        self,
-        layer: int,
-        q: jax.Array,
-        positions: jax.Array,
-        rows: jax.Array | None,
-        kv_len: int,
-        window: int | None,
-        scale: float,
-        softcap: float | None,
-    ) -> jax.Array:
-        """The GPU kernel's attention of one query a row, q [B, KV, G, hd] at positions [B], over
-        `layer`'s first `kv_len` positions of cache rows `rows` (default: all), each row up to its
-        own position: float32 [B, KV, G, hd] (`gpu_attention.attend`)."""
-        return gpu_attention.attend(
-            q, positions, self.k, self.v, self.k_scale, self.v_scale, layer, rows, kv_len, window, scale, softcap
-        )
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None

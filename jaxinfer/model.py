@@ -7,10 +7,10 @@ flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of th
 does its products and row lookups.
 
 Attention over a float cache runs on the CPU kernel where it is built (`KVCache.attend`: each key
-read once per block of queries, the softmax never leaving the cache); on a GPU a decode step's runs
-on the Pallas kernel of `jaxinfer.gpu_attention` (`KVCache.decode`: each row up to its own position,
-split over the keys), a fresh prompt's on cuDNN's flash attention (`flash`); elsewhere (an int8
-cache on the CPU, a mesh, a prompt's later chunks) on XLA's einsums below.
+read once per block of queries, the softmax never leaving the cache); on a GPU a fresh prompt's on
+cuDNN's flash attention where it fits (`flash`), all else over the cache on the Pallas kernel of
+`jaxinfer.gpu_attention` (each query up to its own position, split over the keys); elsewhere (an
+int8 cache on the CPU, a mesh) on XLA's einsums below.
 
 A Python loop over layers (not `lax.scan` over stacked weights): on XLA CPU a scan copies every
 layer's weights out of the stack before each matmul, which halves decode speed.
@@ -192,11 +192,10 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731
 
     q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
-    over = (i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap)
-    if cache is not None and cache.kernel == "cpu":  # the CPU kernel, both phases (see `attend`)
-        return cache.attend(*over)
-    if cache is not None and cache.kernel == "gpu" and T == 1:  # the GPU's, decode's steps (see `decode`)
-        return cache.decode(i, q[:, 0], positions[:, 0], *over[3:])
+    if cache is not None and cache.kernel:  # the CPU's or the GPU's kernel, both phases (see `attend`)
+        return cache.attend(
+            i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap
+        )
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     q = q if T > 1 else q[:, 0]

@@ -1,9 +1,11 @@
-"""Decode's attention kernel for GPUs (`jaxinfer.gpu_attention`) on the CPU, through Pallas'
-interpreter (`gpu.MODE = "interpret"`): each row up to its own position, within its sliding window,
-split over the keys, an int8 cache read as stored, soft-capping, a batch's rows picked from a larger
-cache; equal to XLA's attention (`model._attend`) on the same cache, and a model generating what it
-generates through XLA. That the kernel lowers to Triton is checked here too (JAX lowers for CUDA on
-any machine); that it compiles and runs there, on a GPU."""
+"""The GPU's attention kernel (`jaxinfer.gpu_attention`) on the CPU, through Pallas' interpreter
+(`gpu.MODE = "interpret"`; on a GPU, the kernel itself): decode's one query a row, a speculative
+check's few, a prompt chunk's many (query rows over several blocks, the last one partial), each up
+to its own position, within its sliding window, split over the keys, an int8 cache read as stored,
+soft-capping, float32, a batch's rows picked from a larger cache; equal to XLA's attention
+(`model._attend`) on the same cache, and a model generating what it generates through XLA (prompts
+in chunks too). That the kernel lowers to Triton is checked here (JAX lowers for CUDA on any
+machine); that it compiles and runs there, on a GPU."""
 
 from dataclasses import replace
 
@@ -11,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from jaxinfer import gpu, gpu_attention, kernel, model
 from jaxinfer.config import ModelConfig
@@ -19,6 +22,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.kvcache import KVCache, quantize_heads
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
+from jaxinfer.slots import Decoding
 
 
 @pytest.fixture
@@ -29,10 +33,10 @@ def interpret(monkeypatch):
     monkeypatch.setattr(kernel, "enabled", False)  # the CPU kernel would take the cache first
 
 
-def _cache(rows, length, kv_heads, hd, quantized, seed=0):
-    """k, v [1, rows, length, KV, hd] (bfloat16, or int8 with scales [1, rows, length, KV])."""
+def _cache(rows, length, kv_heads, hd, quantized, seed=0, dtype=jnp.bfloat16):
+    """k, v [1, rows, length, KV, hd] (`dtype`, or int8 with scales [1, rows, length, KV])."""
     keys = jax.random.split(jax.random.key(seed), 2)
-    k, v = (jax.random.normal(key, (1, rows, length, kv_heads, hd)).astype(jnp.bfloat16) for key in keys)
+    k, v = (jax.random.normal(key, (1, rows, length, kv_heads, hd)).astype(dtype) for key in keys)
     if not quantized:
         return k, v, None, None
     (k, k_scale), (v, v_scale) = quantize_heads(k), quantize_heads(v)
@@ -40,10 +44,10 @@ def _cache(rows, length, kv_heads, hd, quantized, seed=0):
 
 
 def _xla(q, positions, cache, rows, kv_len, window, scale, softcap):
-    """XLA's attention (the path the kernel replaces) over the same rows and positions."""
+    """XLA's attention (the path the kernel replaces) over the same rows and positions, [R, T, KV, G, hd]."""
     read = [None if a is None else a[0][rows, :kv_len] for a in cache]
-    _, total, out = model._attend(q, positions[:, None], window, scale, softcap, *read, 0)
-    return out / total[..., None]
+    _, total, out = model._attend(q, positions, window, scale, softcap, *read, 0)
+    return jnp.moveaxis(out / total[..., None], 3, 1)
 
 
 @pytest.mark.parametrize("programs", [gpu.PROGRAMS, 1])  # shares of one block each; one share of four
@@ -51,31 +55,51 @@ def _xla(q, positions, cache, rows, kv_len, window, scale, softcap):
     "group, hd, window, softcap, quantized",
     [(4, 64, None, None, False), (1, 128, None, None, True), (8, 64, 40, None, False), (16, 64, 100, 5.0, True)],
 )
-def test_the_kernel_attends_as_xla_does(interpret, monkeypatch, programs, group, hd, window, softcap, quantized):
+def test_decode_attends_as_xla_does(interpret, monkeypatch, programs, group, hd, window, softcap, quantized):
     monkeypatch.setattr(gpu, "PROGRAMS", programs)
     kv_heads, kv_len = 2, 256
     cache = _cache(4, 320, kv_heads, hd, quantized)  # more positions than the bucket, more rows than attend
     rows = jnp.asarray([3, 0, 2])
     # the first position, one inside the first block, block edges, beyond a window, the bucket's last
     for positions in ([0, 5, 63], [64, 127, 200], [255, 130, 41]):
-        positions = jnp.asarray(positions)
-        q = jax.random.normal(jax.random.key(7), (3, kv_heads, group, hd)).astype(jnp.bfloat16)
+        positions = jnp.asarray(positions)[:, None]
+        q = jax.random.normal(jax.random.key(7), (3, 1, kv_heads, group, hd)).astype(jnp.bfloat16)
         got = gpu_attention.attend(q, positions, *cache, 0, rows, kv_len, window, hd**-0.5, softcap)
         expected = _xla(q, positions, cache, rows, kv_len, window, hd**-0.5, softcap)
-        assert got.shape == expected.shape == (3, kv_heads, group, hd)
+        assert got.shape == expected.shape == (3, 1, kv_heads, group, hd)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-2, rtol=2e-2)
 
 
-def test_keys_a_row_cannot_see_are_never_read_into_it(interpret):
-    """Positions past a row's own and before its window hold huge values (what an earlier, longer
+@pytest.mark.parametrize(
+    "T, group, window, softcap, quantized, dtype",
+    [
+        (25, 4, None, None, False, jnp.bfloat16),  # 100 query rows: a block of 64 and a partial one
+        (5, 4, 40, 5.0, True, jnp.bfloat16),  # a speculative check: 20 rows in one block
+        (70, 1, 30, None, False, jnp.float32),  # float32 in full precision, a window inside the chunk
+    ],
+)
+def test_a_chunk_of_queries_attends_as_xla_does(interpret, T, group, window, softcap, quantized, dtype):
+    kv_heads, kv_len, hd = 2, 256, 64
+    cache = _cache(3, kv_len, kv_heads, hd, quantized, dtype=dtype)
+    rows = jnp.asarray([2, 0])
+    positions = jnp.asarray([[150 + t for t in range(T)], [t for t in range(T)]])  # a later chunk; a first one
+    q = jax.random.normal(jax.random.key(3), (2, T, kv_heads, group, hd)).astype(dtype)
+    got = gpu_attention.attend(q, positions, *cache, 0, rows, kv_len, window, hd**-0.5, softcap)
+    expected = _xla(q, positions, cache, rows, kv_len, window, hd**-0.5, softcap)
+    bound = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=bound, rtol=bound)
+
+
+def test_keys_a_query_cannot_see_are_never_read_into_it(interpret):
+    """Positions past a query's own and before its window hold huge values (what an earlier, longer
     sequence leaves): any that leaked in would dominate the answer."""
     hd, kv_len, window = 64, 512, 70
     k, v, _, _ = _cache(2, kv_len, 1, hd, False)
-    positions = jnp.asarray([100, 300])
+    positions = jnp.asarray([[100], [300]])
     at = jnp.arange(kv_len)[None, :, None, None]
-    hidden = (at > positions[:, None, None, None]) | (at <= positions[:, None, None, None] - window)
+    hidden = (at > positions[:, :, None, None]) | (at <= positions[:, :, None, None] - window)
     poison = lambda a: jnp.where(hidden[None], 1e4, a).astype(a.dtype)  # noqa: E731
-    q = jax.random.normal(jax.random.key(1), (2, 1, 4, hd)).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(1), (2, 1, 1, 4, hd)).astype(jnp.bfloat16)
     got = gpu_attention.attend(q, positions, poison(k), poison(v), None, None, 0, None, kv_len, window, 0.125, None)
     expected = _xla(q, positions, (k, v, None, None), jnp.arange(2), kv_len, window, 0.125, None)
     assert float(jnp.abs(got).max()) < 10
@@ -92,16 +116,14 @@ def test_one_row_splits_its_keys_until_the_programs_fill_the_gpu():
 CFG = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 64, 1e-5, 256, 1e4, sliding_windows=(None, None))
 
 
-def test_the_cache_says_when_decode_takes_the_gpu_kernel(interpret):
-    """16-bit caches (float or int8) on one device; float32 (the kernel's products are 16-bit),
-    a mesh's cache and head sizes Triton's tiles cannot hold stay on XLA."""
-    cfg = replace(CFG, head_dim=64)
-    assert KVCache.zeros(cfg, 1, 16, jnp.bfloat16).kernel == "gpu"
-    assert KVCache.zeros(replace(cfg, kv_dtype="int8"), 1, 16, jnp.bfloat16).kernel == "gpu"
-    assert KVCache.zeros(cfg, 1, 16, jnp.float32).kernel is None
-    assert KVCache.zeros(cfg, 1, 16, jnp.bfloat16, whole=False).kernel is None
-    assert KVCache.zeros(replace(cfg, head_dim=96), 1, 16, jnp.bfloat16).kernel is None
-    assert KVCache.zeros(replace(cfg, num_heads=64), 1, 16, jnp.bfloat16).kernel is None  # 32 query heads a kv head
+def test_the_cache_says_when_the_gpu_kernel_attends(interpret):
+    """Float caches of any width and int8 ones, on one device; a mesh's cache and head sizes
+    Triton's tiles cannot hold stay on XLA."""
+    assert KVCache.zeros(CFG, 1, 16, jnp.bfloat16).kernel == "gpu"
+    assert KVCache.zeros(CFG, 1, 16, jnp.float32).kernel == "gpu"
+    assert KVCache.zeros(replace(CFG, kv_dtype="int8"), 1, 16, jnp.bfloat16).kernel == "gpu"
+    assert KVCache.zeros(CFG, 1, 16, jnp.bfloat16, whole=False).kernel is None
+    assert KVCache.zeros(replace(CFG, head_dim=96), 1, 16, jnp.bfloat16).kernel is None
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="off a GPU")
@@ -110,15 +132,20 @@ def test_off_a_gpu_the_kernel_is_not_asked():
     assert not gpu_attention.here(replace(CFG, head_dim=64), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("arch, kv_dtype", [("gemma2", None), ("llama", "int8")])
-def test_a_model_decodes_through_the_kernel_what_it_does_through_xla(tiny, monkeypatch, arch, kv_dtype):
-    """Gemma 2's soft-capping and sliding window (24, passed), Llama over an int8 cache; bfloat16."""
+@pytest.mark.parametrize(
+    "arch, dtype, kv_dtype, chunk", [("gemma2", "bfloat16", None, None), ("llama", "float32", "int8", 16)]
+)
+def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, monkeypatch, arch, dtype, kv_dtype, chunk):
+    """Gemma 2's soft-capping and sliding window (24, passed) in bfloat16; Llama over an int8 cache
+    with its prompt (40 tokens) in chunks of 16 over the cache, in float32: the prompt and every step
+    through the kernel. (That case in bfloat16 parts at token 11: the running softmax rounds its
+    weights to bfloat16 apart from XLA's, and a near tie flips.)"""
     path = tiny(arch, head_dim=64)
-    ids = [0, 11, 42, 7, 19, 3]
+    ids = [0] + [(7 * n + 3) % 300 + 2 for n in range(39)]
 
     def greedy() -> tuple[list[int], str | None]:
-        loaded = load_model(path, dtype="bfloat16", kv_dtype=kv_dtype)
-        engine = Engine(loaded.config, loaded.params, 64, ())
+        loaded = load_model(path, dtype=dtype, kv_dtype=kv_dtype)
+        engine = Engine(loaded.config, loaded.params, 128, (), Decoding(prefill_chunk=chunk))
         gen = Generation(loaded, engine, ids, Sampling(), 30)
         list(gen)
         return gen.token_ids, engine.scheduler.slots.state.cache.kernel
@@ -133,13 +160,15 @@ def test_a_model_decodes_through_the_kernel_what_it_does_through_xla(tiny, monke
     assert got == expected
 
 
-@pytest.mark.parametrize("quantized, softcap", [(False, None), (True, 30.0)])
-def test_the_kernel_lowers_to_triton(quantized, softcap):
+@pytest.mark.parametrize("quantized, softcap, T", [(False, None, 1), (True, 30.0, 1), (False, None, 100)])
+def test_the_kernel_lowers_to_triton(quantized, softcap, T):
     """What JAX hands XLA's GPU backend: a Triton call. Its compilation to the GPU's code is
     checked where there is one (`gpu_attention._works`, on first use)."""
     k = jnp.zeros((2, 3, 512, 2, 128), jnp.int8 if quantized else jnp.bfloat16)
     scales = (jnp.zeros(k.shape[:-1]),) * 2 if quantized else ()
-    args = (jnp.arange(2), jnp.zeros(2, jnp.int32), jnp.zeros((2, 2, 16, 128), jnp.bfloat16), k, k, *scales)
-    static = dict(layer=1, kv_len=512, block=64, share=128, window=100, scale=0.1, softcap=softcap, interpret=False)
-    lowered = jax.jit(lambda *a: gpu_attention._attend(*a, **static)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "xla.gpu.triton" in lowered.as_text()
+    rows = min(gpu_attention.ROWS, max(16, pl.next_power_of_2(4 * T)))
+    splits = 4 if T == 1 else 1
+    args = (jnp.arange(2), jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16), k, k, *scales)
+    static = dict(layer=1, kv_len=512, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
+    call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, interpret=False)  # noqa: E731
+    assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
