@@ -199,6 +199,7 @@ def run(
     peak_bandwidth: Optional[float] = options.PEAK_BANDWIDTH,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout."""
+    from jaxinfer.buckets import check_text_fits
     from jaxinfer.ceilings import check_peaks
     from jaxinfer.chat_template import ChatTemplate
     from jaxinfer.engine import Engine, compile_ahead
@@ -207,7 +208,6 @@ def run(
     from jaxinfer.processes import share
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
-    from jaxinfer.slots import check_text_fits
     from jaxinfer.text import check_echo
 
     def read() -> str:

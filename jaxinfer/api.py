@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from jaxinfer import defaults
+from jaxinfer.buckets import check_fits, check_text_fits
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
 from jaxinfer.constrain import Constraint, check_one_process, from_request
@@ -29,7 +30,7 @@ from jaxinfer.matchers import check_for
 from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
-from jaxinfer.slots import check_fits, check_text_fits, penalized
+from jaxinfer.slots import penalized
 from jaxinfer.tools import check_tools, forced_grammar, format_of, split, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jaxinfer.buckets import check_fits
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out, layout_for_batch
@@ -25,7 +26,7 @@ from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, pre
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of
-from jaxinfer.slots import Admission, Decoding, Slots, check_fits
+from jaxinfer.slots import Admission, Decoding, Slots
 from jaxinfer.timings import Speculated, percentile
 
 STEPS_PER_CALL = 16

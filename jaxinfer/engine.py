@@ -17,13 +17,14 @@ from typing import Iterator
 
 import numpy as np
 
+from jaxinfer.buckets import check_fits
 from jaxinfer.config import ModelConfig
 from jaxinfer.constrain import Constraint
 from jaxinfer.processes import shared_seed
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling, check_logit_bias
 from jaxinfer.scheduler import Inbox, Request, Scheduler
-from jaxinfer.slots import Admission, Decoding, Slots, check_fits
+from jaxinfer.slots import Admission, Decoding, Slots
 from jaxinfer.timings import Timings
 
 STREAM_INTERVAL_S = 0.05

@@ -29,13 +29,14 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from jaxinfer.buckets import MIN_REUSE, reusable
 from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import agree, stop_point
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
-from jaxinfer.slots import MIN_REUSE, Admission, Decoding, Slots, penalized, reusable
+from jaxinfer.slots import Admission, Decoding, Slots, penalized
 from jaxinfer.text import TextStream, logprob_entries, prompt_logprob_entries
 from jaxinfer.timings import Speculated, Timings, percentile
 

@@ -2,13 +2,6 @@
 programs that advance them. `Engine` (run, chat: one row) and `Scheduler` (batch: B rows) and
 `jaxinfer bench` all drive generation through `admit` / `step` / `fetch` / `retire`.
 
-Both phases attend over a power-of-two prefix of the cache (a *kv bucket*) that covers the longest
-live row, never over the whole `max_context`: decode is bandwidth-bound and, on small models, the
-cache read costs more than the weights (SmolLM-135M shape: decode at `-c 8192` ran at 0.18× the
-speed of `-c 256` before this). Shapes stay static: one decode program per kv bucket, compiled when
-a row first crosses into it, and a decode call never runs a row past its bucket (the host caps its
-traced step count), so the next call picks the next bucket.
-
 Prompts longer than `prefill_chunk` tokens are prefilled a chunk per call (Sarathi's chunked
 prefill): attention scores stay [chunk, kv bucket] instead of [T, T] per head, and while other rows
 are decoding each `step` runs one chunk with one decode step of theirs, so a long admission delays
@@ -29,7 +22,6 @@ running rows): the same keys, the same tokens.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -38,69 +30,32 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer.ceilings import device_memory_bytes
+from jaxinfer.buckets import (
+    MIN_BUCKET,
+    PREFILL_CHUNK,
+    PREFILL_CHUNK_ACCELERATOR,
+    PREFILL_CHUNK_KERNEL,
+    check_memory,
+    chunk_size,
+    kv_bucket,
+    prompt_bucket,
+)
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.constrain import Constraint, check_one_process
 from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.matchers import HostCall, Matchers
 from jaxinfer.processes import agree
-from jaxinfer.roofline import Storage, kv_bytes_per_token
+from jaxinfer.roofline import Storage
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
 from jaxinfer.sampling import Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
 from jaxinfer.state import DecodeState, Logprobs, Speculation, admission, copy_rows, initial_state, retire
 
-MIN_BUCKET = 16  # shortest padded prompt
-MIN_KV_BUCKET = 128  # shortest kv prefix: below it the cache read is lost in the weights' (and programs cost compiles)
-PREFILL_CHUNK = 128  # prompt tokens per prefill call where XLA attends (measured: docs/design.md, "Chunked prefill")
-PREFILL_CHUNK_KERNEL = 512  # where the CPU attention kernel does: 15–19% faster alone than 128, 1024 no faster
-# On an accelerator a prompt up to this long goes in one pass, whose attention is fused (`model.flash`):
-# the 8B shape on an H100 prefilled 2048 tokens at 4,363 tok/s in chunks of 128, 11,335 in one pass
-# (before the fused attention); 4096 bounds the [T, T] scores of the layers XLA attends (soft-capping).
-PREFILL_CHUNK_ACCELERATOR = 4096
 # Beside decoding rows, a round's chunks may add this many of their decode steps' time: a gap of
 # about 3 steps (bench_admission.py, one sitting: ×3.1 of the median at 2, ×4.3 at 3, whose
 # overshoot as the chunks' attention grows crossed 4; the long prompt's TTFT 8.9 s and 11.0 s).
 STALL = 2.0
-
-
-def _pow2_bucket(n: int, smallest: int, largest: int) -> int:
-    return min(max(smallest, 1 << math.ceil(math.log2(max(n, 1)))), largest)
-
-
-def prompt_bucket(n: int, max_context: int) -> int:
-    """Padded prompt length: the next power of two (≥ 16), capped by the cache, so prompts of
-    many lengths share one compiled prefill."""
-    return _pow2_bucket(n, MIN_BUCKET, max_context)
-
-
-def kv_bucket(n: int, max_context: int) -> int:
-    """Cache positions attended by a program whose queries sit below position n."""
-    return _pow2_bucket(n, MIN_KV_BUCKET, max_context)
-
-
-def chunk_size(n: int) -> int:
-    """The prefill chunk for `--prefill-chunk n`: a power of two (rounded down; every chunk but a
-    prompt's last fills its bucket exactly), at least MIN_BUCKET; 0 means no chunking."""
-    return 0 if n <= 0 else 1 << (max(n, MIN_BUCKET).bit_length() - 1)
-
-
-def _check_memory(
-    cfg: ModelConfig, storage: Storage, batch: int, max_context: int, draft: tuple[ModelConfig, Storage] | None, mesh
-) -> None:
-    """Refuse a cache the device cannot hold before allocating it (XLA would try, and fail or swap).
-    Over a mesh, each device's share against its memory; the CPU's devices share one memory."""
-    devices = mesh.size if mesh else 1
-    holders = len(mesh.local_devices) if mesh and check_backend() == "cpu" else 1
-    kv = kv_bytes_per_token(cfg, storage, devices) + (kv_bytes_per_token(*draft, devices) if draft else 0)
-    per_position = batch * (kv + 4) * holders  # K and V, the tokens
-    free = device_memory_bytes(free=True)
-    if per_position * max_context > free:
-        raise JaxinferError(
-            f"a {max_context}-position cache for {batch} rows needs {per_position * max_context / 2**30:.1f} GiB, and "
-            f"{free / 2**30:.1f} GiB is free: the longest context that fits is {free // per_position} positions"
-        )
 
 
 @dataclass(frozen=True)
@@ -125,47 +80,6 @@ class Decoding:
     @property
     def speculating(self) -> bool:
         return self.speculation.draft > 0
-
-
-MIN_REUSE = MIN_BUCKET  # a shorter held prefix saves less than a second prefill program costs
-
-
-def reusable(prompt: list[int], held: np.ndarray) -> int:
-    """How many leading prompt tokens a row whose cache holds the K/V of the tokens `held` (from
-    position 0) can take instead of prefilling them: their common prefix (all but the prompt's last
-    token at most, whose logits prefill must compute), or 0 if that is under MIN_REUSE."""
-    n = min(len(prompt) - 1, len(held))
-    differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != held[:n])
-    common = int(differ[0]) if len(differ) else max(n, 0)
-    return common if common >= MIN_REUSE else 0
-
-
-def check_text_fits(text: str, tokenizer, max_context: int) -> None:
-    """Before tokenizing: a text longer than any `max_context` tokens of this tokenizer can spell
-    (each covers at most its longest piece's characters) cannot fit, and is refused without being
-    tokenized (a 50 MB batch line took 2.6 GB to tokenize before the context check refused it)."""
-    bound = max_context * tokenizer.max_piece_chars
-    if len(text) > bound:
-        raise JaxinferError(
-            f"the prompt is {len(text):,} characters: more than {max_context} tokens (the context) can hold "
-            f"with this tokenizer (at most {bound:,}); shorten the prompt or raise max_context",
-            "max_context",
-        )
-
-
-def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    """Refuse a sequence the cache cannot hold: every caller's one check, before it admits a row."""
-    if prompt_tokens < 1:
-        raise JaxinferError("the prompt is empty: give some text to continue")
-    if max_tokens < 1:
-        raise JaxinferError("max_tokens must be at least 1", "max_tokens")
-    if prompt_tokens + max_tokens > max_context:
-        raise JaxinferError(
-            f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context of {max_context}; "
-            "shorten the prompt, lower max_tokens or raise max_context",
-            "max_tokens",
-            "max_context",
-        )
 
 
 @dataclass
@@ -235,7 +149,7 @@ class Slots:
         self.dry = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
-        _check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
+        check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self.recording = False  # each token's log-probabilities (`record_logprobs`)
         self.penalizing = False  # rows may have a logit bias or presence/frequency penalties (`penalize`)
         self.matchers: Matchers | None = None  # where rows may be constrained (`constrain`)

@@ -15,6 +15,14 @@ from reference import alone, assert_close, greedy_reference, hf_logits, our_prom
 
 from jaxinfer import kernel
 from jaxinfer import model as M
+from jaxinfer.buckets import (
+    PREFILL_CHUNK,
+    PREFILL_CHUNK_ACCELERATOR,
+    PREFILL_CHUNK_KERNEL,
+    chunk_size,
+    kv_bucket,
+    prompt_bucket,
+)
 from jaxinfer.cli import options
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
@@ -23,18 +31,7 @@ from jaxinfer.model import KEY_BLOCK
 from jaxinfer.runtime import CompileReport, watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
-from jaxinfer.slots import (
-    PREFILL_CHUNK,
-    PREFILL_CHUNK_ACCELERATOR,
-    PREFILL_CHUNK_KERNEL,
-    STALL,
-    Admission,
-    Decoding,
-    Slots,
-    chunk_size,
-    kv_bucket,
-    prompt_bucket,
-)
+from jaxinfer.slots import STALL, Admission, Decoding, Slots
 
 S = 512
 TEXT = (

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxinfer.buckets import prompt_bucket
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import SamplerArrays, Sampling, sample
-from jaxinfer.slots import prompt_bucket
 from jaxinfer.text import StopStrings
 
 

@@ -8,13 +8,13 @@ import jax
 import pytest
 from reference import alone, greedy_reference, reference
 
+from jaxinfer.buckets import MIN_KV_BUCKET, kv_bucket
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
 from jaxinfer.runtime import watch_compiles
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
-from jaxinfer.slots import MIN_KV_BUCKET, kv_bucket
 
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 
