@@ -133,13 +133,14 @@ def test_off_a_gpu_the_kernel_is_not_asked():
 
 
 @pytest.mark.parametrize(
-    "arch, dtype, kv_dtype, chunk", [("gemma2", "bfloat16", None, None), ("llama", "float32", "int8", 16)]
+    "arch, dtype, kv_dtype, chunk", [("gemma2", "float32", None, None), ("llama", "float32", "int8", 16)]
 )
 def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, monkeypatch, arch, dtype, kv_dtype, chunk):
-    """Gemma 2's soft-capping and sliding window (24, passed) in bfloat16; Llama over an int8 cache
-    with its prompt (40 tokens) in chunks of 16 over the cache, in float32: the prompt and every step
-    through the kernel. (That case in bfloat16 parts at token 11: the running softmax rounds its
-    weights to bfloat16 apart from XLA's, and a near tie flips.)"""
+    """Gemma 2's soft-capping and sliding window (24, passed); Llama over an int8 cache with its
+    prompt (40 tokens) in chunks of 16 over the cache: the prompt and every step through the kernel.
+    In float32 (full-precision products on both paths): in bfloat16 the running softmax rounds its
+    weights apart from XLA's, and a near tie flips (Llama's int8 case at token 11); the kernel's
+    bfloat16 arithmetic is held to XLA's by the tests above."""
     path = tiny(arch, head_dim=64)
     ids = [0] + [(7 * n + 3) % 300 + 2 for n in range(39)]
 
