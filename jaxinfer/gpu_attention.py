@@ -105,7 +105,7 @@ def attend(
     block_rows = min(ROWS, max(MIN_ROWS, pl.next_power_of_2(queries)))
     blocks = pl.cdiv(queries, block_rows)
     block = min(BLOCK_K, kv_len)
-    splits = gpu.split(kv_len // block, R * KV * blocks)
+    splits = gpu.split(pl.cdiv(kv_len, block), R * KV * blocks)  # a bucket capped by the context may end mid-block
     out, top, total = _attend(
         jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32),
         jnp.repeat(positions.astype(jnp.int32), G, axis=1),  # each query row's position [R, T·G]
@@ -154,7 +154,7 @@ def _attend(
         layer=layer,
         kv_len=kv_len,
         block=block,
-        share=kv_len // splits,
+        share=pl.cdiv(kv_len, block) // splits,  # blocks of keys a share
         window=window,
         scale=scale,
         softcap=softcap,
@@ -191,7 +191,7 @@ def _program(
     layer,
     kv_len,
     block,
-    share,
+    share,  # blocks of keys
     window,
     scale,
     softcap,
@@ -207,30 +207,37 @@ def _program(
     row = rows_ref[b]
     position = plgpu.load(positions_ref, mask=live, other=0)  # [rows]
     lowest = jnp.zeros_like(position) if window is None else jnp.maximum(position - window + 1, 0)
-    first = jnp.maximum(jnp.min(jnp.where(live, lowest, kv_len)) // block, j * (share // block))
-    reach = jnp.minimum(jnp.max(jnp.where(live, position, 0)), kv_len - 1)
-    last = jnp.minimum(reach // block + 1, (j + 1) * (share // block))
+    first = jnp.maximum(jnp.min(jnp.where(live, lowest, kv_len)) // block, j * share)
+    position = jnp.minimum(position, kv_len - 1)  # a finished row's (past the bucket) sees what it holds
+    last = jnp.minimum(jnp.max(jnp.where(live, position, 0)) // block + 1, (j + 1) * share)
     q = plgpu.load(q_ref, mask=live[:, None], other=0)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
+    def read(ref, at, keys):  # [block, ...] of the cache; keys past a bucket that ends mid-block: 0
+        if kv_len % block == 0:
+            return ref[(layer, row, keys, h) + (slice(None),) * (len(ref.shape) - 4)]
+        inside = (at < kv_len)[(slice(None),) + (None,) * (len(ref.shape) - 4)]
+        return plgpu.load(
+            ref.at[jnp.int32(layer), row, keys, h], mask=inside, other=0
+        )  # (a masked load's indices are arrays)
+
     def step(n, carry):
         out, top, total = carry
-        keys = pl.ds(n * block, block)
-        k = k_ref[layer, row, keys, h, :].astype(q.dtype)
+        keys, at = pl.ds(n * block, block), n * block + jnp.arange(block)
+        k = read(k_ref, at, keys).astype(q.dtype)
         scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block]
         if scale_refs:
-            scores *= scale_refs[0][layer, row, keys, h][None, :]
+            scores *= read(scale_refs[0], at, keys)[None, :]
         if softcap:
             scores = jnp.tanh(scores / softcap) * softcap
-        at = n * block + jnp.arange(block)
         seen = (at[None, :] >= lowest[:, None]) & (at[None, :] <= position[:, None])
         new = jnp.maximum(top, jnp.where(seen, scores, MIN).max(1))
         weights = jnp.where(seen, jnp.exp(scores - new[:, None]), 0.0)
         before = jnp.exp(top - new)
         total = total * before + weights.sum(1)
         if scale_refs:
-            weights *= scale_refs[1][layer, row, keys, h][None, :]
-        values = v_ref[layer, row, keys, h, :].astype(q.dtype)
+            weights *= read(scale_refs[1], at, keys)[None, :]
+        values = read(v_ref, at, keys).astype(q.dtype)
         out = out * before[:, None] + plgpu.dot(weights.astype(q.dtype), values, precision=precision)
         return out, new, total
 

@@ -90,6 +90,19 @@ def test_a_chunk_of_queries_attends_as_xla_does(interpret, T, group, window, sof
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=bound, rtol=bound)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_bucket_that_ends_mid_block(interpret, quantized):
+    """A context of 200 positions: its last kv bucket is the whole cache, 3 blocks of 64 and 8 keys."""
+    kv_heads, kv_len, hd = 2, 200, 64
+    cache = _cache(2, kv_len, kv_heads, hd, quantized)
+    for positions in ([[199], [192]], [[150 + t for t in range(20)], [180 + t for t in range(20)]]):
+        positions = jnp.asarray(positions)
+        q = jax.random.normal(jax.random.key(5), (2, positions.shape[1], kv_heads, 4, hd)).astype(jnp.bfloat16)
+        got = gpu_attention.attend(q, positions, *cache, 0, None, kv_len, None, hd**-0.5, None)
+        expected = _xla(q, positions, cache, jnp.arange(2), kv_len, None, hd**-0.5, None)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-2, rtol=2e-2)
+
+
 def test_keys_a_query_cannot_see_are_never_read_into_it(interpret):
     """Positions past a query's own and before its window hold huge values (what an earlier, longer
     sequence leaves): any that leaked in would dominate the answer."""
@@ -161,15 +174,18 @@ def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, mon
     assert got == expected
 
 
-@pytest.mark.parametrize("quantized, softcap, T", [(False, None, 1), (True, 30.0, 1), (False, None, 100)])
-def test_the_kernel_lowers_to_triton(quantized, softcap, T):
-    """What JAX hands XLA's GPU backend: a Triton call. Its compilation to the GPU's code is
-    checked where there is one (`gpu_attention._works`, on first use)."""
-    k = jnp.zeros((2, 3, 512, 2, 128), jnp.int8 if quantized else jnp.bfloat16)
+@pytest.mark.parametrize(
+    "quantized, softcap, T, kv_len",
+    [(False, None, 1, 512), (True, 30.0, 1, 512), (False, None, 100, 512), (True, None, 4, 200)],
+)
+def test_the_kernel_lowers_to_triton(quantized, softcap, T, kv_len):
+    """What JAX hands XLA's GPU backend: a Triton call (a bucket ending mid-block: masked loads).
+    Its compilation to the GPU's code is checked where there is one (`gpu_attention._works`)."""
+    k = jnp.zeros((2, 3, kv_len, 2, 128), jnp.int8 if quantized else jnp.bfloat16)
     scales = (jnp.zeros(k.shape[:-1]),) * 2 if quantized else ()
     rows = min(gpu_attention.ROWS, max(16, pl.next_power_of_2(4 * T)))
     splits = 4 if T == 1 else 1
     args = (jnp.arange(2), jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16), k, k, *scales)
-    static = dict(layer=1, kv_len=512, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
+    static = dict(layer=1, kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
     call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, interpret=False)  # noqa: E731
     assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
