@@ -108,12 +108,12 @@ def attend(
     splits = gpu.split(pl.cdiv(kv_len, block), R * KV * blocks)  # a bucket capped by the context may end mid-block
     out, top, total = _attend(
         jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32),
+        jnp.full(1, layer, jnp.int32),  # an operand, not a constant: every layer runs one compiled kernel
         jnp.repeat(positions.astype(jnp.int32), G, axis=1),  # each query row's position [R, T·G]
         jnp.moveaxis(q, 2, 1).reshape(R, KV, queries, hd),
         k,
         v,
         *(() if k_scale is None else (k_scale, v_scale)),
-        layer=layer,
         kv_len=kv_len,
         block=block,
         block_rows=block_rows,
@@ -133,10 +133,10 @@ def attend(
 
 @partial(
     jax.jit,
-    static_argnames=("layer", "kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "interpret"),
+    static_argnames=("kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "interpret"),
 )
 def _attend(
-    rows, positions, q, k, v, *scales, layer, kv_len, block, block_rows, splits, window, scale, softcap, interpret
+    rows, layer, positions, q, k, v, *scales, kv_len, block, block_rows, splits, window, scale, softcap, interpret
 ):
     R, KV, queries, hd = q.shape
     blocks = pl.cdiv(queries, block_rows)
@@ -151,7 +151,6 @@ def _attend(
         _program,
         queries=queries,
         splits=splits,
-        layer=layer,
         kv_len=kv_len,
         block=block,
         share=pl.cdiv(kv_len, block) // splits,  # blocks of keys a share
@@ -169,6 +168,7 @@ def _attend(
         grid=(R, KV, blocks * splits),
         in_specs=[
             whole,
+            whole,
             pl.BlockSpec((None, block_rows), lambda b, h, ij: (b, ij // splits)),
             pl.BlockSpec((None, None, block_rows, hd), lambda b, h, ij: (b, h, ij // splits, 0)),
         ]
@@ -176,11 +176,12 @@ def _attend(
         out_specs=[per_program(hd), per_program(), per_program()],
         interpret=interpret,
         **params,
-    )(rows, positions, q, k, v, *scales)
+    )(rows, layer, positions, q, k, v, *scales)
 
 
 def _program(
     rows_ref,
+    layer_ref,
     positions_ref,
     q_ref,
     k_ref,
@@ -188,7 +189,6 @@ def _program(
     *refs,
     queries,
     splits,
-    layer,
     kv_len,
     block,
     share,  # blocks of keys
@@ -204,7 +204,7 @@ def _program(
     i, j = ij // splits, ij % splits
     rows = q_ref.shape[0]
     live = i * rows + jnp.arange(rows) < queries
-    row = rows_ref[b]
+    row, layer = rows_ref[b], layer_ref[0]
     position = plgpu.load(positions_ref, mask=live, other=0)  # [rows]
     lowest = jnp.zeros_like(position) if window is None else jnp.maximum(position - window + 1, 0)
     first = jnp.maximum(jnp.min(jnp.where(live, lowest, kv_len)) // block, j * share)
@@ -217,9 +217,7 @@ def _program(
         if kv_len % block == 0:
             return ref[(layer, row, keys, h) + (slice(None),) * (len(ref.shape) - 4)]
         inside = (at < kv_len)[(slice(None),) + (None,) * (len(ref.shape) - 4)]
-        return plgpu.load(
-            ref.at[jnp.int32(layer), row, keys, h], mask=inside, other=0
-        )  # (a masked load's indices are arrays)
+        return plgpu.load(ref.at[layer, row, keys, h], mask=inside, other=0)  # (a masked load's indices are arrays)
 
     def step(n, carry):
         out, top, total = carry

@@ -7,6 +7,7 @@ soft-capping, float32, a batch's rows picked from a larger cache; equal to XLA's
 in chunks too). That the kernel lowers to Triton is checked here (JAX lowers for CUDA on any
 machine); that it compiles and runs there, on a GPU."""
 
+import re
 from dataclasses import replace
 
 import jax
@@ -185,7 +186,21 @@ def test_the_kernel_lowers_to_triton(quantized, softcap, T, kv_len):
     scales = (jnp.zeros(k.shape[:-1]),) * 2 if quantized else ()
     rows = min(gpu_attention.ROWS, max(16, pl.next_power_of_2(4 * T)))
     splits = 4 if T == 1 else 1
-    args = (jnp.arange(2), jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16), k, k, *scales)
-    static = dict(layer=1, kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
+    queries = (jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16))
+    args = (jnp.arange(2), jnp.ones(1, jnp.int32), *queries, k, k, *scales)
+    static = dict(kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
     call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, interpret=False)  # noqa: E731
     assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_every_layer_runs_one_compiled_kernel():
+    """The layer is an operand of the kernel, not a constant in it: a model's layers lower to one
+    Triton kernel, which XLA compiles once (a constant would compile one per layer: 32 on the 8B shape)."""
+    k = jnp.zeros((2, 1, 256, 2, 64), jnp.bfloat16)
+    q, positions = jnp.zeros((1, 1, 2, 4, 64), jnp.bfloat16), jnp.zeros((1, 1), jnp.int32)
+
+    def both(q, k):
+        return [gpu_attention.attend(q, positions, k, k, None, None, i, None, 256, None, 0.125, None) for i in (0, 1)]
+
+    text = jax.jit(both).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(set(re.findall(r'ir = "([^"]*)"', text))) == 1
