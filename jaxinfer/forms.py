@@ -189,7 +189,7 @@ LAYOUTS = ("out_in", "in_out", "packed", "fused")
 # v projections are 2 MB each, under a microsecond at the bandwidth), so one product each saves three
 # kernels a layer and reads the same bytes.
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-FUSE: bool | None = None  # the default layout fuses: None on GPUs (tests set it to check the layout on a CPU)
+FUSE: bool | None = None  # whether the default layout is "fused"; None: on GPUs (tests set it on a CPU)
 
 
 def layout_for_batch(batch: int, sharded: bool = False) -> str:

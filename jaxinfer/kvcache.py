@@ -110,7 +110,7 @@ class KVCache:
         one item of the kernel reads are one contiguous run; held by position as XLA's (a row's kv
         heads interleaved), decode's attention took 10% longer (SmolLM-135M shape, B=16 over 128
         positions: 6.7 → 7.5 ms a step) and a B=4 decode step over 2048 positions 11% longer. The
-        GPU's (`jaxinfer.gpu_attention`) reads XLA's layout, which its prefill's einsums share."""
+        GPU's (`jaxinfer.gpu_attention`) reads it in XLA's layout, [L, B, S, KV, hd]."""
         if self.kernel == "gpu":
             scales = (self.k_scale, self.v_scale)
             return gpu_attention.attend(
