@@ -24,7 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import forms
+from jaxinfer import forms, gpu_attention
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
 
@@ -187,6 +187,11 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
         if cfg.kv_dtype == "int8":  # as a cache would store them: perplexity judges the cache's int8
             (keys, k_scale), (values, v_scale) = quantize_heads(k), quantize_heads(v)
             kv = (keys, values, k_scale, v_scale)
+        if T > 1 and gpu_attention.here(cfg, q.dtype):  # on a GPU its kernel, over them as a one-layer cache
+            args = (*[None if a is None else a[None] for a in kv], 0, None, T, cfg.sliding_windows[i])
+            return gpu_attention.attend(
+                q.reshape(B, T, KV, H // KV, hd), positions, *args, cfg.attn_scale or hd**-0.5, cfg.attn_softcap
+            )
         read = lambda start, size: [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, 1) for a in kv]  # noqa: E731
     else:
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731

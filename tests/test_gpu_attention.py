@@ -77,6 +77,7 @@ def test_decode_attends_as_xla_does(interpret, monkeypatch, programs, group, hd,
         (25, 4, None, None, False, jnp.bfloat16),  # 100 query rows: a block of 64 and a partial one
         (5, 4, 40, 5.0, True, jnp.bfloat16),  # a speculative check: 20 rows in one block
         (70, 1, 30, None, False, jnp.float32),  # float32 in full precision, a window inside the chunk
+        (40, 2, None, None, True, jnp.float32),  # int8 codes read as stored: exact to float32 rounding
     ],
 )
 def test_a_chunk_of_queries_attends_as_xla_does(interpret, T, group, window, softcap, quantized, dtype):
@@ -173,6 +174,30 @@ def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, mon
     got, who = greedy()
     assert who == "gpu"
     assert got == expected
+
+
+@pytest.mark.parametrize("arch, kv_dtype", [("gemma2", None), ("llama", "int8")])
+def test_a_whole_sequence_without_a_cache_attends_through_the_kernel(tiny, monkeypatch, arch, kv_dtype):
+    """Perplexity's forward pass (no cache: each sequence over its own 40 keys, no multiple of a
+    block; Gemma 2's window and soft-capping; the int8 a cache would hold) gives XLA's logits."""
+    loaded = load_model(tiny(arch, head_dim=64), dtype="float32", kv_dtype=kv_dtype)
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 2, 300)
+    positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
+
+    def logits() -> np.ndarray:
+        forward = jax.jit(lambda params, tokens: model.forward(params, loaded.config, tokens, positions, None, 40))
+        hidden, _ = forward(loaded.params, tokens)  # a new function each time: traced anew
+        return np.asarray(model.logits(loaded.params, hidden, loaded.config))
+
+    monkeypatch.setattr(kernel, "enabled", False)
+    monkeypatch.setattr(gpu, "MODE", "off")
+    expected = logits()
+    monkeypatch.setattr(gpu, "MODE", "interpret" if jax.default_backend() != "gpu" else None)
+    # int8: the two programs quantize the keys in fusions of their own, and a code at a rounding tie
+    # may land one step apart (1/127 of its head's largest); on the same codes the kernel is XLA's
+    # within 1e-5 (the tests above)
+    bound = 1e-2 if kv_dtype else 1e-4
+    np.testing.assert_allclose(logits(), expected, rtol=bound, atol=bound * np.abs(expected).max())
 
 
 @pytest.mark.parametrize(
