@@ -104,8 +104,10 @@ def attend(
     queries = T * G  # a kv head's query rows: position t's heads at t·G … t·G + G - 1
     block_rows = min(ROWS, max(MIN_ROWS, pl.next_power_of_2(queries)))
     blocks = pl.cdiv(queries, block_rows)
-    block = min(BLOCK_K, kv_len)
-    splits = gpu.split(pl.cdiv(kv_len, block), R * KV * blocks)  # a bucket capped by the context may end mid-block
+    # whole blocks even where fewer keys are held (Triton's dot takes 16 at least): a bucket capped by the
+    # context, or a short sequence without a cache, ends mid-block, its last block read masked
+    block = BLOCK_K
+    splits = gpu.split(pl.cdiv(kv_len, block), R * KV * blocks)
     out, top, total = _attend(
         jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32),
         jnp.full(1, layer, jnp.int32),  # an operand, not a constant: every layer runs one compiled kernel

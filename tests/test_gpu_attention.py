@@ -92,12 +92,17 @@ def test_a_chunk_of_queries_attends_as_xla_does(interpret, T, group, window, sof
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=bound, rtol=bound)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_a_bucket_that_ends_mid_block(interpret, quantized):
-    """A context of 200 positions: its last kv bucket is the whole cache, 3 blocks of 64 and 8 keys."""
-    kv_heads, kv_len, hd = 2, 200, 64
+@pytest.mark.parametrize("quantized, kv_len", [(False, 200), (True, 200), (False, 40)])
+def test_a_bucket_that_ends_mid_block(interpret, quantized, kv_len):
+    """A context of 200 positions: its last kv bucket is the whole cache, 3 blocks of 64 and 8 keys;
+    one of 40, less than a block."""
+    kv_heads, hd = 2, 64
     cache = _cache(2, kv_len, kv_heads, hd, quantized)
-    for positions in ([[199], [192]], [[150 + t for t in range(20)], [180 + t for t in range(20)]]):
+    last = kv_len - 20
+    for positions in (
+        [[kv_len - 1], [kv_len - 8]],
+        [[last + t for t in range(20)], [last - 10 + t for t in range(20)]],
+    ):
         positions = jnp.asarray(positions)
         q = jax.random.normal(jax.random.key(5), (2, positions.shape[1], kv_heads, 4, hd)).astype(jnp.bfloat16)
         got = gpu_attention.attend(q, positions, *cache, 0, None, kv_len, None, hd**-0.5, None)
