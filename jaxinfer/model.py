@@ -169,18 +169,19 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     B, T, H, hd = q.shape
     KV = k.shape[2]
     positions, rows, kv_len = block.positions, block.rows, block.kv_len
+    window, scale, softcap = cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap
     if T > 1 and (block.fresh or cache is None) and (implementation := flash(cfg, q.dtype, i)):
-        window = cfg.sliding_windows[i]
         out = jax.nn.dot_product_attention(
             q,
             k,
             v,
-            scale=cfg.attn_scale or hd**-0.5,
+            scale=scale,
             is_causal=True,
             local_window_size=None if window is None else (window - 1, 0),
             implementation=implementation,
         )
         return out.reshape(B, T, KV, H // KV, hd)
+    q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     if cache is None:  # a whole sequence from position 0 (training, perplexity): its own keys
         kv_len = T
         kv = (k, v, None, None)
@@ -188,28 +189,23 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
             (keys, k_scale), (values, v_scale) = quantize_heads(k), quantize_heads(v)
             kv = (keys, values, k_scale, v_scale)
         if T > 1 and gpu_attention.here(cfg, q.dtype):  # on a GPU its kernel, over them as a one-layer cache
-            args = (*[None if a is None else a[None] for a in kv], 0, None, T, cfg.sliding_windows[i])
-            return gpu_attention.attend(
-                q.reshape(B, T, KV, H // KV, hd), positions, *args, cfg.attn_scale or hd**-0.5, cfg.attn_softcap
-            )
+            stored = [None if a is None else a[None] for a in kv]
+            return gpu_attention.attend(q, positions, *stored, 0, None, T, window, scale, softcap)
         read = lambda start, size: [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, 1) for a in kv]  # noqa: E731
     else:
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731
 
-    q = q.reshape(B, T, KV, H // KV, hd)  # grouped-query: G = H // KV query heads per kv head
     if cache is not None and cache.kernel:  # the CPU's or the GPU's kernel, both phases (see `attend`)
-        return cache.attend(
-            i, q, positions, rows, kv_len, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap
-        )
+        return cache.attend(i, q, positions, rows, kv_len, window, scale, softcap)
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     q = q if T > 1 else q[:, 0]
-    attend = partial(_attend, q, positions, cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap)
+    attend = partial(_attend, q, positions, window, scale, softcap)
     # Block by block where a bucket of whole blocks holds keys past the queries: a prompt's chunk
     # or a speculative check. A fresh prompt in one call (T = kv_len) sees its whole bucket, where
     # the loop only costs (a 1024-token prompt: 2.6 → 2.9 s).
     if 1 < T < kv_len and kv_len > KEY_BLOCK and kv_len % KEY_BLOCK == 0:
-        total, out = _blockwise(attend, read, positions, kv_len, cfg.sliding_windows[i])
+        total, out = _blockwise(attend, read, positions, kv_len, window)
     else:
         _, total, out = attend(*read(0, kv_len), 0)
     out = out / total[..., None]  # [B, KV, G, (T), hd]
