@@ -69,14 +69,17 @@ def bench_point(
         slots.admit(admit, compiled)
         jax.block_until_ready(slots.state.length)
         first = time.perf_counter() - start
-        steps, kv_read = [], []  # each call's seconds; each pass's kv_len
+        steps, kv_read, buckets = [], [], set()  # each call's seconds; each pass's positions read; kv buckets
         made = jax.device_get(slots.state.length)
         while made.min() < prompt_tokens + new_tokens:
             start = time.perf_counter()
             ran = slots.step(STEPS_PER_CALL, compiled)
             length = jax.device_get(slots.state.length)
             steps.append(time.perf_counter() - start)
-            kv_read += [ran.kv_len] * ran.steps
+            # a call's passes read lengths from the rows' then to now - 1: the mean (exact without speculation)
+            middle = (float(made.mean()) + float(length.mean()) - 1) / 2
+            kv_read += [slots.state.cache.positions_read(cfg, ran.kv_len, middle)] * ran.steps
+            buckets.add(ran.kv_len)
             if r:
                 itl.append(steps[-1] * batch / max(1, int((length - made).sum())))
             made = length
@@ -87,7 +90,7 @@ def bench_point(
     storage = Storage.of_params(params)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     prefill_work = prefill_cost(cfg, storage, prompt_tokens, batch=batch)
-    # cost is linear in kv_len
+    # cost is linear in the positions read
     step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)
     decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * len(kv_read))  # weights read once per pass
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
@@ -96,7 +99,7 @@ def bench_point(
         "batch": batch,
         "new_tokens": new_tokens,
         "max_context": S,
-        "kv_buckets": sorted(set(kv_read)),
+        "kv_buckets": sorted(buckets),
         "prefill_chunk": slots.prefill_chunk,
         "repeat": repeat,
         "compile_s": compiled.seconds,

@@ -171,8 +171,8 @@ def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: 
 
 def generation_report(cfg: ModelConfig, storage: Storage, timings, ceilings) -> dict:
     """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
-    counts the K/V its steps read: the kv buckets they attended over (the mean over the steps, as
-    cost is linear in it). A speculating loop reads the weights once per pass, not per token: its
+    counts the K/V its steps read (`KVCache.positions_read`: the mean over the steps, as cost is
+    linear in it). A speculating loop reads the weights once per pass, not per token: its
     bytes count passes, its FLOPs the tokens made."""
     prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
     passes = timings.speculation.passes if timings.speculation else steps

@@ -396,8 +396,14 @@ class Scheduler:
     def _time(self, slot: _Slot, made: int, now: float, passes: int) -> None:
         """The row's timings, after it made `made` tokens by `now` over `passes` decode passes in all:
         TTFT and each inter-token gap (others' admissions included, compiles not), spread over the
-        tokens that came together; the cache positions its passes attended over (the kv buckets)."""
+        tokens that came together; the cache positions its passes read."""
         timings = slot.timings
+        # its passes since the last collection read lengths from its length then (after the prefill's
+        # token, if that came since) to end - 1: the mean of the two (exact without speculation)
+        first = slot.read + (slot.first_token is None and made > 0)
+        middle = (first + slot.read + made - 1) / 2
+        kv = self.slots.state.cache.positions_read(self.model.config, self._kv_len, middle)
+        timings.kv_read += (passes - slot.passes) * kv
         if slot.first_token is None:
             slot.first_token = now
             timings.ttft_s = now - slot.admitted - slot.compiling_s
@@ -408,7 +414,6 @@ class Scheduler:
             slot.last_token, slot.compiling_s = now, 0.0
         timings.generated_tokens += made
         timings.decode_s = slot.last_token - slot.first_token - slot.compiled_s
-        timings.kv_read += (passes - slot.passes) * self._kv_len
         slot.passes = passes
 
     def _read_text(self, slot: _Slot, new: list[int], logprobs: list) -> None:

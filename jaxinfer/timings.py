@@ -42,7 +42,7 @@ class Timings:
     ttft_s: float = 0.0  # prefill dispatch → first token on the host, compile excluded
     decode_s: float = 0.0  # wall time of the decode loop after the first token, compile excluded
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
-    kv_read: int = 0  # cache positions the decode steps attended over, summed over steps (the kv buckets)
+    kv_read: float = 0.0  # cache positions the decode passes read, summed over passes (`KVCache.positions_read`)
     compile: CompileReport = field(default_factory=CompileReport)
     speculation: Speculated | None = None  # where the decode loop speculated
 

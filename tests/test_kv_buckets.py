@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import pytest
+from kernel_helpers import xla_dot
 from reference import alone, greedy_reference, reference
 
 from jaxinfer.buckets import MIN_KV_BUCKET, kv_bucket
@@ -28,9 +29,13 @@ def models(tiny, request):
     return load_model(path), reference(path)
 
 
-def expected_kv_read(prompt_tokens: int, generated: int) -> int:
-    """Cache positions read by the decode steps if each step reads the bucket of its own length."""
-    return sum(kv_bucket(length, S) for length in range(prompt_tokens + 1, prompt_tokens + generated))
+def expected_kv_read(engine: Engine, cfg, prompt_tokens: int, generated: int) -> float:
+    """Cache positions the decode steps read, summed: where XLA attends, each step the bucket of its own
+    length; where a kernel does (the CPU's here), each layer its own length, within its window."""
+    lengths = range(prompt_tokens + 1, prompt_tokens + generated)
+    if engine.slots.state.cache.kernel is None:
+        return sum(kv_bucket(length, S) for length in lengths)
+    return sum(min(length, w or length) for length in lengths for w in cfg.sliding_windows) / cfg.num_layers
 
 
 def test_crossing_buckets_mid_generation_matches_transformers(models):
@@ -45,7 +50,8 @@ def test_crossing_buckets_mid_generation_matches_transformers(models):
         list(streamed)
     assert streamed.token_ids == expected
     assert compiles.programs == 1 + 3  # one prefill, one decode per kv bucket
-    assert streamed.timings.kv_read == expected_kv_read(len(ids), new)  # never the whole cache before it is needed
+    # never the whole cache before it is needed
+    assert streamed.timings.kv_read == pytest.approx(expected_kv_read(engine, model.config, len(ids), new))
 
     with watch_compiles() as again:
         whole = Generation(model, engine, ids, Sampling(), new, stream=False)
@@ -53,19 +59,22 @@ def test_crossing_buckets_mid_generation_matches_transformers(models):
     assert whole.token_ids == expected
     # a continuation prefill; every decode program reused
     assert whole.timings.cached_tokens == len(ids) - 1 and again.programs == 1
-    assert whole.timings.kv_read == expected_kv_read(len(ids), new)
+    assert whole.timings.kv_read == pytest.approx(expected_kv_read(engine, model.config, len(ids), new))
 
 
 def test_a_large_context_costs_a_short_sequence_nothing(models):
     model, _ = models
     ids = model.tokenizer.encode(PROMPT)
     small, large = Engine(model.config, model.params, S, ()), Engine(model.config, model.params, 8 * S, ())
+    with xla_dot():  # XLA's attention reads whole buckets: the smallest, whatever the cache size
+        einsums = Engine(model.config, model.params, 8 * S, ())
     results = []
-    for engine in (small, large):
+    for engine in (small, large, einsums):
         gen = Generation(model, engine, ids, Sampling(), 40)
         list(gen)
         results.append(gen)
-        assert gen.timings.kv_read == MIN_KV_BUCKET * 39  # the smallest bucket, whatever the cache size
+        assert gen.timings.kv_read == pytest.approx(expected_kv_read(engine, model.config, len(ids), 40))
+    assert einsums.slots.state.cache.kernel is None and results[2].timings.kv_read == MIN_KV_BUCKET * 39
     assert results[0].token_ids == results[1].token_ids
 
 
