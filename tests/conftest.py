@@ -21,14 +21,29 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
 os.environ.setdefault("JAXINFER_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "programs"))
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
+# The suite's time is XLA compiling (test_speculation.py: 114 of its 160 s, a 2-core Zen 4), and it
+# checks what programs compute, not how fast: its programs (and the `jaxinfer` processes') compile
+# without LLVM's optimizations: that file 160 → 107 s, test_parity.py and test_logprobs.py 211 →
+# 142 s, all passing. What they compute moves by rounding only (the bundled model's float32 logits,
+# up to 16.8, by 1.2e-5 at most, XLA's path and the kernels'; every greedy token the same). Where
+# XLA_FLAGS already chooses a level, that level.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
 import pytest  # noqa: E402 (after the environment above)
 from tiny_models import make_model  # noqa: E402
 
 try:
     import jaxinfer.cli  # noqa: F401
-    from jaxinfer import kernel
+    from jaxinfer import kernel, runtime
 except ImportError as e:
     pytest.exit(f"jaxinfer is not installed ({e}): pip install -e '.[test]' (README, Install for development)", 4)
+
+
+# The test process reads and writes the session's program cache too: after `_release_compiled_programs`
+# a later file's identical programs (the same tiny models' steps) are read back, not compiled again
+# (test_parity, test_speculation and test_logprobs together 335 → 298 s).
+runtime.enable_compilation_cache()
 
 
 def pytest_report_header() -> str:
