@@ -15,7 +15,7 @@ from compare_peers import checkpoint; checkpoint('llama-3.2-1b', Path('/tmp/jaxi
 
 case "$1" in
 kernels)
-  t "the kernels (int8/int4 matrices, decode attention), compiled and checked"; timeout 150 python3 -m pytest -q \
+  t "the kernels (int8/int4 matrices, decode attention), compiled and checked"; timeout 150 python3 -m pytest -q -o addopts= \
     -p no:cacheprovider tests/test_gpu.py tests/test_gpu_attention.py 2>&1 | tail -4
   one() { t "1B decode, prompt $1, $2 $3"; env $2 timeout 60 python3 scripts/profile_decode.py $ONE_B -p $1 --top $4 $3 \
     2>&1 | quiet | head -$(( $4 + 3 )); }
@@ -28,7 +28,7 @@ kernels)
 peers)
   t "jaxinfer against transformers"; timeout 420 python3 scripts/compare_gpu.py --shapes llama-3.2-1b,llama-3.1-8b \
     --quantize int8,int4 --tokens 64 --repeat 2 --out $OUT/BENCHMARKS.md 2>&1 | quiet | tail -12
-  t "parity"; timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py -x 2>&1 | tail -4
+  t "parity"; timeout 120 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_parity.py -x 2>&1 | tail -4
   ;;
 *) echo "usage: bash scripts/gpu_lease.sh kernels|peers" >&2; exit 2 ;;
 esac

@@ -21,6 +21,10 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxinfer-test-cache-")
 os.environ.setdefault("JAXINFER_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "programs"))
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
+# Two workers (pyproject's `-n 2`) share one GPU where there is one: each allocates what it uses, not
+# JAX's default 75% of the GPU's memory, which left the second worker none.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # The suite's time is XLA compiling (test_speculation.py: 114 of its 160 s, a 2-core Zen 4), and it
 # checks what programs compute, not how fast: its programs (and the `jaxinfer` processes') compile
 # without LLVM's optimizations: that file 160 → 107 s, test_parity.py and test_logprobs.py 211 →

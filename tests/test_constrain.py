@@ -86,6 +86,7 @@ def test_the_schema_suite_always_parses_and_validates(bundled):
             jsonschema.validate(json.loads(gen.text), schema)
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 def test_the_schema_suite_in_one_mixed_batch(bundled):
     """All 20 schemas greedy and sampled, with free rows among them, through one batch of 8 slots:
     every constrained record validates, and each equals its row's run alone (checked for a few)."""
@@ -199,6 +200,7 @@ def test_the_kernels_step_and_the_python_callback_agree(bundled):
     assert ends >= 1 and kernels.steps == callback.steps == 30  # the choice ended; one call a step
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 def test_batch_mates_and_speculation_are_unchanged_by_constrained_rows(bundled):
     """One batch mixing constrained (greedy and sampled), free greedy and free sampled rows, every
     row drafting by prompt lookup: each row's text as the row's alone (run's engine, without

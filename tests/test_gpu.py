@@ -47,6 +47,7 @@ def test_the_inputs_split_until_the_programs_fill_the_gpu():
     assert gpu.split(3, 1) == 1  # blocks that do not halve stay whole
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 @pytest.mark.parametrize("quantize", ["int4"])  # int8's columns: the matrices' test; 4 bits unpack more
 def test_a_model_in_columns_generates_what_the_packed_form_does(tiny, monkeypatch, quantize):
     path = tiny("llama")

@@ -152,6 +152,7 @@ def test_off_a_gpu_the_kernel_is_not_asked():
     assert not gpu_attention.here(replace(CFG, head_dim=64), jnp.bfloat16)
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 @pytest.mark.parametrize(
     "arch, dtype, kv_dtype, chunk", [("gemma2", "float32", None, None), ("llama", "float32", "int8", 16)]
 )

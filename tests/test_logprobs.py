@@ -63,6 +63,7 @@ def test_greedy_logprobs_are_transformers_log_softmax(tiny, tokenizer):
     assert [e["top_logprobs"][0]["bytes"] for e in result["logprobs"]] == [e["bytes"] for e in result["logprobs"]]
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 @pytest.mark.parametrize("arch", ["llama", "phi3-longrope"])
 def test_echoed_prompt_logprobs_are_transformers_log_softmax(tiny, arch):
     """`echo`: each prompt token's log-probability given those before it, the model's own (sampling at
@@ -105,6 +106,7 @@ def test_sampled_logprobs_are_of_the_distribution_after_penalty_and_temperature(
     assert all(np.sum(row > row[token]) < 40 for row, token in zip(expected, gen.token_ids))
 
 
+@pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 def test_a_row_s_logprobs_do_not_depend_on_its_batch_mates_or_on_speculation(tiny):
     """A mixed batch (greedy and sampled rows, with and without logprobs), and prompt-lookup
     speculation: every row's tokens and log-probabilities as the row's alone; recording changes no token."""
