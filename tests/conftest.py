@@ -22,7 +22,7 @@ os.environ.setdefault("JAXINFER_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_H
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # one per session, not left behind
 
 # Two workers (pyproject's `-n 2`) share one GPU where there is one: each allocates what it uses, not
-# JAX's default 75% of the GPU's memory, which left the second worker none.
+# JAX's default of 75% of the GPU's memory each (two of those do not fit).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # The suite's time is XLA compiling (test_speculation.py: 114 of its 160 s, a 2-core Zen 4), and it
