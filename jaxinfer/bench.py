@@ -76,9 +76,9 @@ def bench_point(
             ran = slots.step(STEPS_PER_CALL, compiled)
             length = jax.device_get(slots.state.length)
             steps.append(time.perf_counter() - start)
-            # a call's passes read lengths from the rows' then to now - 1: the mean (exact without speculation)
-            middle = (float(made.mean()) + float(length.mean()) - 1) / 2
-            kv_read += [slots.state.cache.positions_read(cfg, ran.kv_len, middle)] * ran.steps
+            # a call's passes read lengths from the rows' then to their now - 1
+            read = slots.state.cache.positions_read(cfg, ran.kv_len, float(made.mean()), float(length.mean()) - 1)
+            kv_read += [read] * ran.steps
             buckets.add(ran.kv_len)
             if r:
                 itl.append(steps[-1] * batch / max(1, int((length - made).sum())))

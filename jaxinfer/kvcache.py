@@ -74,13 +74,15 @@ class KVCache:
             return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel="cpu")
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=gpu)
 
-    def positions_read(self, cfg: ModelConfig, kv_len: int, length: float) -> float:
-        """Cache positions (the mean over layers) one decode pass reads for a row of `length` positions
-        (its newest included) attending over a bucket of `kv_len`: a kernel reads the row's own, within
-        each layer's sliding window; XLA's einsums the whole bucket. The roofline's decode bytes."""
+    def positions_read(self, cfg: ModelConfig, kv_len: int, first: float, last: float) -> float:
+        """Cache positions (the mean over layers) a decode pass reads, over passes of a row whose lengths
+        (its newest position included) ran from `first` to `last`, attending over a bucket of `kv_len`:
+        a kernel reads the row's own, within each layer's sliding window (at their mean length: exact
+        without speculation, where each pass adds one); XLA's einsums the whole bucket. The roofline's
+        decode bytes."""
         if self.kernel is None:
             return kv_len
-        windows = cfg.sliding_windows or (None,)
+        length, windows = (first + last) / 2, cfg.sliding_windows or (None,)
         return sum(min(length, window or length) for window in windows) / len(windows)
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:

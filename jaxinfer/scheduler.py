@@ -399,10 +399,9 @@ class Scheduler:
         tokens that came together; the cache positions its passes read."""
         timings = slot.timings
         # its passes since the last collection read lengths from its length then (after the prefill's
-        # token, if that came since) to end - 1: the mean of the two (exact without speculation)
+        # token, if that came since) to its length now - 1
         first = slot.read + (slot.first_token is None and made > 0)
-        middle = (first + slot.read + made - 1) / 2
-        kv = self.slots.state.cache.positions_read(self.model.config, self._kv_len, middle)
+        kv = self.slots.state.cache.positions_read(self.model.config, self._kv_len, first, slot.read + made - 1)
         timings.kv_read += (passes - slot.passes) * kv
         if slot.first_token is None:
             slot.first_token = now
