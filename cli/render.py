@@ -216,7 +216,11 @@ def model_info(facts: dict) -> None:
     w = facts["weight_bytes"]
     rows = [
         ("model", f"{facts['model']} ({facts['architecture']})"),
-        ("parameters", f"{facts['parameters']:,}"),
+        (
+            "parameters",
+            f"{facts['parameters']:,}"
+            + (f" ({active:,} active a token)" if (active := facts["active_parameters"]) < facts["parameters"] else ""),
+        ),
         (
             "weights",
             f"{_bytes(w['float32'])} float32 · {_bytes(w['bfloat16'])} bfloat16 · {_bytes(w['int8'])} int8 · "

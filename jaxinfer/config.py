@@ -37,7 +37,8 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm: str = ""  # RMSNorm on q and k before RoPE: "heads" over each head (Qwen3), "whole" over all (OLMoE)
+    clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to ±clip_qkv after their norms; 0 = off
     sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
@@ -48,6 +49,16 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma 2/3: a norm on the attention's and the MLP's outputs too
     rope_local: tuple = ()  # Gemma 3: (theta, scaling) of the sliding layers; (): as the others
     rotary_dim: int = 0  # Phi-4-mini: rope over the first rotary_dim dims of each head; 0: all of them
+    # Each layer's feed-forward part (`jaxinfer.layers.feed_forward`): "dense" (the gated MLP) or
+    # "mixture" (a router, `num_experts` experts of `expert_size` of which each token takes
+    # `experts_per_token`, and a shared expert of `shared_expert_size` with a sigmoid gate where it is
+    # not 0); (): every layer dense.
+    feed_forwards: tuple = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    shared_expert_size: int = 0
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
@@ -57,9 +68,14 @@ class ModelConfig:
         """How many ids a token is sampled from (and masked, and scored over): `sampled_vocab`, else all."""
         return self.sampled_vocab or self.vocab_size
 
+    def feed_forward(self, i: int) -> str:
+        """Layer i's feed-forward part: "dense" or "mixture"."""
+        return self.feed_forwards[i] if self.feed_forwards else "dense"
+
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
     kv_dtype: str | None = None
+
     # Set by load_model: "bfloat16" rounds the inputs of every matrix product to bfloat16, the sums
     # staying float32 (as transformers and llama.cpp run 16-bit weights); "float32": exact products.
     matmul_inputs: str = "float32"
@@ -67,12 +83,27 @@ class ModelConfig:
 
 class Weight(NamedTuple):
     """One checkpoint tensor: where it goes in our tree, its shape, and what each of its dimensions
-    indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused"; None: nothing
-    a mesh splits), from which `jaxinfer.sharding` lays it out over devices."""
+    indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused", "experts"; None:
+    nothing a mesh splits), from which `jaxinfer.sharding` lays it out over devices. `expert` (e, E):
+    the tensor is expert e's slice of a leaf of E stacked along a leading "experts" axis (many
+    tensors to one leaf: `leaves`); None: the tensor is the whole leaf."""
 
     path: tuple  # ("layers", 3, "wq") or ("embed",)
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    expert: tuple[int, int] | None = None
+
+    @property
+    def leaf(self) -> Weight:
+        """The leaf this tensor goes into: itself, or the whole stack of experts."""
+        if self.expert is None:
+            return self
+        return Weight(self.path, (self.expert[1], *self.shape), ("experts", *(None,) * len(self.shape)))
+
+
+def leaves_of(table: dict[str, Weight]) -> dict[tuple, Weight]:
+    """The tree's leaves a weight table fills, by path, each once (an expert stack once, whole)."""
+    return {weight.path: weight.leaf for weight in table.values()}
 
 
 def _rope(d: dict) -> tuple[float, tuple]:

@@ -9,6 +9,9 @@ plain arrays.
 - `Packed`: float32 or bfloat16 with 16 outputs side by side, for the CPU kernel (`jaxinfer.packed`).
 - `Quantized`: block-quantized by a method of `quant.METHODS` (static metadata), packed as the CPU
   kernel reads it, or on a GPU in columns as `jaxinfer.gpu`'s kernel reads them (`layout`).
+- `Experts`: a mixture's E matrices of one shape in one of the forms above, every array led by the
+  experts axis; `expert(e)` is expert e's matrix in that form, which does the products
+  (`jaxinfer.layers.feed_forward`).
 
 A loaded tree's matrices are in one layout (`lay_out`): "out_in" (Plain), "in_out" (the layers'
 matrices Transposed), "packed", "fused" (a GPU's: "out_in" with the projections that share their
@@ -156,8 +159,38 @@ class Quantized:
         return Quantized(held[0], held[1], self.method, held[2] if len(held) > 2 else None, self.layout)
 
 
-FORMS = (Plain, Transposed, Packed, Quantized)
-Form = Plain | Transposed | Packed | Quantized
+@_form
+class Experts:
+    """E matrices of one shape, as one form whose every array is led by the experts axis [E, ...]
+    (`inner`: Plain, Packed or Quantized), so loading, quantizing, packing, storing and placing treat
+    a mixture's stack as one leaf."""
+
+    inner: Plain | Transposed | Packed | Quantized
+
+    @classmethod
+    def of(cls, w: jax.Array, make=Plain) -> Experts:
+        """[E, out, in] as E matrices made by `make` ([out, in] → a form), one after another: the
+        peak is the stack and one expert's float copy more."""
+        if make is Plain:
+            return cls(Plain(w))
+        made = [make(w[e]) for e in range(w.shape[0])]
+        return cls(jax.tree.map(lambda *arrays: jnp.stack(arrays), *made))
+
+    @property
+    def count(self) -> int:
+        return jax.tree.leaves(self.inner)[0].shape[0]
+
+    def expert(self, e: jax.Array) -> Plain | Transposed | Packed | Quantized:
+        """Expert e's matrix (e traced: a slice of each array, in the inner form)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), self.inner)
+
+    def axes(self, axes: tuple, blocks: tuple) -> Experts:
+        """Split by experts only (`jaxinfer.sharding`): a mesh holds whole experts."""
+        return jax.tree.map(lambda a: ("experts",), self)
+
+
+FORMS = (Plain, Transposed, Packed, Quantized, Experts)
+Form = Plain | Transposed | Packed | Quantized | Experts
 
 
 def is_form(leaf) -> bool:
@@ -165,9 +198,17 @@ def is_form(leaf) -> bool:
 
 
 def is_matrix(path: tuple, shape: tuple[int, ...]) -> bool:
-    """Whether the tree holds a form at `path` (a weight table's path): the embedding, the head and
-    the layers' 2-D `w*`."""
-    return len(shape) == 2 and (path[-1] in ("embed", "lm_head") or path[-1].startswith("w"))
+    """Whether the tree holds a form at `path` (a weight table's path, a leaf's `shape`): the
+    embedding, the head, the layers' `w*` matrices and their experts' stacks (3-D: `Experts`)."""
+    named = path[-1] in ("embed", "lm_head") or path[-1].startswith("w")
+    return named and (len(shape) == 2 or (len(shape) == 3 and path[-1].startswith("w")))
+
+
+def matrix(value: jax.Array, quantize: str | None = None) -> Form:
+    """A checkpoint's [out, in] matrix (or an [E, out, in] stack of experts) as a form: Plain, or
+    quantized by `quantize`."""
+    make = Plain if quantize is None else lambda w: Quantized.of(w, quantize)
+    return Experts.of(value, make) if value.ndim == 3 else make(value)
 
 
 def matmul(x: jax.Array, w: Form, bf16_inputs: bool = False, dtype=None) -> jax.Array:
@@ -262,7 +303,11 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
     "fused" stacks each layer's projections of one input (`FUSED`)."""
 
     def one(value, layer: bool):
-        if isinstance(value, Quantized) and columns and _whole(value) and quant.METHODS[value.method].kind < 0:
+        if isinstance(value, Experts):  # packed expert by expert; every other layout takes them as stored
+            if not (layout == "packed" and isinstance(value.inner, Plain) and packed.packable(value.inner.w[0])):
+                return value
+            replacement = Experts.of(value.inner.w, Packed.of)
+        elif isinstance(value, Quantized) and columns and _whole(value) and quant.METHODS[value.method].kind < 0:
             if value.layout == "columns":
                 return value
             replacement = value.in_columns()
@@ -343,6 +388,8 @@ def to_stored(params: dict) -> dict:
     tree's structure undoes it."""
 
     def one(leaf):
+        if isinstance(leaf, Experts):
+            return one(leaf.inner)
         if isinstance(leaf, Quantized):
             return dict(zip(("q", "scale", "super_scale"), leaf.packed().arrays))
         if isinstance(leaf, Plain):

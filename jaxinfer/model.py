@@ -2,9 +2,10 @@
 
 Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma 1/2/3 (GeGLU, (1 + w) norms,
 scaled embeddings, soft-capping, norms around each block, a rope base per layer type) differ only in
-flags of `ModelConfig` (`jaxinfer.families` sets them). A matrix is in one of the forms of
-`jaxinfer.forms` (Hugging Face's [out, in], [in, out], packed for the CPU kernel, quantized), which
-does its products and row lookups.
+flags of `ModelConfig` (`jaxinfer.families` sets them); each layer's feed-forward part, dense or a
+mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE), is `jaxinfer.layers.feed_forward`'s. A matrix is
+in one of the forms of `jaxinfer.forms` (Hugging Face's [out, in], [in, out], packed for the CPU
+kernel, quantized, a mixture's stack of experts), which does its products and row lookups.
 
 Attention over a float cache runs on the CPU kernel where it is built (`KVCache.attend`: each key
 read once per block of queries, the softmax never leaving the cache); on a GPU a fresh prompt's on
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from jaxinfer import forms, gpu_attention
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
+from jaxinfer.layers.feed_forward import feed_forward, linear
 
 Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
 
@@ -45,14 +47,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.norm_plus_one:
         return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
-
-
-def linear(x: jax.Array, layer: dict, name: str, cfg: ModelConfig) -> jax.Array:
-    """x [..., in] @ the matrix `w{name}` (in any form, `jaxinfer.forms`) + the bias `b{name}`, when the
-    checkpoint has one."""
-    y = forms.matmul(x, layer[f"w{name}"], cfg.matmul_inputs == "bfloat16")
-    bias = layer.get(f"b{name}")
-    return y if bias is None else y + bias
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -142,8 +136,12 @@ def attention(
         q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [H * hd, (H + KV) * hd], axis=-1)
     else:
         q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
+    if cfg.qk_norm == "whole":  # OLMoE: over all heads at once
+        q, k = rms_norm(q, layer["q_norm"], cfg), rms_norm(k, layer["k_norm"], cfg)
+    if cfg.clip_qkv:
+        q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
     q, k, v = q.reshape(-1, H, hd), k.reshape(-1, KV, hd), v.reshape(-1, KV, hd)
-    if cfg.qk_norm:
+    if cfg.qk_norm == "heads":
         q = rms_norm(q, layer["q_norm"], cfg)
         k = rms_norm(k, layer["k_norm"], cfg)
     # Every block's K/V written before any block attends: a scatter into the cache after a read of
@@ -276,17 +274,6 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
     return jnp.tanh(x / cap) * cap
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
-def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    if "wgate_up" in layer:
-        gate, up = jnp.split(linear(x, layer, "gate_up", cfg), 2, axis=-1)
-    else:
-        gate, up = linear(x, layer, "gate", cfg), linear(x, layer, "up", cfg)
-    return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down", cfg)
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -327,7 +314,7 @@ def forward_blocks(
         with jax.named_scope(f"layer_{i}"):
             h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
-            h = mlp(layer, rms_norm(x, layer["mlp_norm"], cfg), cfg)
+            h = feed_forward(layer, rms_norm(x, layer["mlp_norm"], cfg), i, cfg)
             x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)
     x, hidden, at = rms_norm(x, params["norm"], cfg), [], 0
     for b in blocks:

@@ -73,14 +73,27 @@ class Storage:
         return self.itemsize if len(shape) == 2 else (self.cache_itemsize or self.itemsize)
 
 
-def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, float, float]:
-    """(the layers' matrices, the LM head, everything else: embedding, norms, biases) in parameters,
-    or in bytes as `storage` stores them."""
+def expert_share(cfg: ModelConfig, tokens: int | None = None) -> float:
+    """The share of a mixture's experts that `tokens` tokens read between them, each picking
+    `experts_per_token` of `num_experts` and spread evenly over them (1 - (1 - k/E)^tokens: the
+    roofline's estimate, not the step's count); None: the share one token computes with, k/E. 1
+    without experts."""
+    if not cfg.num_experts:
+        return 1.0
+    picked = cfg.experts_per_token / cfg.num_experts
+    return picked if tokens is None else 1.0 - (1.0 - picked) ** tokens
+
+
+def _sizes(cfg: ModelConfig, storage: Storage | None = None, share: float = 1.0) -> tuple[float, float, float]:
+    """(the layers' matrices, the LM head, everything else: embedding, norms, biases, routers) in
+    parameters, or in bytes as `storage` stores them; of a mixture's experts, `share` of them."""
     layer_matrices = head = other = 0.0
     embed_per_value = 1.0
-    for path, shape, _ in weight_table(cfg).values():
+    for path, shape, _, expert in weight_table(cfg).values():
         n = int(np.prod(shape)) * (storage.bytes_per_value(path, shape) if storage else 1)
-        if path[0] == "layers" and len(shape) == 2:
+        if expert is not None:
+            layer_matrices += n * share
+        elif path[0] == "layers" and len(shape) == 2 and path[-1] != "router":
             layer_matrices += n
         elif path[0] == "lm_head":
             head += n
@@ -93,8 +106,10 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None) -> tuple[float, flo
     return layer_matrices, head, other
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    return sum(int(np.prod(shape)) for _, shape, _ in weight_table(cfg).values())
+def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
+    """The parameters; `active`: those one token computes with (a mixture's k experts of E)."""
+    share = expert_share(cfg) if active else 1.0
+    return round(sum(int(np.prod(w.shape)) * (1.0 if w.expert is None else share) for w in weight_table(cfg).values()))
 
 
 def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
@@ -126,8 +141,9 @@ def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
 
 
 def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float:
-    """Every matrix once; of the embedding only the rows looked up (unless it is also the head)."""
-    layer_matrices, head, other = _sizes(cfg, storage)
+    """Every matrix once (of a mixture's experts, those the tokens route to: `expert_share`); of the
+    embedding only the rows looked up (unless it is also the head)."""
+    layer_matrices, head, other = _sizes(cfg, storage, expert_share(cfg, tokens))
     embed_shape = (cfg.vocab_size, cfg.hidden_size)
     row = cfg.hidden_size * storage.bytes_per_value(("embed",), embed_shape)
     rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * row
@@ -138,7 +154,7 @@ def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float
 def prefill_cost(cfg: ModelConfig, storage: Storage, tokens: int, kv_len: int | None = None, batch: int = 1) -> Cost:
     """One prefill of `tokens` positions per row attending over `kv_len` keys (default: themselves),
     sampling the last position."""
-    layer_matrices, head, _ = _sizes(cfg)
+    layer_matrices, head, _ = _sizes(cfg, share=expert_share(cfg))
     kv_len = tokens if kv_len is None else kv_len
     flops = batch * (2.0 * tokens * layer_matrices + 2.0 * head + _attention_flops(cfg, tokens, kv_len))
     kv = batch * kv_bytes_per_token(cfg, storage) * (tokens + kv_len)  # written, then read by attention
@@ -147,7 +163,7 @@ def prefill_cost(cfg: ModelConfig, storage: Storage, tokens: int, kv_len: int | 
 
 def decode_step_cost(cfg: ModelConfig, storage: Storage, kv_len: int, batch: int = 1) -> Cost:
     """One decode step: one token per row, attending over `kv_len` cached positions."""
-    layer_matrices, head, _ = _sizes(cfg)
+    layer_matrices, head, _ = _sizes(cfg, share=expert_share(cfg))
     flops = batch * (2.0 * (layer_matrices + head) + _attention_flops(cfg, 1, kv_len))
     kv = batch * kv_bytes_per_token(cfg, storage) * (kv_len + 1)
     return Cost(flops, _weight_bytes_read(cfg, storage, batch) + kv)
@@ -224,6 +240,7 @@ def model_facts(
     }
     return {
         "parameters": params,
+        "active_parameters": parameter_count(cfg, active=True),
         "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},
         "stored_weight_bytes": weights,
         "kv_bytes_per_token": kv_token,

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer import kernel
-from jaxinfer.config import ModelConfig, Weight
+from jaxinfer.config import ModelConfig, Weight, leaves_of
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import weight_table
 from jaxinfer.forms import is_form
@@ -92,6 +92,7 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
         "heads": cfg.num_heads,
         "kv_heads": cfg.num_kv_heads,
         "mlp": cfg.intermediate_size,
+        "experts": cfg.num_experts,
     }
     return axis in counts and counts[axis] % devices == 0
 
@@ -122,7 +123,7 @@ def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     matrix's as its form stores the weight table's axes (`forms.Form.axes`: reversed when transposed,
     by blocks when quantized (`held_axes`), whole in the CPU kernel's packed form); norms and biases
     by the table's axes."""
-    table = {w.path: w for w in weight_table(cfg).values()}
+    table = leaves_of(weight_table(cfg))
 
     def one(keys, leaf):
         path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)

@@ -17,10 +17,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer import quant
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, leaves_of
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import weight_table
-from jaxinfer.forms import Plain, Quantized, is_matrix
+from jaxinfer.forms import Experts, Plain, Quantized, is_matrix, matrix
 from jaxinfer.sharding import param_shardings, weight_sharding
 
 TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
@@ -32,9 +32,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def quantized_here(path: TreePath, shape: tuple[int, ...]) -> bool:
-    """Whether `--quantize` packs this leaf: the embedding, the head and the layers' matrices,
-    where their dimensions fit the packing (else they stay float)."""
-    return is_matrix(path, shape) and quant.quantizable(shape)
+    """Whether `--quantize` packs this leaf (or this expert's slice of it): the embedding, the head
+    and the layers' matrices and experts, where their dimensions fit the packing (else they stay float)."""
+    return is_matrix(path, shape) and quant.quantizable(shape[-2:])
 
 
 def tree_from_leaves(cfg: ModelConfig, leaves: dict[TreePath, object]) -> dict:
@@ -61,13 +61,17 @@ def abstract_params(
         else:
             method = quantize if quantize and quantized_here(path, shape) else None
         if method:
-            shapes = quant.METHODS[method].packed_shapes(shape).values()
-            arrays = [jax.ShapeDtypeStruct(*s) for s in shapes]
-            return Quantized(*arrays[:2], method, *arrays[2:])
-        array = jax.ShapeDtypeStruct(shape, dtype)
-        return Plain(array) if is_matrix(path, shape) else array
+            shapes = quant.METHODS[method].packed_shapes(shape[-2:]).values()
+            arrays = [jax.ShapeDtypeStruct(shape[:-2] + s, dtype) for s, dtype in shapes]
+            made = Quantized(*arrays[:2], method, *arrays[2:])
+        else:
+            made = jax.ShapeDtypeStruct(shape, dtype)
+            if not is_matrix(path, shape):
+                return made
+            made = Plain(made)
+        return Experts(made) if len(shape) == 3 else made
 
-    tree = tree_from_leaves(cfg, {path: leaf(path, shape) for path, shape, _ in weight_table(cfg).values()})
+    tree = tree_from_leaves(cfg, {path: leaf(path, w.shape) for path, w in leaves_of(weight_table(cfg)).items()})
     if mesh is None:
         return tree
     placed = lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)  # noqa: E731
@@ -78,12 +82,10 @@ def leaf(cfg: ModelConfig, weight, array, dtype, quantize: str | None = None, me
     """One tensor of the checkpoint as its leaf of the tree: on the device (in its shards on `mesh`),
     in `dtype`, a matrix in its form, quantized by `quantize` where it fits the packing (whole on
     every device: the kernel's custom call takes a whole matrix)."""
-    path, shape, axes = weight
+    path, shape, axes = weight.leaf[:3]
     packs = quantize and quantized_here(path, shape)
     value = jax.device_put(array, weight_sharding(cfg, () if packs else axes, mesh)).astype(dtype)
-    if packs:
-        return Quantized.of(value, quantize)
-    return Plain(value) if is_matrix(path, shape) else value
+    return matrix(value, quantize if packs else None) if is_matrix(path, shape) else value
 
 
 def read_gguf(
@@ -161,6 +163,7 @@ def read_safetensors(
 
     table = weight_table(cfg)
     leaves: dict[TreePath, jax.Array] = {}
+    stacks: dict[TreePath, list] = {}  # experts' tensors read so far, by the leaf they stack into
     seen: set[str] = set()
     try:
         handles = [safe_open(str(f), framework="np") for f in files]
@@ -177,7 +180,8 @@ def read_safetensors(
             raise JaxinferError(
                 f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json"
             )
-        path, shape, axes = table[name]
+        weight = table[name]
+        path, shape = weight.path, weight.shape
         try:
             array = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
@@ -189,7 +193,14 @@ def read_safetensors(
             )
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
-        leaves[path] = leaf(cfg, table[name], array, dtype, quantize, mesh)
+        if weight.expert is not None:  # one expert's slice: the leaf is made when its stack is whole
+            e, count = weight.expert
+            stack = stacks.setdefault(path, [None] * count)
+            stack[e] = array
+            if any(a is None for a in stack):
+                continue
+            array = np.stack(stacks.pop(path))
+        leaves[path] = leaf(cfg, weight, array, dtype, quantize, mesh)
         del array
         if progress:
             progress(done, len(names))

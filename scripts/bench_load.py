@@ -23,7 +23,7 @@ from jaxinfer.weights import abstract_params, read_safetensors, weight_table
 
 def write_safetensors(cfg, params, path: Path) -> None:
     tensors = {}
-    for name, (tree_path, _, _) in weight_table(cfg).items():
+    for name, (tree_path, *_) in weight_table(cfg).items():
         node = params
         for key in tree_path:
             node = node[key]
@@ -53,7 +53,7 @@ def main() -> None:
                 start = time.perf_counter()
                 jax.block_until_ready(load())
                 times[name].append(time.perf_counter() - start)
-    gb = sum(np.prod(s) for _, s, _ in weight_table(cfg).values()) * 4 / 1e9
+    gb = sum(np.prod(w.shape) for w in weight_table(cfg).values()) * 4 / 1e9
     print(f"shape {args.shape} ({gb:.2f} GB float32), median of {args.repeat}")
     for name, t in times.items():
         print(f"  {name:12s} {statistics.median(t):6.2f} s  ({gb / statistics.median(t):.2f} GB/s)")

@@ -116,7 +116,7 @@ def init_params(cfg, key: jax.Array) -> dict:
     table = weights.weight_table(cfg)
     keys = jax.random.split(key, len(table))
     leaves = {}
-    for k, (path, shape, _) in zip(keys, table.values()):
+    for k, (path, shape, *_) in zip(keys, table.values()):
         if len(shape) == 1:
             leaves[path] = jnp.ones(shape, jnp.float32)
         else:
@@ -137,7 +137,7 @@ def save_safetensors(params: dict, cfg, path: Path) -> None:
     from safetensors.numpy import save_file
 
     tensors = {}
-    for name, (tree_path, _, _) in weights.weight_table(cfg).items():
+    for name, (tree_path, *_) in weights.weight_table(cfg).items():
         leaf = params
         for key in tree_path:
             leaf = leaf[key]

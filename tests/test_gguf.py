@@ -67,7 +67,7 @@ def test_every_tensor_is_the_files_own_values(name):
     file = gguf_model.open_gguf(DATA / name)
     table = weights.weight_table(model.config)
     names = gguf_model.gguf_names(model.config, table)
-    for hf_name, (path, shape, _) in table.items():
+    for hf_name, (path, shape, *_) in table.items():
         tensor = file.tensors[names[hf_name]]
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
         if path[-1] in ("wq", "wk") and model.config.architecture == "LlamaForCausalLM":

@@ -78,6 +78,32 @@ ARCHITECTURES = {
             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
         },
     ),
+    # mixtures of experts: odd expert counts, the chosen weights renormalised or not, a dense layer
+    # beside a sparse one (Qwen2-MoE's decoder_sparse_step) with a shared expert, OLMoE's clamp biting
+    "mixtral": dict(
+        model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=5, num_experts_per_tok=2
+    ),
+    "qwen2-moe": dict(
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        decoder_sparse_step=2,
+    ),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=7, num_experts_per_tok=3, clip_qkv=1.5
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",

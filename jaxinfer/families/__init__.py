@@ -2,7 +2,8 @@
 becomes a `ModelConfig` and how its tensors map onto our parameter tree.
 
 A family is a module with `ARCHITECTURES`, `config(d, architecture)` and `weight_table(cfg)`; the
-forward pass (`jaxinfer.model`) is shared, and families differ only by `ModelConfig` flags.
+forward pass (`jaxinfer.model`) is shared, and families differ by `ModelConfig` flags and the
+parts each layer is made of (`jaxinfer.layers`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, llama, phi3
+from jaxinfer.families import gemma, llama, moe, phi3
 
-FAMILIES: dict[str, ModuleType] = {arch: module for module in (llama, gemma, phi3) for arch in module.ARCHITECTURES}
+FAMILIES: dict[str, ModuleType] = {
+    arch: module for module in (llama, gemma, phi3, moe) for arch in module.ARCHITECTURES
+}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 

@@ -59,7 +59,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         **fields,
         qkv_bias=attention_bias,
         o_bias=attention_bias,
-        qk_norm=arch == "Gemma3ForCausalLM",
+        qk_norm="heads" if arch == "Gemma3ForCausalLM" else "",
         activation=_activation(d, arch),
         norm_plus_one=True,
         embed_scale=True,

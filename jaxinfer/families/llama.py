@@ -35,7 +35,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
         o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm="heads" if arch == "Qwen3ForCausalLM" else "",
     )
 
 
@@ -65,9 +65,14 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         add("self_attn.o_proj.weight", "wo", (D, q_out), ("embed", "heads"))
         if cfg.o_bias:
             add("self_attn.o_proj.bias", "bo", (D,), ("embed",))
-        if cfg.qk_norm:
+        if cfg.qk_norm == "heads":
             add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
             add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
+        elif cfg.qk_norm == "whole":
+            add("self_attn.q_norm.weight", "q_norm", (q_out,), (None,))
+            add("self_attn.k_norm.weight", "k_norm", (kv_out,), (None,))
+        if cfg.feed_forward(i) != "dense":
+            continue  # the family adds its part's
         for proj, shape, axes in (
             ("gate", (F, D), ("mlp", "embed")),
             ("up", (F, D), ("mlp", "embed")),

@@ -1,0 +1,122 @@
+"""Mixtures of experts on Llama's attention: Mixtral (every layer a mixture, the chosen experts'
+weights renormalised), Qwen2-MoE (q/k/v biases, a shared expert with a sigmoid gate, dense layers
+between sparse ones), Qwen3-MoE (q/k RMSNorm per head) and OLMoE (q/k RMSNorm over all heads, an
+optional clamp of q/k/v). The mixture itself is `jaxinfer.layers.feed_forward`'s; here, which layers
+hold one, and the hub's names for the router and each expert's matrices, every expert's tensor a slice
+of one [E, ...] leaf (`config.Weight.expert`)."""
+
+from __future__ import annotations
+
+from jaxinfer.config import ModelConfig, Weight, common_fields
+from jaxinfer.errors import JaxinferError
+from jaxinfer.families import llama
+
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+# transformers' defaults for keys a config.json leaves out; "experts": the count where it names
+# neither `num_experts` (the hub's Qwen and OLMoE files) nor `num_local_experts` (Mixtral's, and what
+# transformers 5 writes for Qwen3-MoE).
+DEFAULTS = {
+    "MixtralForCausalLM": {
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "Qwen2MoeForCausalLM": {
+        "max_position_embeddings": 32768,
+        "experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+    },
+    "Qwen3MoeForCausalLM": {
+        "max_position_embeddings": 32768,
+        "head_dim": 128,
+        "experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+    },
+    "OlmoeForCausalLM": {
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
+}
+QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _sparse_layers(d: dict, arch: str, layers: int) -> tuple:
+    """Each layer's part, as transformers builds Qwen's: a mixture where (i + 1) divides by
+    `decoder_sparse_step` and i is not in `mlp_only_layers`; Mixtral's and OLMoE's all mixtures."""
+    if arch not in QWEN:
+        return ("mixture",) * layers
+    step, dense = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or ())
+    return tuple("mixture" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(layers))
+
+
+def config(d: dict, arch: str) -> ModelConfig:
+    d = {**DEFAULTS[arch], **d}
+    llama.check_silu(d, arch)
+    if arch in QWEN and not d.get("use_sliding_window", False):
+        d = {**d, "sliding_window": None, "layer_types": None}
+    elif arch in QWEN and d.get("layer_types") is None:  # as Qwen2MoeConfig lays them out
+        first, layers = d.get("max_window_layers", d["num_hidden_layers"]), d["num_hidden_layers"]
+        sliding = [(i + 1) % 2 and i < first for i in range(layers)]
+        d["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    fields = common_fields(d)
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or d["experts"])
+    top = int(d["num_experts_per_tok"])
+    if not 0 < top <= experts:
+        raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
+    expert_size = int(d["moe_intermediate_size"]) if arch in QWEN else fields["intermediate_size"]
+    attention_bias = bool(d.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        **fields,
+        qkv_bias=arch == "Qwen2MoeForCausalLM" or attention_bias,
+        o_bias=arch != "Qwen2MoeForCausalLM" and attention_bias,
+        qk_norm={"Qwen3MoeForCausalLM": "heads", "OlmoeForCausalLM": "whole"}.get(arch, ""),
+        clip_qkv=float(d.get("clip_qkv") or 0.0),
+        feed_forwards=_sparse_layers(d, arch, fields["num_layers"]),
+        num_experts=experts,
+        experts_per_token=top,
+        expert_size=expert_size,
+        norm_topk=arch == "MixtralForCausalLM" or bool(d["norm_topk_prob"]),
+        shared_expert_size=int(d["shared_expert_intermediate_size"]) if arch == "Qwen2MoeForCausalLM" else 0,
+    )
+
+
+def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
+    """Llama's table (its dense MLP on the dense layers only), and on each mixture layer the router,
+    every expert's three matrices (Mixtral's w1/w3/w2 are gate/up/down) and a shared expert's."""
+    table = llama.weight_table(cfg)
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    block = "block_sparse_moe" if mixtral else "mlp"
+    for i in range(cfg.num_layers):
+        if cfg.feed_forward(i) != "mixture":
+            continue
+        pre = f"model.layers.{i}.{block}"
+        table[f"{pre}.gate.weight"] = Weight(("layers", i, "router"), (E, D), (None, "embed"))
+        for e in range(E):
+            for part, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+                table[f"{pre}.experts.{e}.{names[part]}.weight"] = Weight(
+                    ("layers", i, f"we_{part}"), shape, (None, None), (e, E)
+                )
+        if cfg.shared_expert_size:
+            S = cfg.shared_expert_size
+            for part, shape, axes in (
+                ("gate", (S, D), ("mlp", "embed")),
+                ("up", (S, D), ("mlp", "embed")),
+                ("down", (D, S), ("embed", "mlp")),
+            ):
+                table[f"{pre}.shared_expert.{part}_proj.weight"] = Weight(("layers", i, f"w{part}"), shape, axes)
+            table[f"{pre}.shared_expert_gate.weight"] = Weight(("layers", i, "shared_gate"), (1, D), (None, "embed"))
+    return table
