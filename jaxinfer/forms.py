@@ -184,6 +184,16 @@ class Experts:
         """Expert e's matrix (e traced: a slice of each array, in the inner form)."""
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), self.inner)
 
+    def matmul(self, x: jax.Array, e: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        """x [..., in] @ expert e's matrix: the CPU kernels read it where it lies in the stack (a slice
+        in the graph is a copy of its bytes first), XLA's dot its slice."""
+        inner = self.inner
+        if isinstance(inner, Packed):
+            return packed.matmul(x, inner.w, bf16_inputs, expert=e).astype(dtype)
+        if isinstance(inner, Quantized) and inner.layout == "packed":
+            return quant.matmul(x, inner.arrays, inner.method, expert=e).astype(dtype)
+        return self.expert(e).matmul(x, bf16_inputs, dtype)
+
     def axes(self, axes: tuple, blocks: tuple) -> Experts:
         """Split by experts only (`jaxinfer.sharding`): a mesh holds whole experts."""
         return jax.tree.map(lambda a: ("experts",), self)
@@ -372,7 +382,8 @@ def methods_of(params: dict) -> dict[str, str]:
     file's config.json records, its matrices being of several methods."""
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_form)[0]
     name = lambda path: ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)  # noqa: E731
-    return {name(path): leaf.method for path, leaf in flat if isinstance(leaf, Quantized)}
+    inner = lambda leaf: leaf.inner if isinstance(leaf, Experts) else leaf  # noqa: E731
+    return {name(path): inner(leaf).method for path, leaf in flat if isinstance(inner(leaf), Quantized)}
 
 
 def on_kernel(params: dict) -> bool:

@@ -27,6 +27,9 @@ TARGETS = (
     "jaxinfer_qmatmul",
     "jaxinfer_kmatmul",
     "jaxinfer_fmatmul",
+    "jaxinfer_qmatmul_expert",
+    "jaxinfer_kmatmul_expert",
+    "jaxinfer_fmatmul_expert",
     "jaxinfer_attention",
     "jaxinfer_constrain_advance",
     "jaxinfer_constrain_check",
@@ -114,10 +117,15 @@ def isa() -> str | None:
     return lib.jaxinfer_kernel_isa().decode() if lib else None
 
 
-def call(target: str, x: jax.Array, out: int, *weights: jax.Array, **attributes) -> jax.Array:
-    """x [..., K] through `target` → float32 [..., out]."""
+def call(
+    target: str, x: jax.Array, out: int, *weights: jax.Array, expert: jax.Array | None = None, **attributes
+) -> jax.Array:
+    """x [..., K] through `target` → float32 [..., out]; with `expert` (a traced index), through its
+    `_expert` twin, by that matrix of the weights' stacks of experts [E, ...]."""
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(flat, *weights, **attributes)
+    operands = (flat, *weights) if expert is None else (flat, *weights, jnp.reshape(expert, (1,)).astype(jnp.int32))
+    target = target if expert is None else f"{target}_expert"
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(*operands, **attributes)
     return y.reshape(*x.shape[:-1], out)
 
 

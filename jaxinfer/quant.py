@@ -271,16 +271,20 @@ def take_rows(arrays: tuple, method: str, ids: jax.Array, dtype) -> jax.Array:
     return rows.reshape(*ids.shape, -1).astype(dtype)  # [..., k/32, 8, 1, 4] → [..., k]
 
 
-def matmul(x: jax.Array, arrays: tuple, method: str) -> jax.Array:
+def matmul(x: jax.Array, arrays: tuple, method: str, expert: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W.T → [..., out] float32: the kernel where built for this backend, else the
-    dequantized weight in the graph."""
+    dequantized weight in the graph. `expert`: the arrays are stacks of experts' matrices, and this
+    one (traced) multiplies: the kernel reads it where it lies."""
     m = METHODS[method]
+    groups = arrays[0].shape[0 if expert is None else 1]
     if kernel.available() and m.kind >= 0:
         q, sub, sup = m.split(arrays)
         sub = jnp.zeros((0,), jnp.uint8) if sub is None else sub
-        return kernel.call("jaxinfer_kmatmul", x, q.shape[0] * GROUP, q, sub, sup, kind=np.int64(m.kind))
+        return kernel.call("jaxinfer_kmatmul", x, groups * GROUP, q, sub, sup, expert=expert, kind=np.int64(m.kind))
     if kernel.available():
-        return kernel.call("jaxinfer_qmatmul", x, arrays[0].shape[0] * GROUP, *arrays)
+        return kernel.call("jaxinfer_qmatmul", x, groups * GROUP, *arrays, expert=expert)
+    if expert is not None:
+        arrays = tuple(jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False) for a in arrays)
     return jnp.einsum("...i,oi->...o", x, dequantize(arrays, method, x.dtype), preferred_element_type=jnp.float32)
 
 

@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T on the CPU, as XLA FFI custom calls: `jaxinfer_qmatmul` for
 // block-quantized W (`jaxinfer.quant`) and `jaxinfer_fmatmul` for float32/bfloat16 W
-// (`jaxinfer.packed`). Both keep 16 outputs side by side and share out the groups of 16 between this
+// (`jaxinfer.packed`); their `_expert` twins multiply by one matrix of a mixture's stack of experts
+// (`forms.Experts`), read where it lies (`Expert`). Both keep 16 outputs side by side and share out the groups of 16 between this
 // thread and XLA's pool; the paths that run a share are each instruction-set family's (paths.h).
 //
 // Quantized: a custom call because XLA CPU never sends a dot with M == 1 to its int8
@@ -159,8 +160,100 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------- experts
+// A mixture's stack of E matrices [E, ...] (`forms.Experts`) and the expert to multiply by ([1]
+// int32, traced: the router's choice). Sliced in the graph, each expert's bytes were copied out of
+// the stack before the kernel read them; here the stack's buffer is viewed as that one matrix.
+
+class Expert {
+ public:
+  // Matrix `e` of `stack`: the same type, one leading axis fewer, its data where it lies. An empty
+  // buffer (a format without sub-scales) stays as it is.
+  Expert(const ffi::AnyBuffer& stack, int64_t e) {
+    const auto dims = stack.dimensions();
+    const bool empty = stack.element_count() == 0;
+    const size_t bytes = empty ? 0 : stack.size_bytes() / dims[0];
+    buf_ = {XLA_FFI_Buffer_STRUCT_SIZE,
+            nullptr,
+            static_cast<XLA_FFI_DataType>(stack.element_type()),
+            static_cast<char*>(stack.untyped_data()) + e * bytes,
+            static_cast<int64_t>(dims.size()) - (empty ? 0 : 1),
+            const_cast<int64_t*>(dims.begin()) + (empty ? 0 : 1)};
+  }
+  const XLA_FFI_Buffer* get() const { return &buf_; }
+
+ private:
+  XLA_FFI_Buffer buf_;
+};
+
+// The expert's index, checked against the stack: an index out of range is an error, never a read
+// outside the stack.
+bool expert_index(const ffi::AnyBuffer& stack, ffi::Buffer<ffi::S32> expert, int64_t* e) {
+  if (stack.dimensions().size() == 0 || expert.element_count() != 1) return false;
+  *e = expert.typed_data()[0];
+  return *e >= 0 && *e < stack.dimensions()[0];
+}
+
+ffi::Error QMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                         ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t e;
+  if (!expert_index(q, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_qmatmul_expert: no such expert");
+  const Expert q_e(q, e), scale_e(scale, e);
+  return QMatmul(pool, x, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), y);
+}
+
+ffi::Error KMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sub,
+                         ffi::AnyBuffer super, ffi::Buffer<ffi::S32> expert, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t e;
+  if (!expert_index(q, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_kmatmul_expert: no such expert");
+  if (q.element_type() != ffi::DataType::U8 || sub.element_type() != ffi::DataType::U8 ||
+      super.element_type() != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("jaxinfer_kmatmul_expert: q and sub must be uint8, super float16");
+  }
+  const Expert q_e(q, e), sub_e(sub, e), super_e(super, e);
+  return KMatmul(pool, x, ffi::Buffer<ffi::U8>(q_e.get()), ffi::Buffer<ffi::U8>(sub_e.get()),
+                 ffi::Buffer<ffi::F16>(super_e.get()), kind, y);
+}
+
+ffi::Error FMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
+                         bool bf16_inputs, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t e;
+  if (!expert_index(w, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_fmatmul_expert: no such expert");
+  const Expert w_e(w, e);
+  return FMatmul(pool, x, ffi::AnyBuffer(w_e.get()), bf16_inputs, y);
+}
+
 }  // namespace
 }  // namespace jaxinfer
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul_expert, jaxinfer::QMatmulExpert,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul_expert, jaxinfer::KMatmulExpert,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("kind")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul_expert, jaxinfer::FMatmulExpert,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("bf16_inputs")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, jaxinfer::QMatmul,
                               ffi::Ffi::Bind()

@@ -82,9 +82,9 @@ PAIRS = 16
 def expert_mlp(layer: dict, x: jax.Array, e: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Expert e's gated MLP on rows x [T, D] → [T, D] float32."""
     bf16 = cfg.matmul_inputs == "bfloat16"
-    gate = forms.matmul(x, layer["we_gate"].expert(e), bf16)
-    up = forms.matmul(x, layer["we_up"].expert(e), bf16)
-    return forms.matmul(ACTIVATIONS[cfg.activation](gate) * up, layer["we_down"].expert(e), bf16, jnp.float32)
+    gate = layer["we_gate"].matmul(x, e, bf16, x.dtype)
+    up = layer["we_up"].matmul(x, e, bf16, x.dtype)
+    return layer["we_down"].matmul(ACTIVATIONS[cfg.activation](gate) * up, e, bf16, jnp.float32)
 
 
 def tile_rows(pairs: int, experts: int) -> int:
