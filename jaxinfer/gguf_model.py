@@ -28,7 +28,8 @@ from jaxinfer.errors import JaxinferError
 
 MAGIC = b"GGUF"
 
-# general.architecture → the Hugging Face architecture whose family runs it
+# general.architecture → the Hugging Face architecture whose family runs it (a "llama" file with
+# experts is Mixtral's: `hf_architecture`)
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -37,7 +38,14 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"
+# Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
+# architecture: the file does not say)
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # llama.cpp's sliding-window pattern where the file gives none (every n-th layer global), and the
 # layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -135,7 +143,7 @@ def config_json(file: GGUFFile) -> dict:
     embed = _tensor(file, "token_embd.weight")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     d = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [hf_architecture(file)],
         "model_type": arch,
         "vocab_size": int(embed.shape[1]),  # ne = [in, out]
         "hidden_size": hidden,
@@ -153,6 +161,8 @@ def config_json(file: GGUFFile) -> dict:
     ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
+    if int(meta.get(f"{arch}.expert_count", 0)):
+        d.update(_experts(file, key, d))
     if arch.startswith("gemma"):
         d.update(_gemma(file, key, d))
     if arch == "phi3":
@@ -162,6 +172,30 @@ def config_json(file: GGUFFile) -> dict:
     floats = [FILE_DTYPES[k] for k in _layer_types(file) if k in FILE_DTYPES]
     d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
     return d
+
+
+def hf_architecture(file: GGUFFile) -> str:
+    """The Hugging Face architecture a file's `general.architecture` stands for."""
+    if file.architecture == "llama" and int(file.meta.get("llama.expert_count", 0)):
+        return MIXTRAL
+    return ARCHITECTURES[file.architecture]
+
+
+def _experts(file: GGUFFile, key, d: dict) -> dict:
+    """A mixture's keys: the experts, those a token takes, their width (Qwen's own key; Mixtral's and
+    OLMoE's the feed-forward length), a shared expert's, and the layers without a router (dense)."""
+    arch, layers = file.architecture, range(d["num_hidden_layers"])
+    experts = {
+        "num_experts": int(key("expert_count")),
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "norm_topk_prob": NORM_TOPK[arch],
+        "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors],
+    }
+    if arch in ("qwen2moe", "qwen3moe"):
+        experts["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    if arch == "qwen2moe":
+        experts["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    return experts
 
 
 def _rope_scaling(file: GGUFFile, key) -> dict:
@@ -241,15 +275,23 @@ def _tensor(file: GGUFFile, name: str):
 
 
 def gguf_names(cfg, table: dict) -> dict[str, str]:
-    """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map)."""
+    """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map); every
+    expert's tensor of a stack → the file's one merged tensor (`ffn_gate_exps`, ...)."""
     import gguf
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == _gguf_arch(cfg))
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
-    return {hf: names.get_name(hf, try_suffixes=(".weight", ".bias")) for hf in table}
+
+    def merged(hf: str) -> str:
+        expert = table[hf].expert
+        return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
+
+    return {hf: names.get_name(merged(hf), try_suffixes=(".weight", ".bias")) for hf in table}
 
 
 def _gguf_arch(cfg) -> str:
+    if cfg.architecture == MIXTRAL:
+        return "llama"
     return next(arch for arch, hf in ARCHITECTURES.items() if hf == cfg.architecture)
 
 
@@ -259,17 +301,25 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int | None = None):
+def tensor_values(
+    file: GGUFFile, name: str, shape: tuple[int, ...], heads: int | None = None, expert: int | None = None, held=True
+):
     """One tensor as (kind, value): ("float", array), or (method, arrays) for the blocks a method holds
     as they are: `quant.pack`'s (codes [n, k/32, 32], scales [n, k/32]), or `quant.pack_k`'s
-    (`_scale_and_min`). `heads`: undo the q/k permutation over that many heads."""
+    (`_scale_and_min`); of a stack of experts [E, out, in] (method, [each expert's arrays]). `heads`:
+    undo the q/k permutation over that many heads; `expert`: that expert's matrix of the stack;
+    `held` False: floats whatever the type (a leaf no kernel multiplies: a router)."""
     import gguf
 
     tensor = _tensor(file, name)
+    if expert is not None:
+        tensor = _Slice(tensor, expert)
     kind = tensor.tensor_type.name
-    held = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    if held != shape:
-        raise JaxinferError(f"{file.path}: tensor {name} has shape {held}, the metadata implies {shape}")
+    stored = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if stored == tuple(n for n in shape if n != 1):  # the converter squeezes [1, D] (Qwen2-MoE's shared gate)
+        stored = shape
+    if stored != shape:
+        raise JaxinferError(f"{file.path}: tensor {name} has shape {stored}, the metadata implies {shape}")
     if kind not in read_types():
         raise JaxinferError(
             f"{file.path}: tensor {name} is {kind}, a type jaxinfer does not read (it reads {', '.join(read_types())})"
@@ -277,10 +327,12 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
     raw = tensor.data
     if heads:
         raw = _unpermute(raw, heads)
-    how = method_of(kind)
-    if how and len(shape) == 2 and shape[0] % 16 == 0:
+    how = method_of(kind) if held else None
+    if how and len(shape) in (2, 3) and shape[-2] % 16 == 0:
         from jaxinfer.quant import METHODS
 
+        if len(shape) == 3:  # a stack of experts: each one's blocks, as a 2-D matrix's, one after another
+            return how, [tensor_values(file, name, shape[1:], None, e)[1] for e in range(shape[0])]
         blocks = np.asarray(raw).reshape(shape[0], shape[1] // METHODS[how].block, -1)
         if METHODS[how].kind >= 0:
             return how, _scale_and_min(blocks, how)
@@ -297,6 +349,26 @@ def tensor_values(file: GGUFFile, name: str, shape: tuple[int, ...], heads: int 
     if kind in FILE_DTYPES:
         return "float", raw
     return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Expert e's matrix of a merged tensor [E, out, in], as a tensor of its own."""
+
+    tensor: object
+    e: int
+
+    @property
+    def tensor_type(self):
+        return self.tensor.tensor_type
+
+    @property
+    def shape(self) -> np.ndarray:
+        return self.tensor.shape[:-1]
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.tensor.data[self.e]
 
 
 def _scale_and_min(blocks: np.ndarray, method: str) -> tuple:

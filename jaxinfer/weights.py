@@ -111,17 +111,29 @@ def read_gguf(
         )
     leaves = {}
     permuted = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads, "bk": cfg.num_kv_heads}
+    llama = cfg.architecture in ("LlamaForCausalLM", gguf_model.MIXTRAL)  # the converter permuted q and k
+
+    def blocks(arrays: tuple, how: str) -> Quantized:
+        """A method's arrays, whole on every device (the kernel's custom call takes a whole matrix)."""
+        arrays = [None if a is None else jax.device_put(a, weight_sharding(cfg, (), mesh)) for a in arrays]
+        packed = quant.pack_k(*arrays, how) if quant.METHODS[how].kind >= 0 else quant.pack(*arrays, how)
+        return Quantized(*packed[:2], how, *packed[2:])
+
     for done, (hf_name, weight) in enumerate(table.items(), 1):
-        heads = permuted.get(weight.path[-1]) if cfg.architecture == "LlamaForCausalLM" else None
-        how, value = gguf_model.tensor_values(file, names[hf_name], weight.shape, heads)
+        if weight.expert is not None and weight.expert[0]:
+            continue  # the file's one tensor holds the whole stack: read with expert 0
+        heads = permuted.get(weight.path[-1]) if llama else None
+        shape = weight.leaf.shape
+        how, value = gguf_model.tensor_values(file, names[hf_name], shape, heads, held=is_matrix(weight.path, shape))
         if cfg.norm_plus_one and len(weight.shape) == 1 and weight.path[-1].endswith("norm"):
             value = np.asarray(value, np.float32) - 1  # llama.cpp's converter stored Gemma's 1 + weight
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
-        else:  # a method's arrays, whole on every device (the kernel's custom call takes a whole matrix)
-            arrays = [None if a is None else jax.device_put(a, weight_sharding(cfg, (), mesh)) for a in value]
-            packed = quant.pack_k(*arrays, how) if quant.METHODS[how].kind >= 0 else quant.pack(*arrays, how)
-            leaves[weight.path] = Quantized(*packed[:2], how, *packed[2:])
+        elif weight.expert is not None:  # each expert's blocks
+            experts = [blocks(arrays, how) for arrays in value]
+            leaves[weight.path] = Experts(jax.tree.map(lambda *a: jnp.stack(a), *experts))
+        else:
+            leaves[weight.path] = blocks(value, how)
         if progress:
             progress(done, len(table))
     return tree_from_leaves(cfg, leaves)

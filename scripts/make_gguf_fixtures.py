@@ -2,6 +2,7 @@
 
     pip install -e ".[compare]"            # llama-cpp-python: its quantizer and its answers
     python scripts/make_gguf_fixtures.py   # rewrites tests/data/gguf/
+    python scripts/make_gguf_fixtures.py mixtral-sp   # (re)makes only these models' files
 
 Tiny random-weight models made by transformers (`tests/tiny_models.py`), each with a tokenizer of a
 kind GGUF files carry: a SentencePiece BPE (Llama 2 / Mistral), a byte-level BPE split as Llama 3
@@ -121,6 +122,32 @@ MODELS = {
         dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_key_value_heads=2, init_std=0.08),
         ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_1", "Q5_0"],
     ),
+    # mixtures: Mixtral as llama.cpp writes it (a "llama" file with experts), Qwen's and OLMoE's own;
+    # every layer sparse and no clamp of q/k/v, as llama.cpp runs them
+    "mixtral-sp": ("mixtral", "sp", {}, ["F32", "Q8_0"]),
+    "qwen2moe-bpe": ("qwen2-moe", "qwen2", dict(bos_token_id=None, eos_token_id=2, decoder_sparse_step=1), ["F16"]),
+    "qwen3moe-bpe": ("qwen3-moe", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["F32", "Q8_0"]),
+    # llama.cpp's OLMoE takes k's norm as wide as q's: as many kv heads as heads, as OLMoE-1B-7B has
+    "olmoe-bpe": (
+        "olmoe",
+        "qwen2",
+        dict(bos_token_id=None, eos_token_id=2, clip_qkv=None, num_key_value_heads=4),
+        ["F32"],
+    ),
+    "qwen3moe-bpe-256": (
+        "qwen3-moe",
+        "qwen2",
+        dict(
+            bos_token_id=None,
+            eos_token_id=2,
+            hidden_size=256,
+            moe_intermediate_size=256,
+            num_hidden_layers=1,
+            head_dim=64,
+            init_std=0.08,
+        ),
+        ["Q4_K_M"],
+    ),
 }
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
@@ -178,16 +205,19 @@ def tokens(path: Path) -> list[list[int]]:
     return [llm.tokenize(line.encode(), add_bos=True, special=True) for line in TOKENIZED]
 
 
-def main() -> None:
+def main(only: list[str]) -> None:
     import tempfile
 
     tree = llama_cpp_source(Path(tempfile.gettempdir()))
     OUT.mkdir(parents=True, exist_ok=True)
     for old in OUT.iterdir():
-        old.unlink()
+        if not only or old.name.split(".")[0] in only:
+            old.unlink()
     recorded_tokens = {}
     with tempfile.TemporaryDirectory() as work:
         for name, (arch, tokenizer, settings, kinds) in MODELS.items():
+            if only and name not in only:
+                continue
             writer = sentencepiece_tokenizer if tokenizer == "sp" else bpe_writer(tokenizer)
             model_dir = make_model(Path(work) / name, arch, writer, **settings)
             pre = "default" if tokenizer == "sp" else BPE_KINDS[tokenizer][5]
@@ -202,9 +232,13 @@ def main() -> None:
                 np.savez(OUT / f"{name}.{kind}.llama_cpp.npz", **answers(out))
                 print(f"{out.name}: {out.stat().st_size / 1e3:.0f} kB")
             recorded_tokens.setdefault(tokenizer, {"file": f"{name}.{kinds[0]}.gguf", "tokens": tokens(base)})
-    fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
-    (OUT / "tokens.json").write_text(json.dumps(fixture, indent=1))
+    if not only:  # the tokenizers' answers come from the whole set
+        fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
+        (OUT / "tokens.json").write_text(json.dumps(fixture, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    unknown = set(sys.argv[1:]) - set(MODELS)
+    if unknown:
+        sys.exit(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
+    main(sys.argv[1:])

@@ -67,14 +67,17 @@ def test_every_tensor_is_the_files_own_values(name):
     file = gguf_model.open_gguf(DATA / name)
     table = weights.weight_table(model.config)
     names = gguf_model.gguf_names(model.config, table)
-    for hf_name, (path, shape, *_) in table.items():
+    for hf_name, weight in table.items():
+        path = weight.path
         tensor = file.tensors[names[hf_name]]
-        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-        if path[-1] in ("wq", "wk") and model.config.architecture == "LlamaForCausalLM":
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(weight.leaf.shape)
+        if path[-1] in ("wq", "wk") and model.config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM"):
             values = gguf_model._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
         leaf = model.params
         for key in path:
             leaf = leaf[key]
+        if weight.expert is not None:  # one expert of the file's merged tensor, and of our stack
+            values, leaf = values[weight.expert[0]], leaf.expert(jnp.int32(weight.expert[0]))
         if isinstance(leaf, forms.Quantized):
             assert leaf.method == tensor.tensor_type.name.lower()
         ours = np.asarray(leaf.dense() if forms.is_form(leaf) else leaf, np.float32)
@@ -109,13 +112,35 @@ def test_logits_and_greedy_text_are_llama_cpp_s(name):
         assert generation.token_ids == answer["greedy"].tolist()
 
 
+def test_a_quantized_mixture_scores_its_text_as_llama_cpp_does():
+    """Qwen3-MoE's Q4_K_M file (Q4_K and Q6_K expert stacks): the perplexity of the prompt and
+    llama.cpp's continuation under our logits within 1% of its own."""
+    name = "qwen3moe-bpe-256.Q4_K_M.gguf"
+    answer = recorded(name)
+    ids = answer["prompt_ids"].tolist() + answer["greedy"].tolist()
+    ours, _ = our_prompt_logits(load_model(DATA / name), ids[:-1], S=128)
+
+    def perplexity(logits: np.ndarray) -> float:
+        logits = logits.astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return float(np.exp(-log_probs[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+    assert perplexity(ours) == pytest.approx(perplexity(answer["logits"][: len(ids) - 1]), rel=0.01)
+
+
 def gguf_prompt() -> str:
     return json.loads((DATA / "tokens.json").read_text())["prompt"]
 
 
 @pytest.mark.parametrize(
     "name, arch, overrides",
-    [("llama-sp.F32.gguf", "llama", {}), ("gemma-sp.F16.gguf", "gemma", {}), ("tiny-phi-sp.F32.gguf", "phi3", {})],
+    [
+        ("llama-sp.F32.gguf", "llama", {}),
+        ("gemma-sp.F16.gguf", "gemma", {}),
+        ("tiny-phi-sp.F32.gguf", "phi3", {}),
+        ("mixtral-sp.F32.gguf", "mixtral", {}),
+    ],
 )
 def test_a_file_is_the_checkpoint_it_was_converted_from(tiny, name, arch, overrides):
     """The GGUF file and the safetensors checkpoint llama.cpp's converter made it from (rebuilt: the
@@ -144,6 +169,19 @@ def test_metadata_becomes_the_config_it_stands_for():
     assert load_model(DATA / "qwen2-bpe.BF16.gguf", dtype="float32").dtype == "float32"
     assert load_model(DATA / "qwen3-bpe.F16.gguf").config.qk_norm
     assert load_model(DATA / "llama-sp.Q4_0.gguf").quantize == "q4_0"
+    # mixtures: Mixtral is a "llama" file with experts; whether the chosen weights are renormalised is
+    # llama.cpp's fixed choice per architecture (the file does not say)
+    mixtral = load_model(DATA / "mixtral-sp.F32.gguf").config
+    assert (mixtral.architecture, mixtral.num_experts, mixtral.experts_per_token, mixtral.norm_topk) == (
+        "MixtralForCausalLM",
+        5,
+        2,
+        True,
+    )
+    qwen2moe = load_model(DATA / "qwen2moe-bpe.F16.gguf").config
+    assert (qwen2moe.expert_size, qwen2moe.shared_expert_size, qwen2moe.norm_topk) == (48, 96, False)
+    assert qwen2moe.feed_forwards == ("mixture", "mixture")
+    assert load_model(DATA / "qwen3moe-bpe.F32.gguf").config.norm_topk
 
 
 @pytest.mark.parametrize("name", ["qwen2-bpe.BF16.gguf", "llama3-bpe.F16.gguf"])
@@ -222,7 +260,9 @@ def test_ollama_names_its_blob(tmp_path, monkeypatch):
         load_config("ollama:tiny")
 
 
-@pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "llama3-bpe.F16.gguf", "qwen2-bpe.BF16.gguf"])
+@pytest.mark.parametrize(
+    "name", ["llama-sp-256.Q4_K_M.gguf", "llama3-bpe.F16.gguf", "qwen2-bpe.BF16.gguf", "qwen3moe-bpe-256.Q4_K_M.gguf"]
+)
 def test_convert_keeps_the_files_model(name, tmp_path):
     """The converted form of a GGUF file: every matrix in its method, the tokenizer (special tokens
     matched whole), the chat template and the end tokens, the same logits."""
@@ -279,7 +319,9 @@ def retyped(tmp_path: Path, name: str, tensor, kind) -> Path:
     return corrupted(tmp_path, name, lambda d: d[:at] + struct.pack("<I", kind.value) + d[at + 4 :])
 
 
-@pytest.mark.parametrize("name", ["llama-sp-256.Q4_K_M.gguf", "llama-sp.Q4_0.gguf", "gemma2-sp.Q8_0.gguf"])
+@pytest.mark.parametrize(
+    "name", ["llama-sp-256.Q4_K_M.gguf", "llama-sp.Q4_0.gguf", "gemma2-sp.Q8_0.gguf", "qwen3moe-bpe-256.Q4_K_M.gguf"]
+)
 def test_the_roofline_counts_the_bytes_a_file_holds(name):
     """A file's mix of methods (Q4_K_M: q4_k and q6_k) is what `info`, `bench` and MBU count."""
     import jax
