@@ -12,8 +12,9 @@ build it for AVX-512 without AMX instead:
       -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
       pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==0.3.36"
 
-Each shape (SmolLM-135M, TinyLlama-1.1B) becomes a random-weight float32 checkpoint made by
-transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
+Each shape (SmolLM-135M, TinyLlama-1.1B; `--shapes qwen3-moe-a0.3b,qwen3-dense-0.3b` a mixture of
+experts beside a dense model of its active size, `--out` another file) becomes a random-weight float32
+checkpoint made by transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
 and Q4_K_M by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs the same
 512 prompt tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shapes import SHAPES  # noqa: E402
+from shapes import SHAPES, hf_config  # noqa: E402
 
 from jaxinfer.modeldir import bundled_model_dir  # noqa: E402
 
@@ -60,26 +61,10 @@ def checkpoint(shape: str, work: Path, dtype: str = "float32") -> Path:
     out = work / shape
     if any(out.glob("*.safetensors")):  # one file, or a large model's shards
         return out
-    cfg = SHAPES[shape]
-    config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
+    config = hf_config(SHAPES[shape], bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+        transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(out)
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(bundled_model_dir() / name, out / name)
     return out

@@ -71,7 +71,76 @@ SHAPES = {
         rope_theta=500000.0,
         sliding_windows=(None,) * 32,
     ),
+    # Qwen3-30B-A3B scaled to fit here (its 128 experts of 768, 48 layers → 64 of 384, 8 layers: the
+    # shape llama.cpp's mixture figures of issue 55 were measured on), and a dense Qwen3 of the same
+    # active size: the same attention, an MLP as wide as the 8 experts a token takes.
+    "qwen3-moe-a0.3b": ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        qk_norm="heads",
+        sliding_windows=(None,) * 8,
+        feed_forwards=("mixture",) * 8,
+        num_experts=64,
+        experts_per_token=8,
+        expert_size=384,
+        norm_topk=True,
+    ),
+    "qwen3-dense-0.3b": ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        qk_norm="heads",
+        sliding_windows=(None,) * 8,
+    ),
 }
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def hf_config(cfg: ModelConfig, **keys):
+    """The transformers config of a shape (`keys`: token ids and the like on top)."""
+    import transformers
+
+    d = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        **keys,
+    )
+    if cfg.num_experts:
+        d.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.expert_size,
+            norm_topk_prob=cfg.norm_topk,
+        )
+    config = transformers.AutoConfig.for_model(MODEL_TYPES[cfg.architecture], **d)
+    config.architectures = [cfg.architecture]
+    return config
 
 
 def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:

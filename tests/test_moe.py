@@ -5,6 +5,7 @@ orbax copy and a continuous batch. Logits and greedy text against transformers a
 (the tiny mixtral, qwen2-moe, qwen3-moe and olmoe of tiny_models)."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from cli_helpers import jaxinfer
 from reference import alone, our_prompt_logits, reference
 
 from jaxinfer import forms, roofline
@@ -173,6 +175,19 @@ def test_a_quantized_mixture_stays_close_and_survives_the_orbax_copy(tiny, tmp_p
     assert alone(dataclasses.replace(converted, eos_ids=()), request).token_ids == tokens
 
 
+def test_perplexity_is_transformers_loss(tiny):
+    """A whole sequence without a cache (`jaxinfer perplexity`): every token routed at once, the
+    tiles plan; the mean negative log-likelihood transformers' loss on the same tokens."""
+    from jaxinfer.perplexity import perplexity
+
+    path = tiny("olmoe")
+    model, hf = load_model(path), reference(path)
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
+
+
 @pytest.mark.slow
 def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
     """Continuous batching with rows routed to different experts (the tiles plan: 2 experts × up to 5
@@ -183,3 +198,13 @@ def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
     out = []
     Scheduler(model, 5, 128).run(reqs, out.append, True)
     assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r).text for r in reqs}
+
+
+@pytest.mark.slow
+def test_experts_split_over_devices_give_one_devices_tokens(tiny):
+    """8 experts over 2 and 4 CPU devices (the "experts" axis: each device holds whole experts): the
+    tokens one device gives."""
+    path = tiny("qwen3-moe")
+    run = ("run", "-m", path, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "The capital of France")
+    tokens = [json.loads(jaxinfer(*run, "--devices", str(n)).stdout)["token_ids"] for n in (1, 2, 4)]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 12
