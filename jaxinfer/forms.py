@@ -184,15 +184,17 @@ class Experts:
         """Expert e's matrix (e traced: a slice of each array, in the inner form)."""
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), self.inner)
 
-    def matmul(self, x: jax.Array, e: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
-        """x [..., in] @ expert e's matrix: the CPU kernels read it where it lies in the stack (a slice
-        in the graph is a copy of its bytes first), XLA's dot its slice."""
-        inner = self.inner
-        if isinstance(inner, Packed):
-            return packed.matmul(x, inner.w, bf16_inputs, expert=e).astype(dtype)
-        if isinstance(inner, Quantized) and inner.layout == "packed":
-            return quant.matmul(x, inner.arrays, inner.method, expert=e).astype(dtype)
-        return self.expert(e).matmul(x, bf16_inputs, dtype)
+    def on_kernel(self) -> bool:
+        """Whether the CPU kernels multiply the stack (packed floats or blocks, the kernels built)."""
+        held = isinstance(self.inner, Packed) or (isinstance(self.inner, Quantized) and self.inner.layout == "packed")
+        return held and kernel.available()
+
+    def matmul_routed(self, x: jax.Array, experts: jax.Array, bf16_inputs: bool, dtype) -> jax.Array:
+        """Rows x [R, in], row r by expert experts[r]'s matrix → [R, out]: one call of the CPU kernels
+        (`on_kernel`), which group the rows by expert and read each routed expert once, where it lies."""
+        if isinstance(self.inner, Packed):
+            return packed.matmul(x, self.inner.w, bf16_inputs, experts=experts).astype(dtype)
+        return quant.matmul(x, self.inner.arrays, self.inner.method, experts=experts).astype(dtype)
 
     def axes(self, axes: tuple, blocks: tuple) -> Experts:
         """Split by experts only (`jaxinfer.sharding`): a mesh holds whole experts."""

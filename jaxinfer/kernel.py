@@ -27,9 +27,9 @@ TARGETS = (
     "jaxinfer_qmatmul",
     "jaxinfer_kmatmul",
     "jaxinfer_fmatmul",
-    "jaxinfer_qmatmul_expert",
-    "jaxinfer_kmatmul_expert",
-    "jaxinfer_fmatmul_expert",
+    "jaxinfer_qmatmul_routed",
+    "jaxinfer_kmatmul_routed",
+    "jaxinfer_fmatmul_routed",
     "jaxinfer_attention",
     "jaxinfer_constrain_advance",
     "jaxinfer_constrain_check",
@@ -118,13 +118,13 @@ def isa() -> str | None:
 
 
 def call(
-    target: str, x: jax.Array, out: int, *weights: jax.Array, expert: jax.Array | None = None, **attributes
+    target: str, x: jax.Array, out: int, *weights: jax.Array, experts: jax.Array | None = None, **attributes
 ) -> jax.Array:
-    """x [..., K] through `target` → float32 [..., out]; with `expert` (a traced index), through its
-    `_expert` twin, by that matrix of the weights' stacks of experts [E, ...]."""
+    """x [..., K] through `target` → float32 [..., out]; with `experts` (an expert id per row of x),
+    through its `_routed` twin: each row by its own matrix of the weights' stacks [E, ...]."""
     flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    operands = (flat, *weights) if expert is None else (flat, *weights, jnp.reshape(expert, (1,)).astype(jnp.int32))
-    target = target if expert is None else f"{target}_expert"
+    operands = (flat, *weights) if experts is None else (flat, *weights, experts.reshape(-1).astype(jnp.int32))
+    target = target if experts is None else f"{target}_routed"
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((flat.shape[0], out), jnp.float32))(*operands, **attributes)
     return y.reshape(*x.shape[:-1], out)
 

@@ -59,17 +59,17 @@ def bf16_values(x: jax.Array) -> jax.Array:
     return x.astype(jnp.bfloat16).astype(x.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, bf16_inputs: bool = False, expert: jax.Array | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, bf16_inputs: bool = False, experts: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W.T → float32 [..., out] for packed w: on the kernel where it is built for this
     backend. `bf16_inputs`: x rounded to bfloat16 first (`ModelConfig.matmul_inputs`; in the kernel,
     where it costs nothing: in the graph, XLA CPU ran the rounding as 91 fusions of their own, 18 ms
-    of a 190 ms SmolLM-135M prompt of 512 tokens). `expert`: w is a stack of experts' matrices, and
-    this one (traced) multiplies: the kernel reads it where it lies."""
+    of a 190 ms SmolLM-135M prompt of 512 tokens). `experts` (the kernel's only): w is a stack of
+    experts' matrices, and row r of x [R, in] multiplies by matrix experts[r]."""
     if kernel.available():
-        groups = w.shape[0 if expert is None else 1]
-        return kernel.call("jaxinfer_fmatmul", x, groups * GROUP, w, expert=expert, bf16_inputs=bf16_inputs)
-    if expert is not None:
-        w = jax.lax.dynamic_index_in_dim(w, expert, 0, keepdims=False)
+        groups = w.shape[0 if experts is None else 1]
+        return kernel.call("jaxinfer_fmatmul", x, groups * GROUP, w, experts=experts, bf16_inputs=bf16_inputs)
+    if experts is not None:
+        raise ValueError("routed rows are the CPU kernel's")
     if bf16_inputs:
         x = bf16_values(x)
     w = _paired(w)

@@ -271,20 +271,20 @@ def take_rows(arrays: tuple, method: str, ids: jax.Array, dtype) -> jax.Array:
     return rows.reshape(*ids.shape, -1).astype(dtype)  # [..., k/32, 8, 1, 4] → [..., k]
 
 
-def matmul(x: jax.Array, arrays: tuple, method: str, expert: jax.Array | None = None) -> jax.Array:
+def matmul(x: jax.Array, arrays: tuple, method: str, experts: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ W.T → [..., out] float32: the kernel where built for this backend, else the
-    dequantized weight in the graph. `expert`: the arrays are stacks of experts' matrices, and this
-    one (traced) multiplies: the kernel reads it where it lies."""
+    dequantized weight in the graph. `experts` (the kernel's only): the arrays are stacks of experts'
+    matrices, and row r of x [R, in] multiplies by matrix experts[r]."""
     m = METHODS[method]
-    groups = arrays[0].shape[0 if expert is None else 1]
+    groups = arrays[0].shape[0 if experts is None else 1]
     if kernel.available() and m.kind >= 0:
         q, sub, sup = m.split(arrays)
         sub = jnp.zeros((0,), jnp.uint8) if sub is None else sub
-        return kernel.call("jaxinfer_kmatmul", x, groups * GROUP, q, sub, sup, expert=expert, kind=np.int64(m.kind))
+        return kernel.call("jaxinfer_kmatmul", x, groups * GROUP, q, sub, sup, experts=experts, kind=np.int64(m.kind))
     if kernel.available():
-        return kernel.call("jaxinfer_qmatmul", x, groups * GROUP, *arrays, expert=expert)
-    if expert is not None:
-        arrays = tuple(jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False) for a in arrays)
+        return kernel.call("jaxinfer_qmatmul", x, groups * GROUP, *arrays, experts=experts)
+    if experts is not None:
+        raise ValueError("routed rows are the CPU kernel's")
     return jnp.einsum("...i,oi->...o", x, dequantize(arrays, method, x.dtype), preferred_element_type=jnp.float32)
 
 

@@ -1,8 +1,9 @@
 // y[M, N] = x[M, K] @ W[N, K]^T on the CPU, as XLA FFI custom calls: `jaxinfer_qmatmul` for
 // block-quantized W (`jaxinfer.quant`) and `jaxinfer_fmatmul` for float32/bfloat16 W
-// (`jaxinfer.packed`); their `_expert` twins multiply by one matrix of a mixture's stack of experts
-// (`forms.Experts`), read where it lies (`Expert`). Both keep 16 outputs side by side and share out the groups of 16 between this
-// thread and XLA's pool; the paths that run a share are each instruction-set family's (paths.h).
+// (`jaxinfer.packed`); their `_routed` twins multiply rows each by its own matrix of a mixture's
+// stack of experts (`forms.Experts`), read where it lies (`Expert`). Both keep 16 outputs side by
+// side and share out the groups of 16 between this thread and XLA's pool; the paths that run a
+// share are each instruction-set family's (paths.h).
 //
 // Quantized: a custom call because XLA CPU never sends a dot with M == 1 to its int8
 // kernels and rebuilds the float weight when dequantizing in the graph (../shared/JAX-ON-CPU.md).
@@ -161,9 +162,9 @@ ffi::Error FMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 }
 
 // ------------------------------------------------------------------------------- experts
-// A mixture's stack of E matrices [E, ...] (`forms.Experts`) and the expert to multiply by ([1]
-// int32, traced: the router's choice). Sliced in the graph, each expert's bytes were copied out of
-// the stack before the kernel read them; here the stack's buffer is viewed as that one matrix.
+// A mixture's stack of E matrices [E, ...] (`forms.Experts`). Sliced in the graph, an expert's bytes
+// were copied out of the stack before the kernel read them; here the stack's buffer is viewed as
+// that one matrix.
 
 class Expert {
  public:
@@ -186,47 +187,83 @@ class Expert {
   XLA_FFI_Buffer buf_;
 };
 
-// The expert's index, checked against the stack: an index out of range is an error, never a read
-// outside the stack.
-bool expert_index(const ffi::AnyBuffer& stack, ffi::Buffer<ffi::S32> expert, int64_t* e) {
-  if (stack.dimensions().size() == 0 || expert.element_count() != 1) return false;
-  *e = expert.typed_data()[0];
-  return *e >= 0 && *e < stack.dimensions()[0];
-}
+// ------------------------------------------------------------------------------- routed rows
+// A layer's (row, expert) pairs in one call (ggml's `mul_mat_id`): y[r] = x[r] @ W[expert[r]]^T for
+// rows x [R, K], each routed to its own matrix of the stack. The rows are grouped by expert (a
+// counting sort), each expert with rows runs the product above on all of them, read once where it
+// lies in the stack, and an expert no row picked is never read. In the graph, each pair (or tile of
+// one expert's rows) was a call of its own inside XLA's loop: 8 layers of 64 experts at 16 rows a
+// step made 1,344 calls a step.
 
-ffi::Error QMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
-                         ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
-  int64_t e;
-  if (!expert_index(q, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_qmatmul_expert: no such expert");
-  const Expert q_e(q, e), scale_e(scale, e);
-  return QMatmul(pool, x, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), y);
-}
-
-ffi::Error KMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sub,
-                         ffi::AnyBuffer super, ffi::Buffer<ffi::S32> expert, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
-  int64_t e;
-  if (!expert_index(q, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_kmatmul_expert: no such expert");
-  if (q.element_type() != ffi::DataType::U8 || sub.element_type() != ffi::DataType::U8 ||
-      super.element_type() != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("jaxinfer_kmatmul_expert: q and sub must be uint8, super float16");
+template <typename Run>  // run(expert, its rows [c, K], their products [c, N]) -> ffi::Error
+ffi::Error routed(ffi::Buffer<ffi::F32> x, int64_t experts, ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y, Run run) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() == 0) return ffi::Error::InvalidArgument("routed product: x must be [R, K]");
+  const int64_t k = x_dims.back();
+  const int64_t rows = x.element_count() / std::max<int64_t>(k, 1);
+  const int64_t n = y->dimensions().back();
+  if (static_cast<int64_t>(expert.element_count()) != rows) {
+    return ffi::Error::InvalidArgument("routed product: one expert a row");
   }
-  const Expert q_e(q, e), sub_e(sub, e), super_e(super, e);
-  return KMatmul(pool, x, ffi::Buffer<ffi::U8>(q_e.get()), ffi::Buffer<ffi::U8>(sub_e.get()),
-                 ffi::Buffer<ffi::F16>(super_e.get()), kind, y);
+  const int32_t* ids = expert.typed_data();
+  std::vector<int64_t> starts(experts + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (ids[r] < 0 || ids[r] >= experts) return ffi::Error::InvalidArgument("routed product: no such expert");
+    ++starts[ids[r] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
+  std::vector<int64_t> order(rows), at(starts.begin(), starts.end() - 1);
+  for (int64_t r = 0; r < rows; ++r) order[at[ids[r]]++] = r;
+  std::vector<float> xs(rows * k), ys(rows * n);
+  for (int64_t i = 0; i < rows; ++i) std::copy_n(x.typed_data() + order[i] * k, k, xs.data() + i * k);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t first = starts[e], count = starts[e + 1] - first;
+    if (count == 0) continue;
+    int64_t x_shape[2] = {count, k}, y_shape[2] = {count, n};
+    XLA_FFI_Buffer xb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_F32, xs.data() + first * k, 2, x_shape};
+    XLA_FFI_Buffer yb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_F32, ys.data() + first * n, 2, y_shape};
+    const ffi::Error error = run(e, ffi::Buffer<ffi::F32>(&xb), ffi::ResultBuffer<ffi::F32>(ffi::Buffer<ffi::F32>(&yb)));
+    if (error.failure()) return error;
+  }
+  for (int64_t i = 0; i < rows; ++i) std::copy_n(ys.data() + i * n, n, y->typed_data() + order[i] * n);
+  return ffi::Error::Success();
 }
 
-ffi::Error FMatmulExpert(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
+ffi::Error QMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                         ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
+  if (q.dimensions().size() == 0) return ffi::Error::InvalidArgument("jaxinfer_qmatmul_routed: q must be a stack");
+  return routed(x, q.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
+    const Expert q_e(q, e), scale_e(scale, e);
+    return QMatmul(pool, rows, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), out);
+  });
+}
+
+ffi::Error KMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sub,
+                         ffi::AnyBuffer super, ffi::Buffer<ffi::S32> expert, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
+  if (q.dimensions().size() == 0 || q.element_type() != ffi::DataType::U8 || sub.element_type() != ffi::DataType::U8 ||
+      super.element_type() != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("jaxinfer_kmatmul_routed: q and sub must be uint8 stacks, super float16");
+  }
+  return routed(x, q.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
+    const Expert q_e(q, e), sub_e(sub, e), super_e(super, e);
+    return KMatmul(pool, rows, ffi::Buffer<ffi::U8>(q_e.get()), ffi::Buffer<ffi::U8>(sub_e.get()),
+                   ffi::Buffer<ffi::F16>(super_e.get()), kind, out);
+  });
+}
+
+ffi::Error FMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
                          bool bf16_inputs, ffi::ResultBuffer<ffi::F32> y) {
-  int64_t e;
-  if (!expert_index(w, expert, &e)) return ffi::Error::InvalidArgument("jaxinfer_fmatmul_expert: no such expert");
-  const Expert w_e(w, e);
-  return FMatmul(pool, x, ffi::AnyBuffer(w_e.get()), bf16_inputs, y);
+  if (w.dimensions().size() == 0) return ffi::Error::InvalidArgument("jaxinfer_fmatmul_routed: w must be a stack");
+  return routed(x, w.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
+    const Expert w_e(w, e);
+    return FMatmul(pool, rows, ffi::AnyBuffer(w_e.get()), bf16_inputs, out);
+  });
 }
 
 }  // namespace
 }  // namespace jaxinfer
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul_expert, jaxinfer::QMatmulExpert,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul_routed, jaxinfer::QMatmulRouted,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -235,7 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul_expert, jaxinfer::QMatmulExpert,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul_expert, jaxinfer::KMatmulExpert,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul_routed, jaxinfer::KMatmulRouted,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -246,7 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul_expert, jaxinfer::KMatmulExpert,
                                   .Attr<int64_t>("kind")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul_expert, jaxinfer::FMatmulExpert,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_fmatmul_routed, jaxinfer::FMatmulRouted,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -6,15 +6,18 @@ packed, so the choice of experts is the checkpoint's to float32 rounding), the e
 "we_gate", "we_up" [E, F, D] and "we_down" [E, D, F] (`forms.Experts`), and for a shared expert the
 dense MLP's "wgate"/"wup"/"wdown" and "shared_gate" [1, D].
 
-The experts' products read only the experts the tokens were routed to, each expert's three products
-one after another on its rows (`routed_mlp`). Two plans, chosen by shape (measured on XLA CPU, a
-2-core Zen 4, 64 experts of 384 × 1024 float32, top 8: one product of gate's shape for N rows):
-- few (row, expert) pairs (decode at small batch): each pair's expert sliced and multiplied on its
-  own: N = 1 0.9 ms, where a gather of the 8 experts' weights (`w[ids]`) took 11 ms (XLA copies them)
-  and the product over all 64 experts 2.2 ms;
-- otherwise the pairs sorted by expert into tiles of rows of one expert each (MegaBlocks' grouping),
-  a loop over the tiles reading each routed expert once per tile and skipping empty ones: N = 256
-  33 ms, against 71 ms over all experts and 875 ms for `jax.lax.ragged_dot` (which XLA CPU expands).
+The experts' products read only the experts the tokens were routed to (`routed_mlp`), by one of
+three plans chosen by shape (first measured on XLA CPU, a 2-core Zen 4, 64 experts of 384 × 1024
+float32, top 8: one product of gate's shape for N rows):
+- few (row, expert) pairs (decode at batch 1 and 2): each pair's MLP on its own, the expert read where
+  it lies in its stack by the CPU kernels (elsewhere sliced): N = 1 0.9 ms sliced, where a gather of
+  the 8 experts' weights (`w[ids]`) took 11 ms (XLA copies them) and the product over all 64 experts
+  2.2 ms;
+- more pairs on the CPU kernels: each product one call over all of them, which groups the rows by
+  expert (ggml's `mul_mat_id`; `routed_kernels`);
+- more pairs elsewhere: the pairs sorted by expert into tiles of one expert each (MegaBlocks'
+  grouping), a loop over the tiles skipping empty ones: N = 256 33 ms, against 71 ms over all experts
+  and 875 ms for `jax.lax.ragged_dot` (which XLA CPU expands).
 """
 
 from __future__ import annotations
@@ -80,11 +83,17 @@ PAIRS = 16
 
 
 def expert_mlp(layer: dict, x: jax.Array, e: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Expert e's gated MLP on rows x [T, D] → [T, D] float32."""
+    """Expert e's gated MLP on rows x [T, D] → [T, D] float32: on the CPU kernels read where it lies
+    in its stack, elsewhere its matrices sliced."""
     bf16 = cfg.matmul_inputs == "bfloat16"
-    gate = layer["we_gate"].matmul(x, e, bf16, x.dtype)
-    up = layer["we_up"].matmul(x, e, bf16, x.dtype)
-    return layer["we_down"].matmul(ACTIVATIONS[cfg.activation](gate) * up, e, bf16, jnp.float32)
+
+    def product(name: str, rows: jax.Array, dtype) -> jax.Array:
+        if layer[name].on_kernel():
+            return layer[name].matmul_routed(rows, jnp.full(rows.shape[:1], e), bf16, dtype)
+        return forms.matmul(rows, layer[name].expert(e), bf16, dtype)
+
+    gate, up = product("we_gate", x, x.dtype), product("we_up", x, x.dtype)
+    return product("we_down", ACTIVATIONS[cfg.activation](gate) * up, jnp.float32)
 
 
 def tile_rows(pairs: int, experts: int) -> int:
@@ -97,15 +106,48 @@ def tile_rows(pairs: int, experts: int) -> int:
 
 
 def routed_mlp(layer: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Σ_k weights[n, k] · expert ids[n, k]'s MLP (x[n]) → [N, D] float32, reading only routed experts."""
+    """Σ_k weights[n, k] · expert ids[n, k]'s MLP (x[n]) → [N, D] float32, reading only routed experts.
+    Up to `PAIRS` (row, expert) pairs (decode at batch 1 and 2), each pair's MLP on its own: the
+    pairs' calls depend on none of each other's, and XLA runs them side by side (the scaled
+    Qwen3-30B-A3B shape at batch 1, decode tok/s: int4 232–240 → 266–305, Q4_K_M 187–207 → 208–237
+    against the three products of all the pairs in one call each). More pairs: on the CPU kernels each
+    product one call over all of them (`routed_kernels`), elsewhere tiles of one expert (`routed_tiles`)."""
+    if ids.size <= PAIRS:
+        return routed_pairs(layer, x, ids, weights, cfg)
+    if all(layer[name].on_kernel() for name in ("we_gate", "we_up", "we_down")):
+        return routed_kernels(layer, x, ids, weights, cfg)
+    return routed_tiles(layer, x, ids, weights, cfg)
+
+
+def routed_kernels(layer: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Each row once per expert it was routed to, the three products each one call over all the
+    pairs (`forms.Experts.matmul_routed`: the kernel groups them by expert, exactly, with no padding;
+    a batch of 16 rows 370 → 409 tok/s and a 128-token prompt 653 → 912 tok/s on the q8_0 GGUF of the
+    scaled Qwen3-30B-A3B shape, against `routed_tiles` on the kernels)."""
+    N, K = ids.shape
+    bf16, experts = cfg.matmul_inputs == "bfloat16", ids.reshape(-1)
+    rows = jnp.repeat(x, K, axis=0)  # [N·K, D], pair (n, k) at n·K + k
+    gate = layer["we_gate"].matmul_routed(rows, experts, bf16, x.dtype)
+    up = layer["we_up"].matmul_routed(rows, experts, bf16, x.dtype)
+    out = layer["we_down"].matmul_routed(ACTIVATIONS[cfg.activation](gate) * up, experts, bf16, jnp.float32)
+    return (out.reshape(N, K, -1) * weights[..., None]).sum(1)
+
+
+def routed_pairs(layer: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Each (row, expert) pair's MLP on its own: decode's few pairs."""
+    N, K = ids.shape
+    out = jnp.zeros((N, x.shape[-1]), jnp.float32)
+    for j in range(N * K):
+        n, k = divmod(j, K)
+        out = out.at[n].add(weights[n, k] * expert_mlp(layer, x[n : n + 1], ids[n, k], cfg)[0])
+    return out
+
+
+def routed_tiles(layer: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The pairs sorted by expert into tiles of one expert each, a loop over the tiles skipping the
+    empty ones: a batch's or a prompt's many pairs."""
     N, K = ids.shape
     P, E = N * K, cfg.num_experts
-    if P <= PAIRS:
-        out = jnp.zeros((N, x.shape[-1]), jnp.float32)
-        for j in range(P):
-            n, k = divmod(j, K)
-            out = out.at[n].add(weights[n, k] * expert_mlp(layer, x[n : n + 1], ids[n, k], cfg)[0])
-        return out
     T = tile_rows(P, E)
     tiles = -(-P // T) + E  # each expert's pairs padded to whole tiles: at most one partial tile each
     flat = ids.reshape(-1)
