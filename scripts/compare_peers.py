@@ -140,27 +140,36 @@ def gguf(model_dir: Path, work: Path, kind: str) -> Path:
         if llama_cpp.llama_model_quantize(str(gguf(model_dir, work, "f32")).encode(), str(out).encode(), params) != 0:
             raise RuntimeError("llama_model_quantize failed")
         return out
-    tree = llama_cpp_source(work)
-    subprocess.run(
-        [sys.executable, "-c", CONVERT, str(tree), str(model_dir), "--outtype", kind, "--outfile", str(out)],
-        check=True,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
+    convert(model_dir, out, kind, "sentencepiece", llama_cpp_source(work))
     return out
 
 
-# llama.cpp's converter as it ships, told to read the shapes' tokenizer (the bundled model's
-# sentencepiece) as one: its Qwen mixtures would look for a byte-level BPE tokenizer.json.
+# llama.cpp's converter as it ships, told what tokenizer it reads: "sentencepiece" (the shapes carry
+# the bundled model's, which its Qwen mixtures would look for as a byte-level BPE tokenizer.json), or
+# the pre-tokenizer a tiny BPE one was made with (it knows real ones by a hash of their output).
 CONVERT = """
 import sys
-tree = sys.argv[1]
+tree, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [tree, tree + "/gguf-py"]
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[3:]
 import conversion.base
-conversion.base.TextModel.set_vocab = conversion.base.TextModel._set_vocab_sentencepiece
+model = conversion.base.TextModel
+if pre == "sentencepiece":
+    model.set_vocab = model._set_vocab_sentencepiece
+else:
+    model.get_vocab_base_pre = lambda self, tokenizer: pre
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()
 """
+
+
+def convert(model_dir: Path, out: Path, outtype: str, pre: str, tree: Path) -> None:
+    """llama.cpp's `convert_hf_to_gguf.py` of `tree` on a checkpoint (`pre`: as `CONVERT` reads it)."""
+    subprocess.run(
+        [sys.executable, "-c", CONVERT, str(tree), pre, str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
 
 
 def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weights: str) -> tuple[float, float]:

@@ -20,8 +20,6 @@ greedy continuation. `tests/test_gguf.py` holds jaxinfer to those answers.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
-from compare_peers import llama_cpp_source  # noqa: E402
+from compare_peers import convert, llama_cpp_source  # noqa: E402
 from tiny_models import CORPUS, make_model, sentencepiece_tokenizer  # noqa: E402
 
 from jaxinfer.gguf_tokenizer import _LLAMA3, _QWEN2  # noqa: E402
@@ -151,26 +149,6 @@ MODELS = {
 }
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
-
-# The converter run as llama.cpp ships it, but told the pre-tokenizer (argv[1]) instead of hashing for it.
-CONVERT = """
-import sys
-tree, pre = sys.argv[1], sys.argv[2]
-sys.path[:0] = [tree, tree + "/gguf-py"]
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[3:]
-import conversion.base
-conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-import convert_hf_to_gguf
-convert_hf_to_gguf.main()
-"""
-
-
-def convert(model_dir: Path, out: Path, outtype: str, pre: str, tree: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-c", CONVERT, str(tree), pre, str(model_dir), "--outtype", outtype, "--outfile", str(out)],
-        check=True,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
 
 
 def quantize(source: Path, out: Path, kind: str) -> None:
