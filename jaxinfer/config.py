@@ -86,7 +86,7 @@ class Weight(NamedTuple):
     indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused", "experts"; None:
     nothing a mesh splits), from which `jaxinfer.sharding` lays it out over devices. `expert` (e, E):
     the tensor is expert e's slice of a leaf of E stacked along a leading "experts" axis (many
-    tensors to one leaf: `leaves`); None: the tensor is the whole leaf."""
+    tensors to one leaf: `leaves_of`); None: the tensor is the whole leaf."""
 
     path: tuple  # ("layers", 3, "wq") or ("embed",)
     shape: tuple[int, ...]

@@ -176,10 +176,6 @@ class Experts:
         made = [make(w[e]) for e in range(w.shape[0])]
         return cls(jax.tree.map(lambda *arrays: jnp.stack(arrays), *made))
 
-    @property
-    def count(self) -> int:
-        return jax.tree.leaves(self.inner)[0].shape[0]
-
     def expert(self, e: jax.Array) -> Plain | Transposed | Packed | Quantized:
         """Expert e's matrix (e traced: a slice of each array, in the inner form)."""
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), self.inner)
