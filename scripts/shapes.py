@@ -94,22 +94,15 @@ SHAPES = {
         expert_size=384,
         norm_topk=True,
     ),
-    "qwen3-0.16b": ModelConfig(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_layers=8,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-        qk_norm="heads",
-        sliding_windows=(None,) * 8,
-    ),
 }
+SHAPES["qwen3-0.16b"] = replace(
+    SHAPES["qwen3-moe-0.7b-a0.16b"],
+    architecture="Qwen3ForCausalLM",
+    feed_forwards=(),
+    num_experts=0,
+    experts_per_token=0,
+    expert_size=0,
+)
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
