@@ -21,6 +21,8 @@
 // float16 (llama.cpp's q8_0 / q4_0, `jaxinfer.quant`), widened to float32 where a block's sums are scaled.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "paths.h"
@@ -43,8 +45,19 @@ struct QuantizedRows {
   }
 };
 
-ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                   ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+// A product checked and made ready, its groups of 16 outputs still to run: `share(g0, g1)` computes
+// groups [g0, g1) (reading `state`, which it keeps alive); `group_bytes` sizes the threads' chunks.
+struct Work {
+  int64_t groups = 0;
+  int64_t group_bytes = 1;
+  std::function<void(int64_t, int64_t)> share;
+};
+
+void run_work(ffi::ThreadPool& pool, const Work& work) {
+  if (work.groups > 0) parallel_items(pool, work.groups, work.group_bytes, work.share);
+}
+
+ffi::Error QPrepare(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y, Work* work) {
   const auto x_dims = x.dimensions();
   const auto q_dims = q.dimensions();
   const int bits = q.element_type() == ffi::DataType::S8 ? 8 : q.element_type() == ffi::DataType::U8 ? 4 : 0;
@@ -64,22 +77,35 @@ ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (m == 0 || groups == 0) return ffi::Error::Success();
 
   const Paths& run = paths();
-  const QuantizedRows rows(run, x.typed_data(), m, k_blocks);
-  const QProblem problem{static_cast<const uint8_t*>(q.untyped_data()),
-                         static_cast<const uint16_t*>(scale.untyped_data()),
-                         y->typed_data(),
-                         m, k_blocks, groups, bits, rows.xq.data(), rows.xs.data(), rows.xsum.data(), f16_scale};
+  struct State {
+    QuantizedRows rows;
+    QProblem problem;
+  };
+  auto state = std::make_shared<State>(State{QuantizedRows(run, x.typed_data(), m, k_blocks), {}});
+  state->problem = QProblem{static_cast<const uint8_t*>(q.untyped_data()),
+                            static_cast<const uint16_t*>(scale.untyped_data()),
+                            y->typed_data(),
+                            m, k_blocks, groups, bits, state->rows.xq.data(), state->rows.xs.data(), state->rows.xsum.data(), f16_scale};
   const QGroups share = run.qgroups[bits == 8 ? 0 : 1];
-  const int64_t group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
-  parallel_items(pool, groups, group_bytes, [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });
+  work->groups = groups;
+  work->group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
+  work->share = [state, share](int64_t g0, int64_t g1) { share(state->problem, g0, g1); };
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                   ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+  Work work;
+  const ffi::Error error = QPrepare(x, q, scale, y, &work);
+  if (error.success()) run_work(pool, work);
+  return error;
 }
 
 // llama.cpp's formats of paths.h's KProblem (`kind`: its KKind): q [N/16, K/32, bits, 16, 4] uint8,
 // sub [N/16, K/32, 2, 16] uint8 (the k-quants; empty for the others), super [N/16, K/32/per, supers,
 // 16] float16.
-ffi::Error KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::U8> sub,
-                   ffi::Buffer<ffi::F16> super, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error KPrepare(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::U8> sub, ffi::Buffer<ffi::F16> super,
+                    int64_t kind, ffi::ResultBuffer<ffi::F32> y, Work* work) {
   const auto x_dims = x.dimensions();
   const auto q_dims = q.dimensions();
   if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jaxinfer_kmatmul: unknown kind");
@@ -96,17 +122,32 @@ ffi::Error KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   }
   if (m == 0 || groups == 0) return ffi::Error::Success();
   const Paths& run = paths();
-  const QuantizedRows rows(run, x.typed_data(), m, k_blocks);
-  std::vector<int32_t> xhalf(kind == kQ6K ? m * k_blocks : 0);  // Q6_K's halves: the first 16 values' sum
-  for (size_t at = 0; at < xhalf.size(); ++at) {
-    for (int i = 0; i < kBlock / 2; ++i) xhalf[at] += rows.xq[at * kBlock + i];
+  struct State {
+    QuantizedRows rows;
+    std::vector<int32_t> xhalf;  // Q6_K's halves: the first 16 values' sum
+    KProblem problem;
+  };
+  auto state = std::make_shared<State>(State{QuantizedRows(run, x.typed_data(), m, k_blocks), {}, {}});
+  state->xhalf.assign(kind == kQ6K ? m * k_blocks : 0, 0);
+  for (size_t at = 0; at < state->xhalf.size(); ++at) {
+    for (int i = 0; i < kBlock / 2; ++i) state->xhalf[at] += state->rows.xq[at * kBlock + i];
   }
-  const KProblem problem{q.typed_data(), sub.typed_data(), reinterpret_cast<const uint16_t*>(super.typed_data()), y->typed_data(),
-                         m, k_blocks, groups, static_cast<int>(kind), rows.xq.data(), rows.xs.data(), rows.xsum.data(), xhalf.data()};
+  state->problem = KProblem{q.typed_data(), sub.typed_data(), reinterpret_cast<const uint16_t*>(super.typed_data()), y->typed_data(),
+                            m, k_blocks, groups, static_cast<int>(kind), state->rows.xq.data(), state->rows.xs.data(),
+                            state->rows.xsum.data(), state->xhalf.data()};
   const KGroups share = run.kgroups[kind];
-  parallel_items(pool, groups, k_blocks * problem.weight_bytes() * std::max<int64_t>(1, m / 4),
-                 [&problem, share](int64_t g0, int64_t g1) { share(problem, g0, g1); });
+  work->groups = groups;
+  work->group_bytes = k_blocks * state->problem.weight_bytes() * std::max<int64_t>(1, m / 4);
+  work->share = [state, share](int64_t g0, int64_t g1) { share(state->problem, g0, g1); };
   return ffi::Error::Success();
+}
+
+ffi::Error KMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::U8> sub,
+                   ffi::Buffer<ffi::F16> super, int64_t kind, ffi::ResultBuffer<ffi::F32> y) {
+  Work work;
+  const ffi::Error error = KPrepare(x, q, sub, super, kind, y, &work);
+  if (error.success()) run_work(pool, work);
+  return error;
 }
 
 // ------------------------------------------------------------------------------- float weights
@@ -195,8 +236,12 @@ class Expert {
 // one expert's rows) was a call of its own inside XLA's loop: 8 layers of 64 experts at 16 rows a
 // step made 1,344 calls a step.
 
-template <typename Run>  // run(expert, its rows [c, K], their products [c, N]) -> ffi::Error
-ffi::Error routed(ffi::Buffer<ffi::F32> x, int64_t experts, ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y, Run run) {
+// run(expert, its rows [c, K], their products [c, N], &work) -> ffi::Error: computes them, or leaves
+// its groups in `work`, which run here in one parallel region with every other expert's (each
+// expert's own region made the threads meet once per expert: 1,344 times a step at batch 16).
+template <typename Run>
+ffi::Error routed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_t experts, ffi::Buffer<ffi::S32> expert,
+                  ffi::ResultBuffer<ffi::F32> y, Run run) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() == 0) return ffi::Error::InvalidArgument("routed product: x must be [R, K]");
   const int64_t k = x_dims.back();
@@ -216,14 +261,34 @@ ffi::Error routed(ffi::Buffer<ffi::F32> x, int64_t experts, ffi::Buffer<ffi::S32
   for (int64_t r = 0; r < rows; ++r) order[at[ids[r]]++] = r;
   std::vector<float> xs(rows * k), ys(rows * n);
   for (int64_t i = 0; i < rows; ++i) std::copy_n(x.typed_data() + order[i] * k, k, xs.data() + i * k);
+  std::vector<Work> works;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t first = starts[e], count = starts[e + 1] - first;
     if (count == 0) continue;
     int64_t x_shape[2] = {count, k}, y_shape[2] = {count, n};
     XLA_FFI_Buffer xb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_F32, xs.data() + first * k, 2, x_shape};
     XLA_FFI_Buffer yb{XLA_FFI_Buffer_STRUCT_SIZE, nullptr, XLA_FFI_DataType_F32, ys.data() + first * n, 2, y_shape};
-    const ffi::Error error = run(e, ffi::Buffer<ffi::F32>(&xb), ffi::ResultBuffer<ffi::F32>(ffi::Buffer<ffi::F32>(&yb)));
+    Work work;
+    const ffi::Error error = run(e, ffi::Buffer<ffi::F32>(&xb), ffi::ResultBuffer<ffi::F32>(ffi::Buffer<ffi::F32>(&yb)), &work);
     if (error.failure()) return error;
+    if (work.groups > 0) works.push_back(std::move(work));
+  }
+  int64_t items = 0, item_bytes = 1;
+  std::vector<int64_t> firsts;  // each work's first item
+  for (const Work& work : works) {
+    firsts.push_back(items);
+    items += work.groups;
+    item_bytes = std::max(item_bytes, work.group_bytes);
+  }
+  if (items > 0) {
+    parallel_items(pool, items, item_bytes, [&works, &firsts](int64_t i0, int64_t i1) {
+      size_t w = std::upper_bound(firsts.begin(), firsts.end(), i0) - firsts.begin() - 1;
+      for (int64_t i = i0; i < i1; ++w) {  // [i, end) within work w
+        const int64_t end = std::min(i1, firsts[w] + works[w].groups);
+        works[w].share(i - firsts[w], end - firsts[w]);
+        i = end;
+      }
+    });
   }
   for (int64_t i = 0; i < rows; ++i) std::copy_n(ys.data() + i * n, n, y->typed_data() + order[i] * n);
   return ffi::Error::Success();
@@ -232,10 +297,11 @@ ffi::Error routed(ffi::Buffer<ffi::F32> x, int64_t experts, ffi::Buffer<ffi::S32
 ffi::Error QMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
                          ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
   if (q.dimensions().size() == 0) return ffi::Error::InvalidArgument("jaxinfer_qmatmul_routed: q must be a stack");
-  return routed(x, q.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
-    const Expert q_e(q, e), scale_e(scale, e);
-    return QMatmul(pool, rows, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), out);
-  });
+  return routed(pool, x, q.dimensions()[0], expert, y,
+                [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out, Work* work) {
+                  const Expert q_e(q, e), scale_e(scale, e);
+                  return QPrepare(rows, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), out, work);
+                });
 }
 
 ffi::Error KMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sub,
@@ -244,20 +310,22 @@ ffi::Error KMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
       super.element_type() != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxinfer_kmatmul_routed: q and sub must be uint8 stacks, super float16");
   }
-  return routed(x, q.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
-    const Expert q_e(q, e), sub_e(sub, e), super_e(super, e);
-    return KMatmul(pool, rows, ffi::Buffer<ffi::U8>(q_e.get()), ffi::Buffer<ffi::U8>(sub_e.get()),
-                   ffi::Buffer<ffi::F16>(super_e.get()), kind, out);
-  });
+  return routed(pool, x, q.dimensions()[0], expert, y,
+                [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out, Work* work) {
+                  const Expert q_e(q, e), sub_e(sub, e), super_e(super, e);
+                  return KPrepare(rows, ffi::Buffer<ffi::U8>(q_e.get()), ffi::Buffer<ffi::U8>(sub_e.get()),
+                                  ffi::Buffer<ffi::F16>(super_e.get()), kind, out, work);
+                });
 }
 
 ffi::Error FMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> expert,
                          bool bf16_inputs, ffi::ResultBuffer<ffi::F32> y) {
   if (w.dimensions().size() == 0) return ffi::Error::InvalidArgument("jaxinfer_fmatmul_routed: w must be a stack");
-  return routed(x, w.dimensions()[0], expert, y, [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
-    const Expert w_e(w, e);
-    return FMatmul(pool, rows, ffi::AnyBuffer(w_e.get()), bf16_inputs, out);
-  });
+  return routed(pool, x, w.dimensions()[0], expert, y,  // each expert in a region of its own (AMX takes its own)
+                [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out, Work*) {
+                  const Expert w_e(w, e);
+                  return FMatmul(pool, rows, ffi::AnyBuffer(w_e.get()), bf16_inputs, out);
+                });
 }
 
 }  // namespace
