@@ -19,6 +19,7 @@ import numpy as np
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.layers import delta_net
 from jaxinfer.roofline import Storage, kv_bytes_per_token
 from jaxinfer.runtime import check_backend
 
@@ -62,7 +63,7 @@ def check_memory(
     holders = len(mesh.local_devices) if mesh and check_backend() == "cpu" else 1
     kv = kv_bytes_per_token(cfg, storage, devices) + (kv_bytes_per_token(*draft, devices) if draft else 0)
     per_position = batch * (kv + 4) * holders  # K and V, the tokens
-    free = device_memory_bytes(free=True)
+    free = device_memory_bytes(free=True) - batch * holders * delta_net.state_bytes(cfg, storage.itemsize)
     if per_position * max_context > free:
         raise JaxinferError(
             f"a {max_context}-position cache for {batch} rows needs {per_position * max_context / 2**30:.1f} GiB, and "
@@ -73,13 +74,17 @@ def check_memory(
 MIN_REUSE = MIN_BUCKET  # a shorter held prefix saves less than a second prefill program costs
 
 
-def reusable(prompt: list[int], held: np.ndarray) -> int:
+def reusable(prompt: list[int], held: np.ndarray, whole: bool = False) -> int:
     """How many leading prompt tokens a row whose cache holds the K/V of the tokens `held` (from
     position 0) can take instead of prefilling them: their common prefix (all but the prompt's last
-    token at most, whose logits prefill must compute), or 0 if that is under MIN_REUSE."""
+    token at most, whose logits prefill must compute), or 0 if that is under MIN_REUSE. `whole`: the
+    row's memory is only known after all of `held` (a recurrent layer's state, which cannot be cut
+    back to an earlier position): all of it, or nothing."""
     n = min(len(prompt) - 1, len(held))
     differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != held[:n])
     common = int(differ[0]) if len(differ) else max(n, 0)
+    if whole and common < len(held):
+        return 0
     return common if common >= MIN_REUSE else 0
 
 

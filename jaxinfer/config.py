@@ -59,6 +59,17 @@ class ModelConfig:
     expert_size: int = 0
     norm_topk: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen's norm_topk_prob)
     shared_expert_size: int = 0
+    # Each layer's mixer (`jaxinfer.model.MIXERS`): "attention", or "delta", a Gated DeltaNet
+    # (`jaxinfer.layers.delta_net`: Qwen3-Next, Qwen3.5) with `delta_heads` key heads of
+    # `delta_key_dim` and `delta_value_heads` value heads of `delta_value_dim`, after a causal
+    # convolution of `delta_conv` taps; (): every layer attention.
+    mixers: tuple = ()
+    delta_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    delta_conv: int = 0
+    attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj also gives each head a sigmoid gate on its output
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0
@@ -71,6 +82,20 @@ class ModelConfig:
     def feed_forward(self, i: int) -> str:
         """Layer i's feed-forward part: "dense" or "mixture"."""
         return self.feed_forwards[i] if self.feed_forwards else "dense"
+
+    def mixer(self, i: int) -> str:
+        """Layer i's mixer: "attention" or "delta"."""
+        return self.mixers[i] if self.mixers else "attention"
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a state that cannot be cut back to an earlier position (a hybrid)."""
+        return "delta" in self.mixers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is attention: those the KV cache holds, in order."""
+        return tuple(i for i in range(self.num_layers) if self.mixer(i) == "attention")
 
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
@@ -195,6 +220,17 @@ def common_fields(d: dict) -> dict:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(d, layers),
     )
+
+
+def rotary_dim(d: dict, head_dim: int, default: float = 1.0) -> int:
+    """How many dims of each head RoPE rotates, from config.json's `partial_rotary_factor`
+    (transformers 5 keeps it in rope_parameters; the hub's configs write it at the top level)."""
+    factor = d.get("partial_rotary_factor", default)
+    factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", factor))
+    rotary = int(head_dim * factor)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise JaxinferError(f"config.json: partial_rotary_factor {factor} leaves {rotary} of {head_dim} dims to rotate")
+    return rotary
 
 
 def longrope_switch(cfg: ModelConfig) -> int:

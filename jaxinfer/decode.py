@@ -163,7 +163,8 @@ def prefill(
     R, T = chunk.shape
     B, S = state.tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [R, T]
-    blocks = [model.Block(chunk, positions, kv_len, rows, prompt_len[:, None], fresh)]
+    live = jnp.arange(T)[None, :] < chunk_len[:, None]  # the bucket's padding moves no recurrent state
+    blocks = [model.Block(chunk, positions, kv_len, rows, prompt_len[:, None], fresh, live)]
     active = _steps(state, cfg) if step_kv_len else jnp.zeros(B, bool)  # decided before the new rows join
     if step_kv_len:
         blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))

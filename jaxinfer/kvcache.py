@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxinfer import gpu_attention, kernel
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.layers.delta_net import DeltaState
 
 KV_DTYPES = ("auto", "int8")
 
@@ -46,11 +47,17 @@ def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`)
+    """A model's memory of each row's past: K/V of its attention layers (`layers`, whose
+    indices the methods take) and, for a hybrid, the fixed-size state of its recurrent layers
+    (`delta`: `jaxinfer.layers.delta_net.DeltaState`)."""
+
+    k: jax.Array  # [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`); L: the attention layers
     v: jax.Array  # as k
     k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
     v_scale: jax.Array | None = None
+    delta: DeltaState | None = None  # a hybrid's DeltaNet layers' state
     kernel: str | None = field(default=None, metadata=dict(static=True))  # who attends: "cpu", "gpu" (`attend`)
+    layers: tuple = field(default=(), metadata=dict(static=True))  # the model's layers K/V are kept for; (): all
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, whole: bool = True) -> KVCache:
@@ -58,8 +65,10 @@ class KVCache:
         device (`whole`: not spread over a mesh, whose shards a kernel's custom call would gather
         every layer) a float cache is attended by the CPU kernel where it is built, and any cache
         by the GPU's where that runs (`gpu_attention.here`)."""
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        layers = cfg.attention_layers
+        shape = (len(layers), batch, length, cfg.num_kv_heads, cfg.head_dim)
         gpu = "gpu" if whole and gpu_attention.here(cfg, dtype) else None
+        rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), layers=() if len(layers) == cfg.num_layers else layers)
         if cfg.kv_dtype == "int8":
             scales = jnp.zeros(shape[:-1], jnp.float32)
             return cls(
@@ -68,11 +77,21 @@ class KVCache:
                 k_scale=scales,
                 v_scale=scales.copy(),
                 kernel=gpu,
+                **rest,
             )
         if whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS:
-            shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
-            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel="cpu")
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=gpu)
+            shape = (len(layers), batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
+            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel="cpu", **rest)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=gpu, **rest)
+
+    @property
+    def length(self) -> int:
+        """Positions a row holds: S."""
+        return self.k.shape[3 if self.kernel == "cpu" else 2]
+
+    def _at(self, layer: int) -> int:
+        """Model layer `layer`'s index in the K/V arrays."""
+        return self.layers.index(layer) if self.layers else layer
 
     def positions_read(self, cfg: ModelConfig, kv_len: int, first: float, last: float) -> float:
         """Cache positions (the mean over layers) a decode pass reads, over passes of a row whose lengths
@@ -82,13 +101,21 @@ class KVCache:
         decode bytes."""
         if self.kernel is None:
             return kv_len
-        length, windows = (first + last) / 2, cfg.sliding_windows or (None,)
+        length = (first + last) / 2
+        windows = [cfg.sliding_windows[i] for i in cfg.attention_layers] if cfg.sliding_windows else [None]
         return sum(min(length, window or length) for window in windows) / len(windows)
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""
         move = lambda a: None if a is None else a.at[:, dst].set(a[:, src])  # noqa: E731
-        return replace(self, k=move(self.k), v=move(self.v), k_scale=move(self.k_scale), v_scale=move(self.v_scale))
+        return replace(
+            self,
+            k=move(self.k),
+            v=move(self.v),
+            k_scale=move(self.k_scale),
+            v_scale=move(self.v_scale),
+            delta=self.delta and self.delta.copy_rows(src, dst),
+        )
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
@@ -97,7 +124,7 @@ class KVCache:
         kernel reads its own cache (`attend`)."""
 
         def pick(a):
-            block = jax.lax.dynamic_slice_in_dim(a[layer], start, size, 1)
+            block = jax.lax.dynamic_slice_in_dim(a[self._at(layer)], start, size, 1)
             return block if rows is None else block[rows]
 
         scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
@@ -125,10 +152,10 @@ class KVCache:
         if self.kernel == "gpu":
             scales = (self.k_scale, self.v_scale)
             return gpu_attention.attend(
-                q, positions, self.k, self.v, *scales, layer, rows, kv_len, window, scale, softcap
+                q, positions, self.k, self.v, *scales, self._at(layer), rows, kv_len, window, scale, softcap
             )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
-        return kernel.attention(q, positions, self.k, self.v, rows, layer, kv_len, window, scale, softcap)
+        return kernel.attention(q, positions, self.k, self.v, rows, self._at(layer), kv_len, window, scale, softcap)
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None
@@ -140,19 +167,20 @@ class KVCache:
         keeps the update in place.
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
+        layer = self._at(layer)
         # either way [R, T, KV, hd]
         at = (layer, rows, slice(None), positions) if self.kernel == "cpu" else (layer, rows, positions)
         if self.k_scale is None:
-            return KVCache(
+            return replace(
+                self,
                 k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
                 v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"),
-                kernel=self.kernel,
             )
         (kq, ks), (vq, vs) = quantize_heads(k), quantize_heads(v)
-        return KVCache(
+        return replace(
+            self,
             k=self.k.at[at].set(kq, mode="drop"),
             v=self.v.at[at].set(vq, mode="drop"),
             k_scale=self.k_scale.at[at].set(ks, mode="drop"),
             v_scale=self.v_scale.at[at].set(vs, mode="drop"),
-            kernel=self.kernel,
         )

@@ -3,7 +3,8 @@
 Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Gemma 1/2/3 (GeGLU, (1 + w) norms,
 scaled embeddings, soft-capping, norms around each block, a rope base per layer type) differ only in
 flags of `ModelConfig` (`jaxinfer.families` sets them); each layer's feed-forward part, dense or a
-mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE), is `jaxinfer.layers.feed_forward`'s. A matrix is
+mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE), is `jaxinfer.layers.feed_forward`'s, and its
+mixer attention (here) or a Gated DeltaNet (`jaxinfer.layers.delta_net`: Qwen3-Next, Qwen3.5). A matrix is
 in one of the forms of `jaxinfer.forms` (Hugging Face's [out, in], [in, out], packed for the CPU
 kernel, quantized, a mixture's stack of experts), which does its products and row lookups.
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jaxinfer import forms, gpu_attention
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
+from jaxinfer.layers import delta_net
 from jaxinfer.layers.feed_forward import feed_forward, linear
 
 Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
@@ -124,6 +126,9 @@ class Block:
     rows: jax.Array | None = None
     rope_len: jax.Array | None = None
     fresh: bool = False  # positions 0..T-1 in every row: its own keys are all it attends to (`flash`)
+    # [R, T] bool: the tokens that move a recurrent mixer's state (a prompt's bucket padding does
+    # not); None: those at positions inside the cache (`delta_net.mix`)
+    live: jax.Array | None = None
 
 
 def attention(
@@ -132,10 +137,14 @@ def attention(
     """Layer i's attention for the blocks' tokens x [N, D] (in the blocks' order, each flattened):
     the projections over all N at once, each block's attention over its own rows."""
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_out = 2 * H * hd if cfg.attn_output_gate else H * hd
     if "wqkv" in layer:  # Phi-3's, or stacked on a GPU (`forms.FUSED`)
-        q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [H * hd, (H + KV) * hd], axis=-1)
+        q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [q_out, q_out + KV * hd], axis=-1)
     else:
         q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
+    if cfg.attn_output_gate:  # each head's query, then its gate
+        q, gate = jnp.split(q.reshape(-1, H, 2 * hd), 2, axis=-1)
+        q, gate = q.reshape(-1, H * hd), gate.reshape(-1, H * hd)
     if cfg.qk_norm == "whole":  # OLMoE: over all heads at once
         q, k = rms_norm(q, layer["q_norm"], cfg), rms_norm(k, layer["k_norm"], cfg)
     if cfg.clip_qkv:
@@ -157,7 +166,13 @@ def attention(
         rotated.append((bq, bk, bv))
         at += R * T
     outs = [_block_attention(*qkv, block, cache, i, cfg) for qkv, block in zip(rotated, blocks)]
-    return linear(jnp.concatenate([out.astype(x.dtype).reshape(-1, H * hd) for out in outs]), layer, "o", cfg), cache
+    out = jnp.concatenate([out.astype(x.dtype).reshape(-1, H * hd) for out in outs])
+    if cfg.attn_output_gate:
+        out = out * jax.nn.sigmoid(gate)
+    return linear(out, layer, "o", cfg), cache
+
+
+MIXERS = {"attention": attention, "delta": delta_net.mix}  # a layer's mixer, by `ModelConfig.mixer`
 
 
 def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: ModelConfig) -> jax.Array:
@@ -312,7 +327,7 @@ def forward_blocks(
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = attention(layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
+            h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
             h = feed_forward(layer, rms_norm(x, layer["mlp_norm"], cfg), i, cfg)
             x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)

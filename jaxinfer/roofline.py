@@ -21,6 +21,7 @@ import numpy as np
 from jaxinfer import forms
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.families import weight_table
+from jaxinfer.layers import delta_net
 from jaxinfer.quant import METHODS
 from jaxinfer.sharding import held_axes, splits
 from jaxinfer.weights import quantized_here
@@ -133,11 +134,17 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
         cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
     )
     heads = cfg.num_kv_heads // devices if splits(cfg, "kv_heads", devices) else cfg.num_kv_heads
-    return 2 * cfg.num_layers * heads * per_head
+    return 2 * len(cfg.attention_layers) * heads * per_head
 
 
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
-    return 4.0 * queries * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    """Attention's scores and weighted values, and a DeltaNet layer's work per token: within its
+    chunk (`delta_net.CHUNK`, about as attention over that many keys) and against its state (read,
+    updated, read again: 3 products of [dk, dv] per value head)."""
+    attention = 4.0 * queries * keys * cfg.num_heads * cfg.head_dim * len(cfg.attention_layers)
+    within = min(queries, delta_net.CHUNK) * (cfg.delta_key_dim + cfg.delta_value_dim)
+    per_head = 2.0 * within + 6.0 * cfg.delta_key_dim * cfg.delta_value_dim
+    return attention + queries * per_head * cfg.delta_value_heads * len(delta_net.delta_layers(cfg))
 
 
 def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float:
@@ -166,6 +173,7 @@ def decode_step_cost(cfg: ModelConfig, storage: Storage, kv_len: int, batch: int
     layer_matrices, head, _ = _sizes(cfg, share=expert_share(cfg))
     flops = batch * (2.0 * (layer_matrices + head) + _attention_flops(cfg, 1, kv_len))
     kv = batch * kv_bytes_per_token(cfg, storage) * (kv_len + 1)
+    kv += batch * 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)  # read and written
     return Cost(flops, _weight_bytes_read(cfg, storage, batch) + kv)
 
 

@@ -265,10 +265,14 @@ class Scheduler:
             return
         # Rows by their first MIN_REUSE tokens (a prefix shorter than that is not reused): those
         # whose K/V may be copied (not still prefilling), and the prompts still to be prefilled.
-        prefilling = self.slots.prefilling
+        # A hybrid's row holds its state after its tokens only (`buckets.reusable`'s `whole`): a
+        # running row's is past its prompt, so only free rows are sources, of all they hold.
+        prefilling, whole = self.slots.prefilling, self.model.config.recurrent
         holders: dict[tuple, list] = defaultdict(list)
         mates: dict[tuple, list] = defaultdict(list)
         for i, slot in enumerate(self.rows):
+            if whole and slot is not None:
+                continue
             tokens = self._held[i] if slot is None else slot.request.prompt_ids
             (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
         admitted: list[tuple[int, int, int | None, Request]] = []
@@ -282,15 +286,15 @@ class Scheduler:
                     f"request {request.id!r}: {n} prompt tokens + max_tokens {request.max_tokens} do not fit the "
                     f"context of {self.max_context}"
                 )
-            held = [reusable(prompt, self._held[i]) for i in free]
+            held = [reusable(prompt, self._held[i], whole) for i in free]
             # the row holding most of the prompt; among equals, the one holding least (kept for its own)
             best = max(range(len(free)), key=lambda k: (held[k], -len(self._held[free[k]])))
             start, source = held[best], None
             key = tuple(prompt[:MIN_REUSE])
             for i, tokens in holders.get(key, ()):
-                if (shared := reusable(prompt, tokens)) > start:
+                if (shared := reusable(prompt, tokens, whole)) > start:
                     start, source = shared, i
-            if wait_for_mates and any(reusable(prompt, m) > start for _, m in mates.get(key, ())):
+            if wait_for_mates and not whole and any(reusable(prompt, m) > start for _, m in mates.get(key, ())):
                 waiting.append(request)
                 continue
             row = free.pop(best)

@@ -147,10 +147,15 @@ def cache_spec(cfg: ModelConfig, devices: int) -> PartitionSpec:
 
 
 def state_shardings(state, cfg: ModelConfig, mesh: Mesh, draft: ModelConfig | None = None):
-    """The decode state's shardings (`state.DecodeState`, concrete or abstract): the caches split
-    by `cache_spec`, everything else (tokens, lengths, sampler settings: a few bytes a row) whole."""
+    """The decode state's shardings (`state.DecodeState`, concrete or abstract): the caches' K/V
+    split by `cache_spec`, everything else (a hybrid's recurrent state; tokens, lengths, sampler
+    settings: a few bytes a row) whole."""
     whole = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
-    cache = lambda c, cfg: jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), c)  # noqa: E731
+
+    def cache(c, cfg):
+        split = jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), replace(c, delta=None))
+        return replace(split, delta=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), c.delta))
+
     draft_cache = cache(state.draft_cache, draft) if state.draft_cache is not None else None
     return replace(whole, cache=cache(state.cache, cfg), draft_cache=draft_cache)
 

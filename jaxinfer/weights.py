@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig, leaves_of
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import weight_table
+from jaxinfer.families import ignored, weight_table
 from jaxinfer.forms import Experts, Plain, Quantized, is_matrix, matrix
 from jaxinfer.sharding import param_shardings, weight_sharding
 
@@ -188,6 +188,8 @@ def read_safetensors(
         seen.add(name)
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied head: the checkpoint repeats the embedding
+        if ignored(cfg, name):
+            continue
         if name not in table:
             raise JaxinferError(
                 f"checkpoint tensor {name} does not belong to a {cfg.architecture} with this config.json"

@@ -104,6 +104,48 @@ ARCHITECTURES = {
     "olmoe": dict(
         model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=7, num_experts_per_tok=3, clip_qkv=1.5
     ),
+    # hybrids: three Gated DeltaNet layers and one gated attention layer (a quarter of each head
+    # rotated), two value heads per key head; Qwen3-Next's interleaved projections with a mixture on
+    # every second layer, Qwen3.5's separate ones, dense and with a mixture on every layer
+    "qwen3-next": dict(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=2,
+    ),
+    "qwen3.5": dict(
+        model_type="qwen3_5_text",
+        architectures=["Qwen3_5ForCausalLM"],
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+    ),
+    "qwen3.5-moe": dict(
+        model_type="qwen3_5_moe_text",
+        architectures=["Qwen3_5MoeForCausalLM"],
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",

@@ -12,10 +12,10 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, llama, moe, phi3
+from jaxinfer.families import gemma, hybrid, llama, moe, phi3
 
 FAMILIES: dict[str, ModuleType] = {
-    arch: module for module in (llama, gemma, phi3, moe) for arch in module.ARCHITECTURES
+    arch: module for module in (llama, gemma, phi3, moe, hybrid) for arch in module.ARCHITECTURES
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
@@ -38,6 +38,12 @@ def config_from_hf(d: dict) -> ModelConfig:
         return translate(d, arch)
     except (KeyError, TypeError, ValueError) as e:
         raise JaxinferError(f"config.json is missing or has a bad value for {e}") from None
+
+
+def ignored(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one the model's family does not use (as transformers
+    skips it: a multi-token-prediction head)."""
+    return name.startswith(getattr(family(cfg.architecture), "IGNORED", ()))
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:

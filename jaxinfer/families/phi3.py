@@ -6,7 +6,7 @@ first `partial_rotary_factor` of each head (Phi-4-mini: 0.75), and longrope (Phi
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, Weight, common_fields
+from jaxinfer.config import ModelConfig, Weight, common_fields, rotary_dim
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama
 
@@ -20,13 +20,7 @@ def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS, **d}
     llama.check_silu(d, arch)
     fields = common_fields(d)
-    # transformers 5 keeps it in rope_parameters; the hub's configs write it at the top level
-    factor = float((d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
-    rotary = int(fields["head_dim"] * factor)
-    if rotary % 2 or not 0 < rotary <= fields["head_dim"]:
-        raise JaxinferError(
-            f"config.json: partial_rotary_factor {factor} leaves {rotary} of {fields['head_dim']} dims to rotate"
-        )
+    rotary = rotary_dim(d, fields["head_dim"])
     scaling = fields["rope_scaling"]
     if scaling[0] == "longrope" and not len(scaling[1]) == len(scaling[2]) == rotary // 2:
         raise JaxinferError(

@@ -1,0 +1,222 @@
+"""A Gated DeltaNet mixer (Yang et al. 2024; Qwen3-Next, Qwen3.5): linear attention whose memory is a
+fixed-size matrix per head, written by the delta rule and decayed by a learned gate, after a short
+causal convolution. A row's state (`DeltaState`) is the convolution's last inputs and that matrix:
+it does not grow with the context, and decode reads and writes it once a step.
+
+Per token t and value head h, with q, k l2-normalised and q scaled by dk^-0.5, α = exp(g) the decay
+and β the write strength:
+    S ← α S;  S ← S + k (β (v − Sᵀk))ᵀ;  o = Sᵀq        (S [dk, dv], float32)
+Decode takes that step (`recurrent`); a prompt goes in chunks of CHUNK tokens (`chunked`: the WY /
+UT form of flash-linear-attention, as transformers' `torch_chunk_gated_delta_rule`), a few matrix
+products per chunk and one sequential step per chunk instead of per token.
+
+Leaves of a DeltaNet layer (`jaxinfer.families.hybrid`): the input projections, either Qwen3.5's
+"wmix" [2·Hk·dk + Hv·dv, D] (q, k, v: what the convolution mixes), "wz" [Hv·dv, D] (the output gate),
+"wb", "wa" [Hv, D], or Qwen3-Next's "wqkvz" and "wba" (the same rows, interleaved per key head);
+"conv" [C, 1, K], "a_log" and "dt_bias" [Hv], "gate_norm" [dv] and "wo" [D, Hv·dv].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers.feed_forward import linear
+
+CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's and transformers')
+HIGHEST = jax.lax.Precision.HIGHEST  # the state's products in full float32 on a GPU too
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DeltaState:
+    """Every DeltaNet layer's state for each of B rows, by the layer's place among them."""
+
+    conv: jax.Array  # [L, B, K-1, C] compute dtype: the last K-1 inputs of the convolution
+    recurrent: jax.Array  # [L, B, Hv, dk, dv] float32: the memory matrix of each value head
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, dtype) -> DeltaState | None:
+        """An empty state for `batch` rows; None for a model without DeltaNet layers."""
+        layers = len(delta_layers(cfg))
+        if not layers:
+            return None
+        return cls(
+            conv=jnp.zeros((layers, batch, cfg.delta_conv - 1, conv_channels(cfg)), dtype),
+            recurrent=jnp.zeros(
+                (layers, batch, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim), jnp.float32
+            ),
+        )
+
+    def copy_rows(self, src: jax.Array, dst: jax.Array) -> DeltaState:
+        return DeltaState(*(a.at[:, dst].set(a[:, src]) for a in (self.conv, self.recurrent)))
+
+
+def delta_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(i for i in range(cfg.num_layers) if cfg.mixer(i) == "delta")
+
+
+def conv_channels(cfg: ModelConfig) -> int:
+    """What the convolution mixes per token: q and k of every key head, v of every value head."""
+    return 2 * cfg.delta_heads * cfg.delta_key_dim + cfg.delta_value_heads * cfg.delta_value_dim
+
+
+def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """One row's state over all DeltaNet layers, in bytes: what a decode step reads and writes."""
+    per_layer = (cfg.delta_conv - 1) * conv_channels(cfg) * dtype_bytes
+    per_layer += cfg.delta_value_heads * cfg.delta_key_dim * cfg.delta_value_dim * 4
+    return len(delta_layers(cfg)) * per_layer
+
+
+def _projections(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """x [N, D] → the convolution's input [N, C] (q, k, v in that order), the output gate z
+    [N, Hv, dv], and b, a [N, Hv]."""
+    N = x.shape[0]
+    Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
+    if "wqkvz" in layer:  # Qwen3-Next: per key head, its q, k, then its value heads' v and z
+        r = Hv // Hk
+        qkvz = linear(x, layer, "qkvz", cfg).reshape(N, Hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
+        b, a = jnp.split(linear(x, layer, "ba", cfg).reshape(N, Hk, 2 * r), 2, axis=-1)
+        return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
+    z = linear(x, layer, "z", cfg).reshape(N, Hv, dv)
+    return linear(x, layer, "mix", cfg), z, linear(x, layer, "b", cfg), linear(x, layer, "a", cfg)
+
+
+def _convolve(x: jax.Array, before: jax.Array, weight: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The depthwise causal convolution and its SiLU: x [R, T, C] after the row's earlier inputs
+    `before` [R, K-1, C], weight [C, 1, K]. Returns the outputs [R, T, C] and the last K-1
+    inputs of the live tokens (`live` [R, T], a prefix of each row): the next call's `before`."""
+    K = weight.shape[-1]
+    T = x.shape[1]
+    full = jnp.concatenate([before.astype(x.dtype), x], axis=1)  # [R, K-1+T, C]
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
+    out = sum(full[:, k : k + T].astype(jnp.float32) * w[:, k] for k in range(K))
+    kept = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, K - 1, 0))(full, live.sum(1))
+    return jax.nn.silu(out).astype(x.dtype), kept  # rounded as transformers rounds it
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def recurrent(q, k, v, g, beta, state):
+    """One token per row: q, k [R, H, dk], v [R, H, dv], g, beta [R, H], state [R, H, dk, dv] →
+    (output [R, H, dv], the new state)."""
+    state = state * jnp.exp(g)[..., None, None]
+    remembered = jnp.einsum("rhkv,rhk->rhv", state, k, precision=HIGHEST)
+    delta = (v - remembered) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("rhkv,rhk->rhv", state, q, precision=HIGHEST), state
+
+
+def chunked(q, k, v, g, beta, state):
+    """T tokens per row in chunks of CHUNK: q, k [R, T, H, dk], v [R, T, H, dv], g, beta [R, T, H],
+    state [R, H, dk, dv] → (outputs [R, T, H, dv], the state after the last token). Within a chunk
+    the delta rule's T sequential updates become one unit-triangular solve (the UT transform);
+    across chunks the state is carried by a scan. Tokens with g = β = 0 leave the state as it was
+    (padding, here and in a prompt's bucket)."""
+    R, T, H, dk = q.shape
+    c = min(CHUNK, T)
+    pad = -T % c
+    q, k, v, g, beta = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (q, k, v, g, beta))
+    n = (T + pad) // c
+    # [R, H, n, c, ...]
+    q, k, v = (a.reshape(R, n, c, H, -1).transpose(0, 3, 1, 2, 4) for a in (q, k, v))
+    g, beta = (a.reshape(R, n, c, H).transpose(0, 3, 1, 2) for a in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    decay = jnp.cumsum(g, axis=-1)  # [R, H, n, c]: log of the decay from the chunk's start
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    pairwise = jnp.exp(jnp.where(causal, decay[..., :, None] - decay[..., None, :], -jnp.inf))  # [.., c, c]
+    dot = lambda a, b: jnp.einsum("...ik,...jk->...ij", a, b, precision=HIGHEST)  # noqa: E731
+    system = dot(k_beta, k) * pairwise  # unit lower triangular once its diagonal is taken as 1
+    within = dot(q, k) * pairwise
+    solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True, unit_diagonal=True)  # noqa: E731
+    new_values = solve(v_beta)  # [R, H, n, c, dv]
+    k_decayed = solve(k_beta * jnp.exp(decay)[..., None])  # [R, H, n, c, dk]
+    q = q * jnp.exp(decay)[..., None]
+    k = k * jnp.exp(decay[..., -1:] - decay)[..., None]
+    chunk_decay = jnp.exp(decay[..., -1])[..., None, None]  # [R, H, n, 1, 1]
+
+    def one(state, xs):
+        q, k, new_values, k_decayed, within, chunk_decay = xs
+        fresh = new_values - jnp.einsum("rhck,rhkv->rhcv", k_decayed, state, precision=HIGHEST)
+        out = jnp.einsum("rhck,rhkv->rhcv", q, state, precision=HIGHEST)
+        out = out + jnp.einsum("rhcd,rhdv->rhcv", within, fresh, precision=HIGHEST)
+        state = state * chunk_decay + jnp.einsum("rhck,rhcv->rhkv", k, fresh, precision=HIGHEST)
+        return state, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (q, k, new_values, k_decayed, within, chunk_decay))
+    state, out = jax.lax.scan(one, state, xs)  # out [n, R, H, c, dv]
+    out = out.transpose(1, 0, 3, 2, 4).reshape(R, n * c, H, -1)
+    return out[:, :T], state
+
+
+def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig):
+    """Layer i's DeltaNet over the blocks' tokens x [N, D] (`jaxinfer.model.Block`s, flattened in
+    order), each block from and into its rows' state in `cache.delta` (None: whole sequences from
+    an empty state; a block's row at position 0 starts from one too). A block's token is live where `Block.live` says (a prompt's bucket padding is
+    not), else where its position lies inside the cache (a finished row's lies past it): only live
+    tokens move the state. Returns ([N, D], the cache)."""
+    N = x.shape[0]
+    Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
+    mixed, z, b, a = _projections(layer, x, cfg)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [N, Hv]
+    g = -jnp.exp(layer["a_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + layer["dt_bias"].astype(jnp.float32)
+    )
+    state = None if cache is None else cache.delta
+    at_layer = delta_layers(cfg).index(i)
+    outs, at = [], 0
+    for block in blocks:
+        R, T = block.tokens.shape
+        here = slice(at, at + R * T)
+        at += R * T
+        if block.live is not None:
+            live = block.live
+        elif cache is not None:
+            live = block.positions < cache.length
+        else:
+            live = jnp.ones((R, T), bool)
+        rows = jnp.arange(R) if block.rows is None else block.rows
+        if state is None:
+            before = jnp.zeros((R, cfg.delta_conv - 1, mixed.shape[-1]), x.dtype)
+            memory = jnp.zeros((R, Hv, dk, dv), jnp.float32)
+        else:  # a row starting at position 0 starts empty, whatever its last sequence left
+            empty = (block.positions[:, 0] == 0)[:, None, None]
+            before = jnp.where(empty, 0, state.conv[at_layer, rows])
+            memory = jnp.where(empty[..., None], 0.0, state.recurrent[at_layer, rows])
+        convolved, kept = _convolve(mixed[here].reshape(R, T, -1), before, layer["conv"], live)
+        q, k, v = jnp.split(convolved.astype(jnp.float32), [Hk * dk, 2 * Hk * dk], axis=-1)
+        q, k = _l2norm(q.reshape(R, T, Hk, dk)), _l2norm(k.reshape(R, T, Hk, dk))
+        q, k = (jnp.repeat(t, Hv // Hk, axis=2) for t in (q * dk**-0.5, k))  # each key head serves Hv/Hk value heads
+        v = v.reshape(R, T, Hv, dv)
+        bg, bbeta = (jnp.where(live[..., None], t[here].reshape(R, T, Hv), 0.0) for t in (g, beta))
+        if T == 1:
+            out, memory = recurrent(q[:, 0], k[:, 0], v[:, 0], bg[:, 0], bbeta[:, 0], memory)
+            out = out[:, None]
+        else:
+            out, memory = chunked(q, k, v, bg, bbeta, memory)
+        if state is not None:
+            state = DeltaState(
+                conv=state.conv.at[at_layer, rows].set(kept.astype(state.conv.dtype)),
+                recurrent=state.recurrent.at[at_layer, rows].set(memory),
+            )
+        outs.append(out.reshape(R * T, Hv, dv))
+    out = gated_norm(jnp.concatenate(outs).astype(x.dtype), z, layer["gate_norm"], cfg.rms_norm_eps)
+    if cache is not None:
+        cache = replace(cache, delta=state)
+    return linear(out.reshape(N, Hv * dv), layer, "o", cfg), cache
+
+
+def gated_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of each head's output x [N, H, dv] (scaled by weight, not 1 + weight), times SiLU of
+    its gate, as transformers rounds it: normalised in float32, cast, scaled, gated in float32."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    scaled = weight * x32.astype(x.dtype)
+    return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)

@@ -1,0 +1,185 @@
+"""Hybrids of Gated DeltaNet and attention (Qwen3-Next, Qwen3.5): the delta rule against
+transformers' own two forms, the state carried through chunked prefill, chat turns, a batch and a
+mesh, and what a hybrid cannot do yet refused in one line. Logits and greedy text against
+transformers per architecture are test_parity's (its ARCHITECTURES include them)."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from cli_helpers import jaxinfer, jaxinfer_here
+from reference import alone, greedy_reference, our_prompt_logits, reference
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+
+from jaxinfer.engine import Engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.generate import Generation
+from jaxinfer.layers import delta_net
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
+from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
+
+PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): " * 4  # 90 tokens: two chunks of the rule
+
+
+def _inputs(R=2, T=150, H=4, Hk=2, dk=16, dv=8, seed=0):
+    """Random q, k, v, decay and β as the layer hands them to the rule (k, q of Hk key heads), and
+    an initial state."""
+    rng = np.random.default_rng(seed)
+    q, k = (rng.normal(size=(R, T, Hk, dk)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(R, T, H, dv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, size=(R, T, H)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, size=(R, T, H)).astype(np.float32)
+    state = rng.normal(size=(R, H, dk, dv)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+def _ours(q, k, v, g, beta, state, recurrent=False):
+    """Our rule on the same inputs: l2-normalised, q scaled, key heads repeated, as `delta_net.mix`."""
+    H, dk = v.shape[2], q.shape[-1]
+    q, k = (jnp.repeat(delta_net._l2norm(jnp.asarray(t)), H // t.shape[2], axis=2) for t in (q, k))
+    q = q * dk**-0.5
+    if not recurrent:
+        return delta_net.chunked(q, k, v, g, beta, state)
+    outs = []
+    for t in range(q.shape[1]):
+        out, state = delta_net.recurrent(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outs.append(out)
+    return jnp.stack(outs, 1), state
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 150])
+def test_the_delta_rule_is_transformers_in_both_forms(T):
+    """Ours chunked and token by token, transformers' chunked (`torch_chunk_gated_delta_rule`) and
+    recurrent forms: outputs and final state within float32 rounding, from a non-zero state."""
+    inputs = _inputs(T=T)
+    torched = [torch.from_numpy(x) for x in inputs]
+    kwargs = dict(initial_state=torched[-1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf_next.torch_chunk_gated_delta_rule(*torched[:5], **kwargs)
+    slow_out, slow_state = hf_next.torch_recurrent_gated_delta_rule(*torched[:5], **kwargs)
+    np.testing.assert_allclose(slow_out.numpy(), ref_out.numpy(), atol=1e-4)
+    for recurrent in (False, True):
+        out, state = _ours(*inputs, recurrent=recurrent)
+        np.testing.assert_allclose(np.asarray(out), ref_out.numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(state), ref_state.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_padding_with_no_decay_and_no_write_leaves_the_state_as_it_was():
+    """A prompt's bucket padding (g = β = 0, `delta_net.mix`'s `live`): the state after 37 tokens
+    and 27 of padding is the state after the 37."""
+    q, k, v, g, beta, state = _inputs(T=64)
+    live = np.arange(64) < 37
+    _, padded = _ours(q, k, v, g * live[:, None], beta * live[:, None], state)
+    _, short = _ours(q[:, :37], k[:, :37], v[:, :37], g[:, :37], beta[:, :37], state)
+    np.testing.assert_allclose(np.asarray(padded), np.asarray(short), atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 32])
+def test_chunked_prefill_and_a_second_turn_are_transformers_greedy(tiny, chunk):
+    """A prompt of 90 tokens in one call (two chunks of the rule), or in prefill chunks of 16 and 32
+    (the state carried between calls, each bucket's padding left out of it); then a chat's second
+    turn prefilled from the state the first left: each turn transformers' greedy tokens, the second
+    reusing all of the first."""
+    path = tiny("qwen3-next")
+    hf, model = reference(path), load_model(path)
+    engine = Engine(model.config, model.params, 256, eos_ids=(), decoding=Decoding(prefill_chunk=chunk))
+    ids = model.tokenizer.encode(PROMPT)
+    first = Generation(model, engine, ids, Sampling(), max_tokens=12)
+    list(first)
+    assert first.token_ids == greedy_reference(hf, ids, 12)
+    follow = ids + first.token_ids + model.tokenizer.encode(" Rome is", add_special_tokens=False)
+    second = Generation(model, engine, follow, Sampling(), max_tokens=8)
+    list(second)
+    assert second.token_ids == greedy_reference(hf, follow, 8)
+    assert second.timings.cached_tokens == len(ids) + 11  # all the first turn's but its last token
+
+
+def test_a_prefix_is_reused_only_where_the_state_is_known(tiny):
+    """A row's recurrent state is known after all the tokens it holds, not at any earlier position:
+    a prompt that extends them takes them all; one that shares only part of them (the same prompt
+    asked again, shorter than what the row went on to hold) is prefilled whole. Both give their
+    tokens alone."""
+    model = dataclasses.replace(load_model(tiny("qwen3.5")), eos_ids=())
+    ids = model.tokenizer.encode(PROMPT)
+    scheduler, out, first = Scheduler(model, 2, 256), [], Request(0, ids, Sampling(), 8, 0)
+    scheduler.run([first], out.append, True)
+    extended = ids + alone(model, first, 256).token_ids + model.tokenizer.encode(" Rome", add_special_tokens=False)
+    again = [Request(1, extended, Sampling(), 6, 0), Request(2, ids, Sampling(), 6, 0)]
+    scheduler.run(again, out.append, True)
+    results = {r["id"]: r for r in out}
+    assert results[1]["cached_tokens"] == len(ids) + 7 and results[2]["cached_tokens"] == 0
+    for request in again:
+        assert results[request.id]["text"] == alone(model, request, 256).text
+
+
+@pytest.mark.slow
+def test_a_batch_of_hybrid_rows_gives_what_each_row_gives_alone(tiny):
+    """Continuous batching (prompts prefilled in chunks beside running rows, finished rows passed by
+    while others step): each row's text as alone."""
+    model = dataclasses.replace(load_model(tiny("qwen3.5-moe")), eos_ids=())
+    prompts = ["The capital of France is", "Def fibonacci(n):", PROMPT, "Emoji 🙂 and", "x", "ünïcödé" * 9]
+    reqs = [Request(i, model.tokenizer.encode(p), Sampling(), 6 + 5 * (i % 3), i) for i, p in enumerate(prompts)]
+    out = []
+    Scheduler(model, 3, 256, Decoding(prefill_chunk=16)).run(reqs, out.append, True)
+    assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r, 256).text for r in reqs}
+
+
+def test_a_quantized_hybrid_stays_close(tiny):
+    """int8 on every matrix, the DeltaNet's projections included: the next token the float model's at
+    ≥ 85% of a prompt's positions, the logits within 10% of their range."""
+    path = tiny("qwen3-next")
+    plain, int8 = load_model(path), load_model(path, quantize="int8")
+    ids = plain.tokenizer.encode(PROMPT)
+    exact, quantized = our_prompt_logits(plain, ids, 128)[0], our_prompt_logits(int8, ids, 128)[0]
+    assert np.mean(exact.argmax(-1) == quantized.argmax(-1)) >= 0.85
+    assert np.abs(exact - quantized).max() <= 0.1 * np.abs(exact).max()
+
+
+def test_perplexity_is_transformers_loss(tiny):
+    """A whole sequence without a cache, from an empty state: transformers' loss."""
+    from jaxinfer.perplexity import perplexity
+
+    path = tiny("qwen3.5")
+    model, hf = load_model(path), reference(path)
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_speculation_on_a_hybrid_is_refused_in_one_line(tiny):
+    """A verifying pass would move the state past drafts it rejects: refused, naming the flag."""
+    model = load_model(tiny("qwen3.5"))
+    with pytest.raises(JaxinferError, match="speculate: .*Gated DeltaNet"):
+        Engine(model.config, model.params, 128, (), Decoding(speculation=Speculation(draft=3)))
+    result = jaxinfer_here("run", "-m", tiny("qwen3.5"), "-n", "4", "--speculate", "ngram", "hello")
+    assert result.returncode != 0 and "--speculate" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_hybrid_over_devices_gives_one_devices_tokens(tiny):
+    """Attention split by heads over 2 CPU devices, the DeltaNet layers and their state whole on each:
+    the tokens one device gives."""
+    path = tiny("qwen3-next")
+    run = ("run", "-m", path, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "The capital of France")
+    tokens = [json.loads(jaxinfer(*run, "--devices", str(n)).stdout)["token_ids"] for n in (1, 2)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+
+def test_the_state_is_counted_once_a_step(tiny):
+    """The roofline: a hybrid's decode step reads and writes each row's DeltaNet state (float32
+    matrices, the convolution's last inputs) and K/V of its attention layers only."""
+    from jaxinfer import roofline
+
+    cfg = load_model(tiny("qwen3.5")).config
+    storage = roofline.Storage(4)
+    per_row = delta_net.state_bytes(cfg, 4)
+    assert per_row == 3 * (3 * 96 * 4 + 4 * 16 * 8 * 4)  # 3 DeltaNet layers: conv [3, 2·2·16 + 4·8], state [4, 16, 8]
+    assert roofline.kv_bytes_per_token(cfg, storage) == 2 * 1 * 2 * 32 * 4  # one attention layer
+    at_8, at_16 = (roofline.decode_step_cost(cfg, storage, 128, batch=b).bytes for b in (8, 16))
+    assert at_16 - at_8 == pytest.approx(8 * (2 * per_row + roofline.kv_bytes_per_token(cfg, storage) * 129), rel=0.05)
