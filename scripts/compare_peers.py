@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES, hf_config  # noqa: E402
 
+from jaxinfer.families import hybrid as hybrid_family  # noqa: E402
 from jaxinfer.modeldir import bundled_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,9 +165,13 @@ convert_hf_to_gguf.main()
 
 
 def convert(model_dir: Path, out: Path, outtype: str, pre: str, tree: Path) -> None:
-    """llama.cpp's `convert_hf_to_gguf.py` of `tree` on a checkpoint (`pre`: as `CONVERT` reads it)."""
+    """llama.cpp's `convert_hf_to_gguf.py` of `tree` on a checkpoint (`pre`: as `CONVERT` reads it).
+    A Qwen hybrid's converter expects the hub's multi-token-prediction head, which random
+    checkpoints lack: told so (`--no-mtp`)."""
+    hybrid = json.loads((model_dir / "config.json").read_text())["architectures"][0] in hybrid_family.ARCHITECTURES
+    command = [sys.executable, "-c", CONVERT, str(tree), pre, str(model_dir), "--outtype", outtype]
     subprocess.run(
-        [sys.executable, "-c", CONVERT, str(tree), pre, str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+        command + ["--outfile", str(out)] + ["--no-mtp"] * hybrid,
         check=True,
         env={**os.environ, "PYTHONPATH": ""},
     )

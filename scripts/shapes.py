@@ -103,7 +103,41 @@ SHAPES["qwen3-0.16b"] = replace(
     experts_per_token=0,
     expert_size=0,
 )
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+# Qwen3.5-0.8B's layers (24: three Gated DeltaNet layers to one gated attention layer, 16 key and
+# value heads of 128 in the DeltaNet, 8 query heads of 256 over 2 kv heads, a quarter of each rotated)
+# with the 32k vocabulary of the shapes above instead of its 248k (whose embedding would be half the
+# weights): 0.5 B parameters.
+SHAPES["qwen3.5-0.5b"] = ModelConfig(
+    architecture="Qwen3_5ForCausalLM",
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_layers=24,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    rope_theta=1e7,
+    tie_word_embeddings=True,
+    qk_norm="heads",
+    sliding_windows=(None,) * 24,
+    norm_plus_one=True,
+    rotary_dim=64,
+    attn_output_gate=True,
+    mixers=("delta", "delta", "delta", "attention") * 6,
+    delta_heads=16,
+    delta_value_heads=16,
+    delta_key_dim=128,
+    delta_value_dim=128,
+    delta_conv=4,
+)
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+}
 
 
 def hf_config(cfg: ModelConfig, **keys):
@@ -130,6 +164,16 @@ def hf_config(cfg: ModelConfig, **keys):
             num_experts_per_tok=cfg.experts_per_token,
             moe_intermediate_size=cfg.expert_size,
             norm_topk_prob=cfg.norm_topk,
+        )
+    if cfg.mixers:
+        d.update(
+            layer_types=["linear_attention" if m == "delta" else "full_attention" for m in cfg.mixers],
+            linear_num_key_heads=cfg.delta_heads,
+            linear_num_value_heads=cfg.delta_value_heads,
+            linear_key_head_dim=cfg.delta_key_dim,
+            linear_value_head_dim=cfg.delta_value_dim,
+            linear_conv_kernel_dim=cfg.delta_conv,
+            partial_rotary_factor=cfg.rotary_dim / cfg.head_dim,
         )
     config = transformers.AutoConfig.for_model(MODEL_TYPES[cfg.architecture], **d)
     config.architectures = [cfg.architecture]
