@@ -69,6 +69,8 @@ class ModelConfig:
     delta_key_dim: int = 0
     delta_value_dim: int = 0
     delta_conv: int = 0
+    delta_qkvz: bool = False  # q, k, v, z interleaved per key head in one matrix (Qwen3-Next's in_proj_qkvz)
+    delta_tiled: bool = False  # value heads tiled over the key heads (h uses key head h % Hk), not grouped
     attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj also gives each head a sigmoid gate on its output
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.

@@ -41,11 +41,15 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
 }
+HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 MIXTRAL = "MixtralForCausalLM"
 # Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
 # architecture: the file does not say)
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "qwen35moe": True, "qwen3next": True}
 # llama.cpp's sliding-window pattern where the file gives none (every n-th layer global), and the
 # layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -163,6 +167,8 @@ def config_json(file: GGUFFile) -> dict:
         d["eos_token_id"] = sorted(int(e) for e in ends)
     if int(meta.get(f"{arch}.expert_count", 0)):
         d.update(_experts(file, key, d))
+    if arch in HYBRIDS:
+        d.update(_hybrid(file, key, d))
     if arch.startswith("gemma"):
         d.update(_gemma(file, key, d))
     if arch == "phi3":
@@ -191,11 +197,34 @@ def _experts(file: GGUFFile, key, d: dict) -> dict:
         "norm_topk_prob": NORM_TOPK[arch],
         "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors],
     }
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "qwen3next"):
         experts["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
         experts["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
     return experts
+
+
+def _hybrid(file: GGUFFile, key, d: dict) -> dict:
+    """A Gated DeltaNet hybrid's keys, as llama.cpp's converter writes them (its `ssm.*` names): the
+    recurrent layers, the DeltaNet's heads (groups: key heads; time-step rank: value heads) and
+    convolution, the rotated share of each head. What the converter changed is said for the family
+    to read: Qwen3-Next's in_proj_qkvz split in two, Qwen3.5's value heads tiled over the key heads."""
+    value_heads = int(key("ssm.time_step_rank"))
+    recurrent = file.meta.get(f"{file.architecture}.attention.recurrent_layers")
+    interval = int(key("full_attention_interval", 4))
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(d["num_hidden_layers"])]
+    return {
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "linear_num_key_heads": int(key("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(key("ssm.state_size")),
+        "linear_value_head_dim": int(key("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(key("ssm.conv_kernel")),
+        "partial_rotary_factor": int(key("rope.dimension_count", d["head_dim"])) / d["head_dim"],
+        "gguf_split_qkvz": True,
+        "gguf_value_heads_tiled": file.architecture != "qwen3next",
+    }
 
 
 def _rope_scaling(file: GGUFFile, key) -> dict:
@@ -284,6 +313,8 @@ def gguf_names(cfg, table: dict) -> dict[str, str]:
 
     def merged(hf: str) -> str:
         expert = table[hf].expert
+        if hf.endswith(".linear_attn.dt_bias"):  # the converter's name for it (its `dt_proj`)
+            return hf.replace(".dt_bias", ".dt_proj.bias")
         return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
 
     return {hf: names.get_name(merged(hf), try_suffixes=(".weight", ".bias")) for hf in table}
@@ -347,7 +378,7 @@ def tensor_values(
 
         return "float", np.asarray(raw).view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape)
     if kind in FILE_DTYPES:
-        return "float", raw
+        return "float", np.asarray(raw).reshape(shape)  # the shape the converter squeezed, put back
     return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
 
 

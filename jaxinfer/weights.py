@@ -99,7 +99,8 @@ def read_gguf(
     """A GGUF file's tensors (`jaxinfer.gguf_model`) through the table into the tree, as
     `read_safetensors` reads a checkpoint's: its quantized blocks (Q8_0, Q4_0, the k-quants, ...) in
     the `quant` methods of their names, its float matrices quantized only by `quantize`; Llama's q/k
-    rows and Gemma's norms put back as Hugging Face holds them."""
+    rows, Gemma's and the Qwen hybrids' norms (and their DeltaNets' A) put back as Hugging Face holds
+    them."""
     from jaxinfer import gguf_model
 
     table = weight_table(cfg)
@@ -126,7 +127,10 @@ def read_gguf(
         shape = weight.leaf.shape
         how, value = gguf_model.tensor_values(file, names[hf_name], shape, heads, held=is_matrix(weight.path, shape))
         if cfg.norm_plus_one and len(weight.shape) == 1 and weight.path[-1].endswith("norm"):
-            value = np.asarray(value, np.float32) - 1  # llama.cpp's converter stored Gemma's 1 + weight
+            if weight.path[-1] != "gate_norm":  # a DeltaNet's gated norm scales by its weight itself
+                value = np.asarray(value, np.float32) - 1  # llama.cpp's converter stored Gemma's 1 + weight
+        if weight.path[-1] == "a_log":
+            value = np.log(-np.asarray(value, np.float32))  # the converter stored -exp(A_log)
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
         elif weight.expert is not None:  # each expert's blocks

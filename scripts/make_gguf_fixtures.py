@@ -146,6 +146,23 @@ MODELS = {
         ),
         ["Q4_K_M"],
     ),
+    # hybrids: Qwen3.5 (two value heads a key head: the converter reorders them, `gguf_model`'s
+    # "tiled"), its mixture, Qwen3-Next (its interleaved projections split by the converter; every
+    # layer a mixture, as llama.cpp takes it); value heads as wide as key heads, as llama.cpp
+    # requires (and the released models have)
+    "qwen35-bpe": (
+        "qwen3.5",
+        "qwen2",
+        dict(bos_token_id=None, eos_token_id=2, linear_value_head_dim=16),
+        ["F32", "Q8_0"],
+    ),
+    "qwen35moe-bpe": ("qwen3.5-moe", "qwen2", dict(bos_token_id=None, eos_token_id=2), ["F32"]),
+    "qwen3next-bpe": (
+        "qwen3-next",
+        "qwen2",
+        dict(bos_token_id=None, eos_token_id=2, linear_value_head_dim=16, decoder_sparse_step=1),
+        ["F32"],
+    ),
 }
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*

@@ -101,6 +101,10 @@ def config(d: dict, arch: str) -> ModelConfig:
         delta_key_dim=int(d["linear_key_head_dim"]),
         delta_value_dim=int(d["linear_value_head_dim"]),
         delta_conv=int(d["linear_conv_kernel_dim"]),
+        # a GGUF file's (`jaxinfer.gguf_model`): llama.cpp's converter splits Qwen3-Next's in_proj_qkvz,
+        # and orders Qwen3.5's value heads tiled over the key heads
+        delta_qkvz=arch == "Qwen3NextForCausalLM" and not d.get("gguf_split_qkvz", False),
+        delta_tiled=bool(d.get("gguf_value_heads_tiled", False)),
         **mixture,
     )
 
@@ -114,7 +118,7 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     D, hd = cfg.hidden_size, cfg.head_dim
     Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
     keys, values = Hk * dk, Hv * dv
-    next_layout = cfg.architecture == "Qwen3NextForCausalLM"
+    next_layout = cfg.architecture == "Qwen3NextForCausalLM"  # b and a interleaved in in_proj_ba
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}"
         if cfg.mixer(i) == "attention":
@@ -129,12 +133,14 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
             table[f"{pre}.linear_attn.{hf_name}"] = Weight(("layers", i, name), shape, (None,) * len(shape))
 
-        if next_layout:
+        if cfg.delta_qkvz:
             add("in_proj_qkvz.weight", "wqkvz", (2 * keys + 2 * values, D))
-            add("in_proj_ba.weight", "wba", (2 * Hv, D))
         else:
             add("in_proj_qkv.weight", "wmix", (2 * keys + values, D))
             add("in_proj_z.weight", "wz", (values, D))
+        if next_layout:
+            add("in_proj_ba.weight", "wba", (2 * Hv, D))
+        else:
             add("in_proj_b.weight", "wb", (Hv, D))
             add("in_proj_a.weight", "wa", (Hv, D))
         add("conv1d.weight", "conv", (2 * keys + values, 1, cfg.delta_conv))

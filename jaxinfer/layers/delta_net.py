@@ -12,13 +12,15 @@ products per chunk and one sequential step per chunk instead of per token.
 
 Leaves of a DeltaNet layer (`jaxinfer.families.hybrid`): the input projections, either Qwen3.5's
 "wmix" [2·Hk·dk + Hv·dv, D] (q, k, v: what the convolution mixes), "wz" [Hv·dv, D] (the output gate),
-"wb", "wa" [Hv, D], or Qwen3-Next's "wqkvz" and "wba" (the same rows, interleaved per key head);
+"wb", "wa" [Hv, D], or Qwen3-Next's "wqkvz" and "wba" (the same rows, interleaved per key head;
+a GGUF file of it has "wmix", "wz" and "wba");
 "conv" [C, 1, K], "a_log" and "dt_bias" [Hv], "gate_norm" [dv] and "wo" [D, Hv·dv].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -94,15 +96,18 @@ def _projections(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array
     [N, Hv, dv], and b, a [N, Hv]."""
     N = x.shape[0]
     Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
+    r = Hv // Hk
     if "wqkvz" in layer:  # Qwen3-Next: per key head, its q, k, then its value heads' v and z
-        r = Hv // Hk
         qkvz = linear(x, layer, "qkvz", cfg).reshape(N, Hk, 2 * dk + 2 * r * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
         mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
+    else:
+        mixed, z = linear(x, layer, "mix", cfg), linear(x, layer, "z", cfg)
+    if "wba" in layer:  # Qwen3-Next: per key head, its value heads' b, then their a
         b, a = jnp.split(linear(x, layer, "ba", cfg).reshape(N, Hk, 2 * r), 2, axis=-1)
-        return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
-    z = linear(x, layer, "z", cfg).reshape(N, Hv, dv)
-    return linear(x, layer, "mix", cfg), z, linear(x, layer, "b", cfg), linear(x, layer, "a", cfg)
+    else:
+        b, a = linear(x, layer, "b", cfg), linear(x, layer, "a", cfg)
+    return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
 
 
 def _convolve(x: jax.Array, before: jax.Array, weight: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -232,7 +237,13 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
         convolved, kept = _convolve(mixed[here].reshape(R, T, -1), before, layer["conv"], live)
         q, k, v = jnp.split(convolved.astype(jnp.float32), [Hk * dk, 2 * Hk * dk], axis=-1)
         q, k = _l2norm(q.reshape(R, T, Hk, dk)), _l2norm(k.reshape(R, T, Hk, dk))
-        q, k = (jnp.repeat(t, Hv // Hk, axis=2) for t in (q * dk**-0.5, k))  # each key head serves Hv/Hk value heads
+        # each key head serves Hv/Hk value heads: consecutive ones, or every Hk-th (`delta_tiled`)
+        serve = (
+            (lambda t: jnp.tile(t, (1, 1, Hv // Hk, 1)))
+            if cfg.delta_tiled
+            else partial(jnp.repeat, repeats=Hv // Hk, axis=2)
+        )
+        q, k = serve(q * dk**-0.5), serve(k)
         v = v.reshape(R, T, Hv, dv)
         bg, bbeta = (jnp.where(live[..., None], t[here].reshape(R, T, Hv), 0.0) for t in (g, beta))
         if T == 1:
