@@ -392,12 +392,16 @@ def model_flags(given: dict) -> dict:
 
 
 def open_model(model: Optional[Path], **params):
-    """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `_warn_past_training`'s warning)."""
+    """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `_warn_past_training`'s
+    warning, and the family's note on what of the checkpoint is not run)."""
+    from jaxinfer.families import note
     from jaxinfer.loading import open_model
 
     with render.progress("loading weights") as progress:
         opened = open_model(model, progress=progress, **params)
     _warn_past_training(opened.model.max_positions, params.get("max_context"))
+    if said := note(opened.model.config):
+        render.notice(f"note: {said}")
     return opened
 
 

@@ -183,3 +183,45 @@ def test_the_state_is_counted_once_a_step(tiny):
     assert roofline.kv_bytes_per_token(cfg, storage) == 2 * 1 * 2 * 32 * 4  # one attention layer
     at_8, at_16 = (roofline.decode_step_cost(cfg, storage, 128, batch=b).bytes for b in (8, 16))
     assert at_16 - at_8 == pytest.approx(8 * (2 * per_row + roofline.kv_bytes_per_token(cfg, storage) * 129), rel=0.05)
+
+
+def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
+    """`Qwen3_5ForConditionalGeneration` as the hub ships Qwen3.5 (its text model under
+    model.language_model, a vision tower beside it): loaded without the vision tower, said once on
+    stderr, and its logits over a text prompt transformers' within float32 rounding."""
+    import transformers
+    from tiny_models import bpe_tokenizer
+
+    bpe_tokenizer(tmp_path)
+    text = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    hf.eval().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = our_prompt_logits(model, ids, 128)[0]
+    assert np.abs(ours - expected).max() <= 1e-4 * np.abs(expected).max()
+    result = jaxinfer_here("run", "-m", tmp_path, "-n", "4", "--temp", "0", "hello")
+    assert result.returncode == 0 and result.stderr.count("vision tower") == 1

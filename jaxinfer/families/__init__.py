@@ -46,6 +46,12 @@ def ignored(cfg: ModelConfig, name: str) -> bool:
     return name.startswith(getattr(family(cfg.architecture), "IGNORED", ()))
 
 
+def note(cfg: ModelConfig) -> str | None:
+    """A line to tell the user once about the checkpoint (what of it is not run), or None."""
+    family_note = getattr(family(cfg.architecture), "note", None)
+    return family_note(cfg) if family_note else None
+
+
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's
     family lays it out."""
