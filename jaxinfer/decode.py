@@ -386,7 +386,9 @@ def verify_step(
     feed = jnp.concatenate([last, draft], axis=1)  # [B, K+1]
     positions = state.length[:, None] - 1 + j  # [B, K+1]
     write_at = jnp.where(active[:, None] & (j <= count[:, None]), positions, S)
-    hidden, cache = model.forward(params, cfg, feed, write_at, state.cache, kv_len)
+    (hidden,), cache = model.forward_blocks(
+        params, cfg, [model.Block(feed, write_at, kv_len, settle=cfg.recurrent)], state.cache
+    )
     rows = jnp.arange(B)
     seen = [state.seen]  # what position j's repetition penalty sees: the row, then drafts before j
     for d in range(K):
@@ -410,6 +412,8 @@ def verify_step(
     state = replace(state, cache=cache, passes=state.passes + active, drafted=state.drafted + count)
     # the kept drafts and the model's own token
     state, n = _append(state, target, active[:, None] & (j <= agree[:, None]), lp, constrain)
+    if cfg.recurrent:  # the state over the row's last token and the drafts it kept (as many as it made)
+        state = replace(state, cache=replace(state.cache, delta=state.cache.delta.settle(n)))
     kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid

@@ -129,6 +129,9 @@ class Block:
     # [R, T] bool: the tokens that move a recurrent mixer's state (a prompt's bucket padding does
     # not); None: those at positions inside the cache (`delta_net.mix`)
     live: jax.Array | None = None
+    # a verifying pass of drafted tokens: a recurrent mixer's state stays as it was, with what the
+    # pass computed, until `delta_net.DeltaState.settle` moves each row's over the tokens it keeps
+    settle: bool = False
 
 
 def attention(

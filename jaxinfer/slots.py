@@ -148,11 +148,11 @@ class Slots:
         # programs and run nothing; JAX keeps what they compiled for the real ones (`engine.compile_ahead`)
         self.dry = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
-        if decoding.speculating and (cfg.recurrent or (speculation.model and speculation.model.recurrent)):
-            # a verifying pass moves a recurrent state past drafts it may reject: it would need the
-            # state after each drafted position kept, which is not built yet
+        if speculation.model and speculation.model.recurrent:
+            # its drafting steps move its state past drafts the target may reject (the target's own
+            # is settled after each verifying pass: `DeltaState.settle`)
             raise JaxinferError(
-                "speculate: speculative decoding does not run on models with Gated DeltaNet layers yet", "speculate"
+                "draft_model: a draft model with Gated DeltaNet layers does not draft yet", "draft_model"
             )
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))

@@ -1,6 +1,6 @@
 """Hybrids of Gated DeltaNet and attention (Qwen3-Next, Qwen3.5): the delta rule against
 transformers' own two forms, the state carried through chunked prefill, chat turns, a batch and a
-mesh, and what a hybrid cannot do yet refused in one line. Logits and greedy text against
+mesh and speculation, and what a hybrid cannot do yet refused in one line. Logits and greedy text against
 transformers per architecture are test_parity's (its ARCHITECTURES include them)."""
 
 import dataclasses
@@ -15,7 +15,6 @@ from reference import alone, greedy_reference, our_prompt_logits, reference
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from jaxinfer.engine import Engine
-from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.layers import delta_net
 from jaxinfer.loading import load_model
@@ -152,13 +151,30 @@ def test_perplexity_is_transformers_loss(tiny):
     assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
 
 
-def test_speculation_on_a_hybrid_is_refused_in_one_line(tiny):
-    """A verifying pass would move the state past drafts it rejects: refused, naming the flag."""
-    model = load_model(tiny("qwen3.5"))
-    with pytest.raises(JaxinferError, match="speculate: .*Gated DeltaNet"):
-        Engine(model.config, model.params, 128, (), Decoding(speculation=Speculation(draft=3)))
-    result = jaxinfer_here("run", "-m", tiny("qwen3.5"), "-n", "4", "--speculate", "ngram", "hello")
-    assert result.returncode != 0 and "--speculate" in result.stderr and "Traceback" not in result.stderr
+def test_speculation_settles_the_state_on_the_drafts_it_keeps(tiny):
+    """Prompt lookup on a hybrid: a verifying pass feeds K drafts, and each row's DeltaNet state moves
+    over only those it kept (`DeltaState.settle`). Sampled rows and a batch with a row that does not
+    speculate give plain decoding's tokens, drafts having been kept. A draft model with DeltaNet
+    layers is refused in one line, naming the flag."""
+    model = dataclasses.replace(load_model(tiny("qwen3.5", init_std=0.05)), eos_ids=())
+    copy = model.tokenizer.encode(
+        "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"
+    )
+    spec = Decoding(16, Speculation(draft=4))
+    reqs = [
+        Request(
+            i, copy if i != 1 else model.tokenizer.encode(PROMPT), Sampling(temperature=0.8 * i), 64, i, speculate=True
+        )
+        for i in range(3)
+    ]
+    reqs.append(Request(3, copy, Sampling(), 30, 3, speculate=False))
+    out = []
+    Scheduler(model, 3, 256, spec).run(reqs, out.append, True)
+    records = {r["id"]: r for r in out}
+    assert {i: r["text"] for i, r in records.items()} == {r.id: alone(model, r, 256).text for r in reqs}
+    assert records[0]["timings"]["speculation"]["accepted"] > 0
+    result = jaxinfer_here("run", "-m", tiny("qwen3.5"), "--draft-model", tiny("qwen3.5"), "-n", "4", "hi")
+    assert result.returncode != 0 and "--draft-model" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

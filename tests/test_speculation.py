@@ -40,9 +40,23 @@ def check_counts(gen) -> None:
 
 
 # one of each family and of each attention variant: the verifying pass is the shared forward (a
-# mixture's: its draft tokens routed each to its own experts in one pass)
+# mixture's: its draft tokens routed each to its own experts in one pass; a hybrid's: its DeltaNet
+# state settled on the drafts it kept)
 @pytest.mark.parametrize(
-    "arch", ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3-longrope", "qwen2-moe"]
+    "arch",
+    [
+        "llama",
+        "llama3-scaled",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "phi3-longrope",
+        "qwen2-moe",
+        "qwen3.5",
+        "qwen3-next",
+    ],
 )
 def test_greedy_is_transformers_greedy_on_every_architecture(tiny, arch):
     path = tiny(arch, init_std=0.05)  # a model whose greedy text soon cycles: drafts are accepted

@@ -42,6 +42,10 @@ class DeltaState:
 
     conv: tuple  # per layer [B, K-1, C] compute dtype: the last K-1 inputs of the convolution
     recurrent: tuple  # per layer [B, Hv, dk, dv] float32: the memory matrix of each value head
+    # within a verifying pass (`jaxinfer.decode.verify_step`), per layer what `settle` needs to move
+    # each row's state over the tokens it keeps: the state before the pass and the pass's inputs of
+    # the rule, (conv, recurrent, mixed [B, T, C], q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv])
+    pending: tuple | None = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, dtype) -> DeltaState | None:
@@ -73,6 +77,25 @@ class DeltaState:
             return arrays[:layer] + (new,) + arrays[layer + 1 :]
 
         return DeltaState(put(self.conv, conv), put(self.recurrent, recurrent))
+
+    def hold(self, layer: int, layers: int, before: tuple, inputs: tuple) -> DeltaState:
+        """The state as it was, with layer `layer`'s state before a verifying pass and the pass's
+        inputs to its rule kept for `settle` (of `layers` DeltaNet layers)."""
+        pending = self.pending or (None,) * layers
+        return replace(self, pending=pending[:layer] + ((*before, *inputs),) + pending[layer + 1 :])
+
+    def settle(self, made: jax.Array) -> DeltaState:
+        """After a verifying pass, each row's state moved over the first `made` [B] of the tokens
+        the pass fed (its last token and the drafts it kept; 0 for a row that took no part): the
+        rule again from the state before the pass, the tokens past them moving nothing. Recomputing
+        keeps one state a layer, where keeping the state after every drafted token would hold K + 1."""
+        conv, recurrent = list(self.conv), list(self.recurrent)
+        for i, (before, memory, mixed, q, k, v, g, beta) in enumerate(self.pending):
+            live = (jnp.arange(mixed.shape[1])[None, :] < made[:, None])[..., None]  # [B, T, 1]
+            full = jnp.concatenate([before, mixed.astype(before.dtype)], axis=1)
+            conv[i] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, before.shape[1], 0))(full, made)
+            recurrent[i] = chunked(q, k, v, g * live, beta * live, memory)[1]
+        return DeltaState(tuple(conv), tuple(recurrent))
 
 
 def delta_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -234,7 +257,8 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
             before, memory = state.read(at_layer, rows)
             empty = (block.positions[:, 0] == 0)[:, None, None]
             before, memory = jnp.where(empty, 0, before), jnp.where(empty[..., None], 0.0, memory)
-        convolved, kept = _convolve(mixed[here].reshape(R, T, -1), before, layer["conv"], live)
+        start, mixed_in = memory, mixed[here].reshape(R, T, -1)
+        convolved, kept = _convolve(mixed_in, before, layer["conv"], live)
         q, k, v = jnp.split(convolved.astype(jnp.float32), [Hk * dk, 2 * Hk * dk], axis=-1)
         q, k = _l2norm(q.reshape(R, T, Hk, dk)), _l2norm(k.reshape(R, T, Hk, dk))
         # each key head serves Hv/Hk value heads: consecutive ones, or every Hk-th (`delta_tiled`)
@@ -251,7 +275,9 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
             out = out[:, None]
         else:
             out, memory = chunked(q, k, v, bg, bbeta, memory)
-        if state is not None:
+        if state is not None and block.settle:  # a verifying pass: the state waits for `settle`
+            state = state.hold(at_layer, len(delta_layers(cfg)), (before, start), (mixed_in, q, k, v, bg, bbeta))
+        elif state is not None:
             state = state.write(at_layer, rows, kept, memory)
         outs.append(out.reshape(R * T, Hv, dv))
     out = gated_norm(jnp.concatenate(outs).astype(x.dtype), z, layer["gate_norm"], cfg.rms_norm_eps)
