@@ -1,6 +1,7 @@
 """The CPU attention kernel (`kernels/attention.cc`) against XLA's attention (`model._attend`) on
 the same cache: decode rows (one finished), prompt chunks read from other cache rows, sliding
-windows, soft-capping, bfloat16 caches, on each code path this CPU has. End to end, every test
+windows, soft-capping, bfloat16 caches, 3 and 4 query heads a kv head (Qwen3.5's 4 of 256: a
+decode step's scores summed four keys by four rows at once), on each code path this CPU has. End to end, every test
 that compares with transformers runs on it where it is built."""
 
 from dataclasses import replace
@@ -37,7 +38,8 @@ CASES = {  # positions [B, T], cache rows, kv_len, window, softcap
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_kernel_matches_xla(isa, dtype, case):
+@pytest.mark.parametrize("G, HD", [(3, 64), (4, 256)])  # a decode step's rows: scores read where the keys lie
+def test_attention_kernel_matches_xla(isa, dtype, case, G, HD):
     positions, rows, kv_len, window, softcap = CASES[case]
     positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)
     k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))  # XLA's cache layout

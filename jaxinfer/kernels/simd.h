@@ -188,6 +188,50 @@ inline void scores(const float* const* q, const float* keys, int64_t hd, float* 
     for (int c = 0; c < kVecs; ++c) V::store(out + r * kKeys + c * V::L, acc[r][c]);
 }
 
+// Scores of kRows query rows against the n keys from s0 read where they lie in the cache, without
+// the transposed copy, into out[r][kKeys] (zero past n): a decode step's few rows (the query heads of
+// one kv head) cannot pay for the copy with their FMAs. kAt keys at once share each query load.
+// The sums of L (row, key) pairs are one transpose and L - 1 adds, not L horizontal reductions.
+// Per layer over 8192 float32 keys (a 2-core Zen 4, three sittings against the transposed copy):
+// head dim 256 with 4 query heads a kv head 2.0-2.4 -> 1.7-1.9 ms, 128 with 2 1.7-2.1 -> 1.3-1.5,
+// 64 with 3 0.40-0.44 -> 0.22-0.27.
+template <class V, int kRows, int kVecs, bool kBf16>
+inline void scores_direct(const float* const* q, const Attention& p, int64_t b, int64_t h, int64_t s0, int64_t n,
+                          float* out) {
+  constexpr int L = V::L, kAt = V::kRegisters >= 32 ? 4 : 2;
+  for (int64_t j = 0; j < n; j += kAt) {
+    typename V::F acc[kRows][kAt];
+    int64_t at[kAt];
+    for (int i = 0; i < kAt; ++i) at[i] = p.key_at(b, s0 + std::min<int64_t>(j + i, n - 1), h);
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kAt; ++i) acc[r][i] = V::zero();
+    for (int c = 0; c < kVecs; ++c) {
+      typename V::F k[kAt];
+      for (int i = 0; i < kAt; ++i) k[i] = load_kv<V, kBf16>(p.k, at[i] + c * L);
+      for (int r = 0; r < kRows; ++r) {
+        const typename V::F qc = V::load(q[r] + c * L);
+        for (int i = 0; i < kAt; ++i) acc[r][i] = V::fma(k[i], qc, acc[r][i]);
+      }
+    }
+    if constexpr (kRows * kAt >= L) {  // L sums at a time: the accumulators transposed and added
+      alignas(64) float sums[kRows * kAt];
+      for (int g = 0; g < kRows * kAt; g += L) {
+        typename V::F lanes[L];
+        for (int a = 0; a < L; ++a) lanes[a] = acc[(g + a) / kAt][(g + a) % kAt];
+        V::transpose(lanes);
+        for (int a = 1; a < L; ++a) lanes[0] = V::add(lanes[0], lanes[a]);
+        V::store_aligned(sums + g, lanes[0]);
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < kAt && j + i < n; ++i) out[r * kKeys + j + i] = sums[r * kAt + i];
+    } else {
+      for (int r = 0; r < kRows; ++r)
+        for (int i = 0; i < kAt && j + i < n; ++i) out[r * kKeys + j + i] = V::reduce_add(acc[r][i]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) std::fill(out + r * kKeys + n, out + (r + 1) * kKeys, 0.f);
+}
+
 // acc[r] = acc[r] * rescale[r] + sum_j weights[r][j] * value_j over dims [d0, d0 + kVecs L) for kRows
 // rows: each value vector load feeds kRows FMAs.
 template <class V, int kRows, int kVecs>
@@ -224,7 +268,9 @@ void attend(const Attention& p, const Item& it, const Part& part) {
   constexpr int L = V::L, kBudget = V::kRegisters / 2;
   constexpr int64_t hd = kVecs * L;
   constexpr int kScoreRows = std::max<int>(1, kBudget / (kKeys / L));
-  constexpr int kChunk = chunk_of(kVecs, kBudget);
+  constexpr int kDirectRows = 4;
+  // a quarter of the budget a row, so 4 rows share each value load (a decode step's query heads)
+  constexpr int kChunk = chunk_of(kVecs, std::max(1, kBudget / 4));
   constexpr int kValueRows = kChunk * 4 <= kBudget ? 4 : kChunk * 2 <= kBudget ? 2 : 1;
   const int64_t b = it.b, h = it.h, rows = it.rows, lo = it.lo, hi = it.hi;
   alignas(64) float keys[hd * kKeys];                  // the block's keys, transposed: [hd][kKeys]
@@ -247,9 +293,10 @@ void attend(const Attention& p, const Item& it, const Part& part) {
   }
   const F scale = V::set1(p.scale), minus_inf = V::set1(-std::numeric_limits<float>::infinity());
 
+  const bool direct = rows <= kDirectRows;  // `scores_direct`
   for (int64_t s0 = lo - lo % kKeys; s0 < hi; s0 += kKeys) {
     const int64_t n = std::min(kKeys, hi - s0);
-    for (int64_t j0 = 0; j0 < kKeys; j0 += L) {
+    for (int64_t j0 = 0; j0 < (direct ? 0 : kKeys); j0 += L) {
       for (int c = 0; c < kVecs; ++c) {
         F r[L];
         for (int i = 0; i < L; ++i) r[i] = j0 + i < n ? load_kv<V, kBf16>(p.k, p.key_at(b, s0 + j0 + i, h) + c * L) : V::zero();
@@ -265,9 +312,12 @@ void attend(const Attention& p, const Item& it, const Part& part) {
         value[j] = static_cast<const float*>(p.v) + p.key_at(b, s0 + j, h);
       }
     }
+    if (direct)  // every row's scores at once
+      with_rows<kDirectRows>(rows, [&](auto count) { scores_direct<V, decltype(count)::value, kVecs, kBf16>(&query[0], p, b, h, s0, n, weights.data()); });
     for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
       float* w0 = weights.data() + m0 * kKeys;  // the scores, then in their place the weights
-      with_rows<kScoreRows>(std::min<int64_t>(kScoreRows, rows - m0), [&](auto count) { scores<V, decltype(count)::value>(&query[m0], keys, hd, w0); });
+      if (!direct)
+        with_rows<kScoreRows>(std::min<int64_t>(kScoreRows, rows - m0), [&](auto count) { scores<V, decltype(count)::value>(&query[m0], keys, hd, w0); });
       for (int64_t m = m0; m < std::min<int64_t>(rows, m0 + kScoreRows); ++m) {
         float* w = weights.data() + m * kKeys;
         constexpr int kBlockVecs = kKeys / L;
