@@ -214,6 +214,7 @@ def model_info(facts: dict) -> None:
     from rich.table import Table
 
     w = facts["weight_bytes"]
+    state = f" + {_bytes(facts['state_bytes_per_row'] * facts['batch'])} state" if facts["state_bytes_per_row"] else ""
     rows = [
         ("model", f"{facts['model']} ({facts['architecture']})"),
         (
@@ -235,9 +236,14 @@ def model_info(facts: dict) -> None:
             "KV cache per token",
             _bytes(facts["kv_bytes_per_token"]) + (f" ({facts['kv_dtype']})" if facts["kv_dtype"] else ""),
         ),
+        *(
+            [("recurrent state per row", f"{_bytes(facts['state_bytes_per_row'])} (DeltaNet layers; no growth)")]
+            if facts["state_bytes_per_row"]
+            else []
+        ),
         (
             f"memory at context {facts['context']:,} × batch {facts['batch']}",
-            f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache)",
+            f"{_bytes(facts['total_bytes'])} (weights + {_bytes(facts['kv_cache_bytes'])} KV cache{state})",
         ),
         *(
             [

@@ -236,6 +236,7 @@ def model_facts(
     weights = weight_bytes(cfg, storage)
     kv_token = kv_bytes_per_token(cfg, storage)
     weights_each, kv_each = weight_bytes(cfg, storage, devices), kv_bytes_per_token(cfg, storage, devices)
+    state_row = delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
     holders = devices if shared_memory else 1  # the devices whose shards count against memory_bytes
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
@@ -252,15 +253,18 @@ def model_facts(
         "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},
         "stored_weight_bytes": weights,
         "kv_bytes_per_token": kv_token,
+        "state_bytes_per_row": state_row,  # a hybrid's DeltaNet layers' (0 without)
         "context": context,
         "batch": batch,
         "kv_cache_bytes": kv_token * context * batch,
-        "total_bytes": weights + kv_token * context * batch,
+        "total_bytes": weights + (kv_token * context + state_row) * batch,
         "devices": devices,
         "weight_bytes_per_device": weights_each,
         "kv_bytes_per_token_per_device": kv_each,
         "device_memory_bytes": memory_bytes,
-        "longest_context_that_fits": max(0, (memory_bytes - holders * weights_each) // (holders * kv_each * batch)),
+        "longest_context_that_fits": max(
+            0, (memory_bytes - holders * (weights_each + state_row * batch)) // (holders * kv_each * batch)
+        ),
         "max_position_embeddings": cfg.max_position_embeddings,
         "peak_flops": ceilings.peak_flops,
         "peak_bandwidth": ceilings.peak_bandwidth,
