@@ -139,18 +139,6 @@ def test_a_quantized_hybrid_stays_close(tiny):
     assert np.abs(exact - quantized).max() <= 0.1 * np.abs(exact).max()
 
 
-def test_perplexity_is_transformers_loss(tiny):
-    """A whole sequence without a cache, from an empty state: transformers' loss."""
-    from jaxinfer.perplexity import perplexity
-
-    path = tiny("qwen3.5")
-    model, hf = load_model(path), reference(path)
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
-    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
-
-
 def test_speculation_settles_the_state_on_the_drafts_it_keeps(tiny):
     """Prompt lookup on a hybrid: a verifying pass feeds K drafts, and each row's DeltaNet state moves
     over only those it kept (`DeltaState.settle`). Sampled rows and a batch with a row that does not
@@ -209,21 +197,16 @@ def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
     model.language_model, a vision tower beside it): loaded without the vision tower, said once on
     stderr, and its logits over a text prompt transformers' within float32 rounding."""
     import transformers
-    from tiny_models import bpe_tokenizer
+    from tiny_models import HYBRID, bpe_tokenizer
 
     bpe_tokenizer(tmp_path)
     text = dict(
+        **HYBRID,
         vocab_size=384,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
         bos_token_id=0,
         eos_token_id=1,
     )

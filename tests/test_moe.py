@@ -175,19 +175,6 @@ def test_a_quantized_mixture_stays_close_and_survives_the_orbax_copy(tiny, tmp_p
     assert alone(dataclasses.replace(converted, eos_ids=()), request).token_ids == tokens
 
 
-def test_perplexity_is_transformers_loss(tiny):
-    """A whole sequence without a cache (`jaxinfer perplexity`): every token routed at once, the
-    tiles plan; the mean negative log-likelihood transformers' loss on the same tokens."""
-    from jaxinfer.perplexity import perplexity
-
-    path = tiny("olmoe")
-    model, hf = load_model(path), reference(path)
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
-    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
-
-
 @pytest.mark.slow
 def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
     """Continuous batching with rows routed to different experts (the tiles plan: 2 experts × up to 5

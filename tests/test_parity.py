@@ -59,6 +59,21 @@ def test_greedy_generation_matches_transformers(tiny, arch, tmp_path):
         assert text == model.tokenizer.decode(expected)
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3.5"])
+def test_perplexity_is_transformers_loss(tiny, arch):
+    """A whole sequence without a cache (`jaxinfer perplexity`): the mean negative log-likelihood is
+    transformers' loss on the same tokens. A mixture routes every token at once (the tiles plan); a
+    hybrid's DeltaNet layers start from an empty state."""
+    from jaxinfer.perplexity import perplexity
+
+    path = tiny(arch)
+    model, hf = load_model(path), reference(path)
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
+
+
 def test_longrope_chat_turn_past_the_original_context_matches_transformers(tiny):
     """A first turn inside longrope's original context of 48 (short factors), a second that passes
     it: transformers runs the whole conversation with the long factors, and so do we: the cached

@@ -13,6 +13,15 @@ CORPUS = (
     "else fibonacci(n - 1) + fibonacci(n - 2). 東京は日本の首都です。 Emoji 🙂🚀 and ünïcödé text. "
 ) * 20
 
+# A hybrid's: three Gated DeltaNet layers and one gated attention layer, two value heads a key head.
+HYBRID = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+)
 # Per architecture: the config keys that make it what it is.
 ARCHITECTURES = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
@@ -110,37 +119,18 @@ ARCHITECTURES = {
     "qwen3-next": dict(
         model_type="qwen3_next",
         architectures=["Qwen3NextForCausalLM"],
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
+        **HYBRID,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
         decoder_sparse_step=2,
     ),
-    "qwen3.5": dict(
-        model_type="qwen3_5_text",
-        architectures=["Qwen3_5ForCausalLM"],
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-    ),
+    "qwen3.5": dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], **HYBRID),
     "qwen3.5-moe": dict(
         model_type="qwen3_5_moe_text",
         architectures=["Qwen3_5MoeForCausalLM"],
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        **{**HYBRID, "linear_num_value_heads": 2, "linear_value_head_dim": 16},
         num_experts=5,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
