@@ -227,3 +227,14 @@ def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
     assert np.abs(ours - expected).max() <= 1e-4 * np.abs(expected).max()
     result = jaxinfer_here("run", "-m", tmp_path, "-n", "4", "--temp", "0", "hello")
     assert result.returncode == 0 and result.stderr.count("vision tower") == 1
+
+
+def test_constrained_output_and_logprobs_on_a_hybrid(tiny):
+    """The CLI's constraints and log-probabilities ride on the same programs: a choice is one of its
+    options, the first token's alternatives carry the probability mass of the options' first tokens."""
+    path = tiny("qwen3.5")
+    result = jaxinfer_here("run", "-m", path, "--choice", "yes,no,maybe", "--logprobs", "5", "--json", "Is it?")
+    record = json.loads(result.stdout)
+    assert result.returncode == 0 and record["text"] in ("yes", "no", "maybe")
+    first = record["logprobs"][0]["top_logprobs"]
+    assert abs(sum(np.exp(a["logprob"]) for a in first) - 1) < 1e-4
