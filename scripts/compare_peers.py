@@ -284,6 +284,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--engines", default="jaxinfer,transformers,llama.cpp", help="the engines' rows to run")
+    parser.add_argument("--kinds", help="only these peers' weights (f32,q8_0,...) and jaxinfer's rows beside them")
     parser.add_argument("--work", type=Path, default=Path("/tmp/jaxinfer-peers"))
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     args = parser.parse_args()
@@ -294,7 +296,11 @@ def main() -> None:
     for shape in args.shapes.split(","):
         model_dir = checkpoint(shape, args.work)
         rates = {}
+        kinds = args.kinds.split(",") if args.kinds else list(OURS_FOR)
+        wanted = {OURS_FOR[kind] for kind in kinds} | set(kinds) if args.kinds else {w for _, w in ROWS}
         for engine, weights in ROWS:
+            if engine not in args.engines.split(",") or weights not in wanted:
+                continue
             if engine == "jaxinfer":
                 if weights.endswith(" GGUF"):
                     gguf(model_dir, args.work, weights.split()[0])
@@ -316,7 +322,9 @@ def main() -> None:
         for (engine, weights), (prefill, decode) in rates.items():
             ours = None if engine == "jaxinfer" else OURS_FOR[weights]
             ratio = (
-                None if ours is None else (rates["jaxinfer", ours][0] / prefill, rates["jaxinfer", ours][1] / decode)
+                None
+                if ("jaxinfer", ours) not in rates
+                else (rates["jaxinfer", ours][0] / prefill, rates["jaxinfer", ours][1] / decode)
             )
             rows.append((shape, engine, weights, (prefill, decode), ours, ratio))
 
