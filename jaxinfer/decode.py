@@ -169,6 +169,8 @@ def prefill(
     if step_kv_len:
         blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))
     hidden, cache = model.forward_blocks(params, cfg, blocks, state.cache)
+    if cfg.recurrent:  # a row whose prompt is in keeps its state there (`DeltaState.keep`)
+        cache = replace(cache, delta=cache.delta.keep(rows, final))
     if spec.model:  # the draft's cache: the chunk, and the token before each running row's last (as `decode_step`)
         drafted = [replace(blocks[0], rope_len=None)]
         if step_kv_len:

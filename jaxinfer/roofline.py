@@ -236,7 +236,7 @@ def model_facts(
     weights = weight_bytes(cfg, storage)
     kv_token = kv_bytes_per_token(cfg, storage)
     weights_each, kv_each = weight_bytes(cfg, storage, devices), kv_bytes_per_token(cfg, storage, devices)
-    state_row = delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
+    state_row = 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)  # and `kept`
     holders = devices if shared_memory else 1  # the devices whose shards count against memory_bytes
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
@@ -253,7 +253,7 @@ def model_facts(
         "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},
         "stored_weight_bytes": weights,
         "kv_bytes_per_token": kv_token,
-        "state_bytes_per_row": state_row,  # a hybrid's DeltaNet layers' (0 without)
+        "state_bytes_per_row": state_row,  # a hybrid's DeltaNet layers', twice (`DeltaState.kept`); 0 without
         "context": context,
         "batch": batch,
         "kv_cache_bytes": kv_token * context * batch,

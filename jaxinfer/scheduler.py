@@ -191,6 +191,7 @@ class Scheduler:
     def _free_rows(self) -> None:
         self.rows: list[_Slot | None] = [None] * self.batch_size
         self._held = [np.zeros(0, np.int32)] * self.batch_size  # per row: the tokens whose K/V it holds, from 0
+        self._kept = [np.zeros(0, np.int32)] * self.batch_size  # per row: the prompt whose end state it kept
 
     def pace(self, interval_s: float | None, max_steps: int = CHUNK_STEPS) -> None:
         """Dispatches from now on: as many decode steps as fit in about `interval_s` (the first one
@@ -275,7 +276,7 @@ class Scheduler:
                 continue
             tokens = self._held[i] if slot is None else slot.request.prompt_ids
             (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
-        admitted: list[tuple[int, int, int | None, Request]] = []
+        admitted: list[tuple[int, int, int | None, bool, Request]] = []  # row, start, source, restore, request
         waiting: list[Request] = []
         while free and (request := inbox.take()) is not None:
             prompt = request.prompt_ids
@@ -287,18 +288,21 @@ class Scheduler:
                     f"context of {self.max_context}"
                 )
             held = [reusable(prompt, self._held[i], whole) for i in free]
+            # a hybrid's row also kept its state after its last prompt (`DeltaState.keep`)
+            kept = [reusable(prompt, self._kept[i], True) if whole else 0 for i in free]
+            reach = [max(pair) for pair in zip(held, kept)]
             # the row holding most of the prompt; among equals, the one holding least (kept for its own)
-            best = max(range(len(free)), key=lambda k: (held[k], -len(self._held[free[k]])))
-            start, source = held[best], None
+            best = max(range(len(free)), key=lambda k: (reach[k], -len(self._held[free[k]])))
+            start, source, restore = reach[best], None, kept[best] > held[best]
             key = tuple(prompt[:MIN_REUSE])
             for i, tokens in holders.get(key, ()):
                 if (shared := reusable(prompt, tokens, whole)) > start:
-                    start, source = shared, i
+                    start, source, restore = shared, i, False
             if wait_for_mates and not whole and any(reusable(prompt, m) > start for _, m in mates.get(key, ())):
                 waiting.append(request)
                 continue
             row = free.pop(best)
-            admitted.append((row, start, source, request))
+            admitted.append((row, start, source, restore, request))
             mates[key].append((None, np.asarray(prompt, np.int32)))
             # not a source for later requests: a copy into it (this one's) runs before theirs out of it
             held_by_row = holders[tuple(self._held[row][:MIN_REUSE])]
@@ -313,8 +317,9 @@ class Scheduler:
         if any(r.logit_bias or penalized(r.sampling) for *_, r in admitted):
             self.slots.penalize()
         timings: list[Timings] = []  # known before the prefill runs: an interrupted one (chat's Ctrl-C) says them too
-        for i, start, _, request in admitted:
+        for i, start, *_, request in admitted:
             self._held[i] = np.asarray(request.prompt_ids[:start], np.int32)  # prefill overwrites what follows
+            self._kept[i] = np.zeros(0, np.int32)  # until this prompt is in
             timings.append(request.timings if request.timings is not None else Timings())
             timings[-1].prompt_tokens, timings[-1].cached_tokens = len(request.prompt_ids), start
         began, report = time.perf_counter(), CompileReport()
@@ -332,8 +337,9 @@ class Scheduler:
                     constraint=r.constraint,
                     logit_bias=r.logit_bias,
                     source=source,
+                    restore=restore,
                 )
-                for i, start, source, r in admitted
+                for i, start, source, restore, r in admitted
             ],
             report,
         )
@@ -391,6 +397,8 @@ class Scheduler:
                     on_result(self._record(slot, reason, now))
                 self.rows[i] = None
                 self._held[i] = tokens[i, : end - self.slots.speculation.uncached].copy()
+                if end > len(request.prompt_ids):  # its prompt went in whole
+                    self._kept[i] = np.asarray(request.prompt_ids, np.int32)
             elif request.on_tokens and new:
                 request.on_tokens(new, logprobs, None)
         if (stopped := finished & ~done).any():

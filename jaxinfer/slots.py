@@ -50,7 +50,16 @@ from jaxinfer.roofline import Storage
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
 from jaxinfer.sampling import Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
-from jaxinfer.state import DecodeState, Logprobs, Speculation, admission, copy_rows, initial_state, retire
+from jaxinfer.state import (
+    DecodeState,
+    Logprobs,
+    Speculation,
+    admission,
+    copy_rows,
+    initial_state,
+    restore_rows,
+    retire,
+)
 
 # Beside decoding rows, a round's chunks may add this many of their decode steps' time: a gap of
 # about 3 steps (bench_admission.py, one sitting: ×3.1 of the median at 2, ×4.3 at 3, whose
@@ -99,6 +108,9 @@ class Admission:
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`; the Slots `constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (the Slots `penalize`)
     source: int | None = None  # the row holding the first `start` tokens' K/V, where not this one
+    # a hybrid's row takes the DeltaNet state it kept after its last prompt (the first `start`
+    # tokens), not the one after all it holds (`DeltaState.keep`)
+    restore: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -301,6 +313,9 @@ class Slots:
             if a.start and a.source not in (None, a.row):
                 args = jax.device_put((np.array([a.source], np.int32), np.array([a.row], np.int32)))
                 self._call(self._program(("copy",), report, copy_rows, *args, constrained=False), *args)
+            if a.start and a.restore:
+                args = jax.device_put((np.array([a.row], np.int32),))
+                self._call(self._program(("restore",), report, restore_rows, *args, constrained=False), *args)
         for a in admissions:
             self._admitted[a.row] = a
             for counter in vars(self._carried).values():

@@ -187,6 +187,14 @@ def copy_rows(params: model.Params, state: DecodeState, src: jax.Array, dst: jax
 
 
 @partial(jax.jit, donate_argnames=("state",))
+def restore_rows(params: model.Params, state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Rows `rows` [R] of a hybrid go back to the DeltaNet state they kept after their last prompt
+    (`DeltaState.keep`), so that `prefill` can go on from that prompt's end."""
+    del params  # the programs' shared signature (`Slots._program`)
+    return replace(state, cache=replace(state.cache, delta=state.cache.delta.restore(rows)))
+
+
+@partial(jax.jit, donate_argnames=("state",))
 def retire(state: DecodeState, rows: jax.Array) -> DecodeState:
     """Mark rows [B] bool as done (their text hit a stop string): the loop stops spending on them."""
     return replace(state, done=state.done | rows)

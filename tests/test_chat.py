@@ -43,10 +43,24 @@ def common_prefix(a, b):
 
 
 def test_each_turn_prefills_only_what_the_cache_does_not_hold(chat_model):
+    turns(chat_model)
+
+
+def test_a_hybrids_turn_takes_the_last_ones_state_whole_or_not_at_all(tiny, tmp_path):
+    """Qwen3.5's DeltaNet state is known only where it was kept: after all the tokens a turn left, and
+    after that turn's prompt. The next turn takes the longer of the two its prompt extends (the
+    prompt's, where the reply rendered again is not the tokens generated); replies as fresh."""
+    turns(with_template(tiny("qwen3.5"), tmp_path / "model"))
+
+
+def turns(chat_model):
+    """Three turns: each prefills only what the cache holds of its prompt (on a hybrid, all of the
+    last turn's tokens or all of its prompt), and replies as a fresh engine would."""
     model = load_model(chat_model)
+    whole = model.config.recurrent
     engine = Engine(model.config, model.params, 256, model.eos_ids)
     session = ChatSession(model, engine, Sampling(), max_tokens=12)
-    previous = None  # the token sequence whose K/V the cache holds after the last turn
+    previous = asked = None  # the token sequence whose K/V the cache holds after the last turn, its prompt
     for text in ("What is the capital of France?", "And of Italy?", "Thanks, and Spain?"):
         gen, notices = session.ask(text)
         list(gen)
@@ -57,13 +71,15 @@ def test_each_turn_prefills_only_what_the_cache_does_not_hold(chat_model):
             assert cached == 0
         else:  # exactly the common prefix with what the cache holds (never the last prompt token)
             expected = min(common_prefix(ids, previous), len(ids) - 1)
+            if whole and expected < len(previous):  # the state it kept after the last prompt
+                expected = len(asked) if common_prefix(ids, asked) == len(asked) else 0
             assert cached == expected > 0
         assert gen.result()["timings"]["prefilled_tokens"] == len(ids) - cached
         # the reply is what a fresh engine gives for the same rendered prompt
         fresh = Generation(model, Engine(model.config, model.params, 256, model.eos_ids), ids, Sampling(), 12)
         list(fresh)
         assert fresh.token_ids == gen.token_ids
-        previous = ids + gen.token_ids[:-1]
+        previous, asked = ids + gen.token_ids[:-1], ids
         assert notices == []
 
 

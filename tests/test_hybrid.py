@@ -182,8 +182,9 @@ def test_the_state_is_counted_once_a_step(tiny):
 
     cfg = load_model(tiny("qwen3.5")).config
     facts = json.loads(jaxinfer_here("info", "-m", tiny("qwen3.5"), "-c", "256", "--json").stdout)
-    assert facts["state_bytes_per_row"] == delta_net.state_bytes(cfg, 4)  # `info` says it beside the KV cache
-    assert facts["total_bytes"] == facts["stored_weight_bytes"] + 256 * facts["kv_bytes_per_token"] + 9600
+    # `info` says it beside the KV cache: held twice (the state after the last prompt kept too)
+    assert facts["state_bytes_per_row"] == 2 * delta_net.state_bytes(cfg, 4) == 2 * 9600
+    assert facts["total_bytes"] == facts["stored_weight_bytes"] + 256 * facts["kv_bytes_per_token"] + 2 * 9600
     storage = roofline.Storage(4)
     per_row = delta_net.state_bytes(cfg, 4)
     assert per_row == 3 * (3 * 96 * 4 + 4 * 16 * 8 * 4)  # 3 DeltaNet layers: conv [3, 2·2·16 + 4·8], state [4, 16, 8]

@@ -42,6 +42,9 @@ class DeltaState:
 
     conv: tuple  # per layer [B, K-1, C] compute dtype: the last K-1 inputs of the convolution
     recurrent: tuple  # per layer [B, Hv, dk, dv] float32: the memory matrix of each value head
+    # each row's conv and recurrent state (as above) after its last prompt (`keep`): a chat's next
+    # turn extends that prompt even where the reply, rendered again, is not the tokens generated
+    kept: tuple = ()
     # within a verifying pass (`jaxinfer.decode.verify_step`), per layer what `settle` needs to move
     # each row's state over the tokens it keeps: the state before the pass and the pass's inputs of
     # the rule, (conv, recurrent, mixed [B, T, C], q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv])
@@ -55,14 +58,26 @@ class DeltaState:
             return None
         conv = (batch, cfg.delta_conv - 1, conv_channels(cfg))
         recurrent = (batch, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim)
-        return cls(
-            conv=tuple(jnp.zeros(conv, dtype) for _ in range(layers)),
-            recurrent=tuple(jnp.zeros(recurrent, jnp.float32) for _ in range(layers)),
-        )
+        conv = tuple(jnp.zeros(conv, dtype) for _ in range(layers))
+        recurrent = tuple(jnp.zeros(recurrent, jnp.float32) for _ in range(layers))
+        return cls(conv, recurrent, jax.tree.map(jnp.copy, (conv, recurrent)))
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> DeltaState:
-        move = lambda arrays: tuple(a.at[dst].set(a[src]) for a in arrays)  # noqa: E731
-        return DeltaState(move(self.conv), move(self.recurrent))
+        move = lambda arrays: jax.tree.map(lambda a: a.at[dst].set(a[src]), arrays)  # noqa: E731
+        return DeltaState(move(self.conv), move(self.recurrent), move(self.kept))
+
+    def keep(self, rows: jax.Array, done: jax.Array) -> DeltaState:
+        """Rows `rows` [R] whose prompt is `done` [R] (its last chunk prefilled) keep their state."""
+
+        def one(kept: jax.Array, now: jax.Array) -> jax.Array:
+            return kept.at[rows].set(jnp.where(done.reshape(-1, *[1] * (now.ndim - 1)), now[rows], kept[rows]))
+
+        return replace(self, kept=jax.tree.map(one, self.kept, (self.conv, self.recurrent)))
+
+    def restore(self, rows: jax.Array) -> DeltaState:
+        """Rows `rows` [R] go back to the state they kept after their last prompt."""
+        back = jax.tree.map(lambda a, k: a.at[rows].set(k[rows]), (self.conv, self.recurrent), self.kept)
+        return replace(self, conv=back[0], recurrent=back[1])
 
     def read(self, layer: int, rows) -> tuple[jax.Array, jax.Array]:
         """Layer `layer`'s (conv, recurrent) state of rows `rows` ([R] ids, or None: all)."""
@@ -76,7 +91,7 @@ class DeltaState:
             new = value.astype(arrays[layer].dtype) if rows is None else arrays[layer].at[rows].set(value)
             return arrays[:layer] + (new,) + arrays[layer + 1 :]
 
-        return DeltaState(put(self.conv, conv), put(self.recurrent, recurrent))
+        return replace(self, conv=put(self.conv, conv), recurrent=put(self.recurrent, recurrent))
 
     def hold(self, layer: int, layers: int, before: tuple, inputs: tuple) -> DeltaState:
         """The state as it was, with layer `layer`'s state before a verifying pass and the pass's
@@ -95,7 +110,7 @@ class DeltaState:
             full = jnp.concatenate([before, mixed.astype(before.dtype)], axis=1)
             conv[i] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, before.shape[1], 0))(full, made)
             recurrent[i] = chunked(q, k, v, g * live, beta * live, memory)[1]
-        return DeltaState(tuple(conv), tuple(recurrent))
+        return replace(self, conv=tuple(conv), recurrent=tuple(recurrent), pending=None)
 
 
 def delta_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -108,7 +123,8 @@ def conv_channels(cfg: ModelConfig) -> int:
 
 
 def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """One row's state over all DeltaNet layers, in bytes: what a decode step reads and writes."""
+    """One row's state over all DeltaNet layers, in bytes: what a decode step reads and writes (a row
+    holds it twice: `DeltaState.kept`)."""
     per_layer = (cfg.delta_conv - 1) * conv_channels(cfg) * dtype_bytes
     per_layer += cfg.delta_value_heads * cfg.delta_key_dim * cfg.delta_value_dim * 4
     return len(delta_layers(cfg)) * per_layer
