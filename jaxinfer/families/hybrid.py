@@ -126,25 +126,19 @@ def config(d: dict, arch: str) -> ModelConfig:
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
-    """Qwen's mixture table (Llama's names, the experts' and shared expert's where a layer has them),
-    q_proj twice as tall (each head's query, then its gate), and on each DeltaNet layer its own
-    leaves in place of attention's (`jaxinfer.layers.delta_net`). Its matrices are whole on every
-    device of a mesh (axes None): the recurrent state is not split over heads yet."""
+    """Qwen's mixture table (Llama's names, q_proj with each head's gate, the experts' and shared
+    expert's where a layer has them), and on each DeltaNet layer its own leaves
+    (`jaxinfer.layers.delta_net`). Those matrices are whole on every device of a mesh (axes None):
+    the recurrent state is not split over heads yet."""
     table = moe.weight_table(cfg) if cfg.num_experts else llama.weight_table(cfg)
-    D, hd = cfg.hidden_size, cfg.head_dim
+    D = cfg.hidden_size
     Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
     keys, values = Hk * dk, Hv * dv
     next_layout = cfg.architecture == "Qwen3NextForCausalLM"  # b and a interleaved in in_proj_ba
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}"
-        if cfg.mixer(i) == "attention":
-            q_out = 2 * cfg.num_heads * hd
-            table[f"{pre}.self_attn.q_proj.weight"] = Weight(("layers", i, "wq"), (q_out, D), ("heads", "embed"))
-            if cfg.qkv_bias:
-                table[f"{pre}.self_attn.q_proj.bias"] = Weight(("layers", i, "bq"), (q_out,), ("heads",))
+        if cfg.mixer(i) != "delta":
             continue
-        for name in [n for n in table if n.startswith(f"{pre}.self_attn.")]:
-            del table[name]
 
         def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
             table[f"{pre}.linear_attn.{hf_name}"] = Weight(("layers", i, name), shape, (None,) * len(shape))

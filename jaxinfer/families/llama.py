@@ -58,19 +58,22 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
 
         add("input_layernorm.weight", "attn_norm", (D,), ("embed",))
         add("post_attention_layernorm.weight", "mlp_norm", (D,), ("embed",))
-        for proj, out, heads in (("q", q_out, "heads"), ("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")):
-            add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D), (heads, "embed"))
-            if cfg.qkv_bias:
-                add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,), (heads,))
-        add("self_attn.o_proj.weight", "wo", (D, q_out), ("embed", "heads"))
-        if cfg.o_bias:
-            add("self_attn.o_proj.bias", "bo", (D,), ("embed",))
-        if cfg.qk_norm == "heads":
-            add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
-            add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
-        elif cfg.qk_norm == "whole":
-            add("self_attn.q_norm.weight", "q_norm", (q_out,), (None,))
-            add("self_attn.k_norm.weight", "k_norm", (kv_out,), (None,))
+        if cfg.mixer(i) == "attention":  # else the family adds its mixer's
+            # with an output gate, q_proj gives each head its query, then its gate
+            queries = (2 if cfg.attn_output_gate else 1) * q_out
+            for proj, out, heads in (("q", queries, "heads"), ("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")):
+                add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D), (heads, "embed"))
+                if cfg.qkv_bias:
+                    add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,), (heads,))
+            add("self_attn.o_proj.weight", "wo", (D, q_out), ("embed", "heads"))
+            if cfg.o_bias:
+                add("self_attn.o_proj.bias", "bo", (D,), ("embed",))
+            if cfg.qk_norm == "heads":
+                add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
+                add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
+            elif cfg.qk_norm == "whole":
+                add("self_attn.q_norm.weight", "q_norm", (q_out,), (None,))
+                add("self_attn.k_norm.weight", "k_norm", (kv_out,), (None,))
         if cfg.feed_forward(i) != "dense":
             continue  # the family adds its part's
         for proj, shape, axes in (
