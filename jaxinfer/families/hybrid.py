@@ -88,14 +88,9 @@ def config(d: dict, arch: str) -> ModelConfig:
         raise JaxinferError(f"config.json: {value_heads} DeltaNet value heads do not group over {key_heads} key heads")
     mixture = {}
     if text in MIXTURES:
-        experts, top = int(d["num_experts"]), int(d["num_experts_per_tok"])
-        if not 0 < top <= experts:
-            raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
-        step, dense = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or ())
+        experts, top = moe.routing(d)
         mixture = dict(
-            feed_forwards=tuple(
-                "mixture" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(layers)
-            ),
+            feed_forwards=moe.sparse_layers(d, layers),
             num_experts=experts,
             experts_per_token=top,
             expert_size=int(d["moe_intermediate_size"]),

@@ -51,13 +51,20 @@ DEFAULTS = {
 QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _sparse_layers(d: dict, arch: str, layers: int) -> tuple:
-    """Each layer's part, as transformers builds Qwen's: a mixture where (i + 1) divides by
-    `decoder_sparse_step` and i is not in `mlp_only_layers`; Mixtral's and OLMoE's all mixtures."""
-    if arch not in QWEN:
-        return ("mixture",) * layers
+def sparse_layers(d: dict, layers: int) -> tuple:
+    """Each layer's part, as transformers builds Qwen's (and the Qwen hybrids'): a mixture where
+    (i + 1) divides by `decoder_sparse_step` and i is not in `mlp_only_layers`."""
     step, dense = int(d.get("decoder_sparse_step") or 1), set(d.get("mlp_only_layers") or ())
     return tuple("mixture" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(layers))
+
+
+def routing(d: dict) -> tuple[int, int]:
+    """(experts, experts a token takes), checked: `num_experts` or `num_local_experts`."""
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or d["experts"])
+    top = int(d["num_experts_per_tok"])
+    if not 0 < top <= experts:
+        raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
+    return experts, top
 
 
 def config(d: dict, arch: str) -> ModelConfig:
@@ -70,10 +77,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         sliding = [(i + 1) % 2 and i < first for i in range(layers)]
         d["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     fields = common_fields(d)
-    experts = int(d.get("num_experts") or d.get("num_local_experts") or d["experts"])
-    top = int(d["num_experts_per_tok"])
-    if not 0 < top <= experts:
-        raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
+    experts, top = routing(d)
     expert_size = int(d["moe_intermediate_size"]) if arch in QWEN else fields["intermediate_size"]
     attention_bias = bool(d.get("attention_bias", False))
     return ModelConfig(
@@ -83,7 +87,8 @@ def config(d: dict, arch: str) -> ModelConfig:
         o_bias=arch != "Qwen2MoeForCausalLM" and attention_bias,
         qk_norm={"Qwen3MoeForCausalLM": "heads", "OlmoeForCausalLM": "whole"}.get(arch, ""),
         clip_qkv=float(d.get("clip_qkv") or 0.0),
-        feed_forwards=_sparse_layers(d, arch, fields["num_layers"]),
+        # Mixtral's and OLMoE's layers all mixtures
+        feed_forwards=sparse_layers(d, fields["num_layers"]) if arch in QWEN else ("mixture",) * fields["num_layers"],
         num_experts=experts,
         experts_per_token=top,
         expert_size=expert_size,
