@@ -19,8 +19,7 @@ import numpy as np
 from jaxinfer.ceilings import device_memory_bytes
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.layers import delta_net
-from jaxinfer.roofline import Storage, kv_bytes_per_token
+from jaxinfer.roofline import Storage, kv_bytes_per_token, state_bytes_per_row
 from jaxinfer.runtime import check_backend
 
 MIN_BUCKET = 16  # shortest padded prompt
@@ -63,7 +62,7 @@ def check_memory(
     holders = len(mesh.local_devices) if mesh and check_backend() == "cpu" else 1
     kv = kv_bytes_per_token(cfg, storage, devices) + (kv_bytes_per_token(*draft, devices) if draft else 0)
     per_position = batch * (kv + 4) * holders  # K and V, the tokens
-    free = device_memory_bytes(free=True) - 2 * batch * holders * delta_net.state_bytes(cfg, storage.itemsize)
+    free = device_memory_bytes(free=True) - batch * holders * state_bytes_per_row(cfg, storage)
     if per_position * max_context > free:
         raise JaxinferError(
             f"a {max_context}-position cache for {batch} rows needs {per_position * max_context / 2**30:.1f} GiB, and "

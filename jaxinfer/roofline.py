@@ -137,6 +137,12 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
     return 2 * len(cfg.attention_layers) * heads * per_head
 
 
+def state_bytes_per_row(cfg: ModelConfig, storage: Storage) -> int:
+    """What a hybrid's row holds of its DeltaNet layers' state, whatever the context: twice (the
+    state now and the one kept after its last prompt, `DeltaState.kept`); 0 without such layers."""
+    return 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
+
+
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
     """Attention's scores and weighted values, and a DeltaNet layer's work per token: within its
     chunk (`delta_net.CHUNK`, about as attention over that many keys) and against its state (read,
@@ -236,7 +242,7 @@ def model_facts(
     weights = weight_bytes(cfg, storage)
     kv_token = kv_bytes_per_token(cfg, storage)
     weights_each, kv_each = weight_bytes(cfg, storage, devices), kv_bytes_per_token(cfg, storage, devices)
-    state_row = 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)  # and `kept`
+    state_row = state_bytes_per_row(cfg, storage)
     holders = devices if shared_memory else 1  # the devices whose shards count against memory_bytes
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
@@ -253,7 +259,7 @@ def model_facts(
         "weight_bytes": {name: weight_bytes(cfg, form) for name, form in forms.items()},
         "stored_weight_bytes": weights,
         "kv_bytes_per_token": kv_token,
-        "state_bytes_per_row": state_row,  # a hybrid's DeltaNet layers', twice (`DeltaState.kept`); 0 without
+        "state_bytes_per_row": state_row,
         "context": context,
         "batch": batch,
         "kv_cache_bytes": kv_token * context * batch,
