@@ -50,16 +50,7 @@ from jaxinfer.roofline import Storage
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
 from jaxinfer.sampling import Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
-from jaxinfer.state import (
-    DecodeState,
-    Logprobs,
-    Speculation,
-    admission,
-    copy_rows,
-    initial_state,
-    restore_rows,
-    retire,
-)
+from jaxinfer.state import DecodeState, Logprobs, Speculation, admission, copy_rows, initial_state, restore_rows, retire
 
 # Beside decoding rows, a round's chunks may add this many of their decode steps' time: a gap of
 # about 3 steps (bench_admission.py, one sitting: ×3.1 of the median at 2, ×4.3 at 3, whose
@@ -85,6 +76,12 @@ class Decoding:
             raise JaxinferError(f"prefill_chunk must be 0 (off) or at least {MIN_BUCKET}", "prefill_chunk")
         if (self.speculation.model is None) != (self.draft_params is None):
             raise ValueError("a draft model needs both its config (Speculation.model) and its parameters")
+        if self.speculation.model and self.speculation.model.recurrent:
+            # its drafting steps move its state past drafts the target may reject (the target's own
+            # is settled after each verifying pass: `DeltaState.settle`)
+            raise JaxinferError(
+                "draft_model: a draft model with Gated DeltaNet layers does not draft yet", "draft_model"
+            )
 
     @property
     def speculating(self) -> bool:
@@ -160,12 +157,6 @@ class Slots:
         # programs and run nothing; JAX keeps what they compiled for the real ones (`engine.compile_ahead`)
         self.dry = isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
         speculation, draft_params = self.speculation, self.draft_params = decoding.speculation, decoding.draft_params
-        if speculation.model and speculation.model.recurrent:
-            # its drafting steps move its state past drafts the target may reject (the target's own
-            # is settled after each verifying pass: `DeltaState.settle`)
-            raise JaxinferError(
-                "draft_model: a draft model with Gated DeltaNet layers does not draft yet", "draft_model"
-            )
         draft = speculation.model and (speculation.model, Storage.of_params(draft_params))
         check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self.recording = False  # each token's log-probabilities (`record_logprobs`)

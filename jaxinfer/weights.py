@@ -126,9 +126,11 @@ def read_gguf(
         heads = permuted.get(weight.path[-1]) if llama else None
         shape = weight.leaf.shape
         how, value = gguf_model.tensor_values(file, names[hf_name], shape, heads, held=is_matrix(weight.path, shape))
-        if cfg.norm_plus_one and len(weight.shape) == 1 and weight.path[-1].endswith("norm"):
-            if weight.path[-1] != "gate_norm":  # a DeltaNet's gated norm scales by its weight itself
-                value = np.asarray(value, np.float32) - 1  # llama.cpp's converter stored Gemma's 1 + weight
+        # llama.cpp's converter stored Gemma's and Qwen3.5's 1 + weight (not a DeltaNet's gated norm's,
+        # which scales by its weight itself)
+        norm = len(weight.shape) == 1 and weight.path[-1].endswith("norm") and weight.path[-1] != "gate_norm"
+        if cfg.norm_plus_one and norm:
+            value = np.asarray(value, np.float32) - 1
         if weight.path[-1] == "a_log":
             value = np.log(-np.asarray(value, np.float32))  # the converter stored -exp(A_log)
         if how == "float":
