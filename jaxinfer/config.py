@@ -32,6 +32,7 @@ class ModelConfig:
     # ("default",) | ("linear", factor) | ("llama3", factor, low, high, original_max_positions)
     # | ("longrope", short_factors, long_factors, original_max_positions, attention_factor)
     # | ("freq_factors", factors): each frequency divided by its factor (a GGUF file's rope_freqs)
+    # | ("yarn", factor, original_max_positions, beta_fast, beta_slow, truncate, attention_factor)
     rope_scaling: tuple = ("default",)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
@@ -169,7 +170,26 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
         return theta, ("longrope", short, long, original, float(attention))
     if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_model`)
         return theta, ("freq_factors", tuple(float(f) for f in params["factors"]))
-    raise JaxinferError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+    if kind == "yarn":  # as transformers' _compute_yarn_parameters (and its standardize_rope_params)
+        original = int(params.get("original_max_position_embeddings") or params["max_position_embeddings"])
+        factor = float(params.get("factor") or params["max_position_embeddings"] / original)
+        attention = params.get("attention_factor")
+        if attention is None:
+            mscale, all_dims = params.get("mscale"), params.get("mscale_all_dim")
+            attention = (
+                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims)
+                if mscale and all_dims
+                else _yarn_mscale(factor)
+            )
+        fast, slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+        return theta, ("yarn", factor, original, fast, slow, bool(params.get("truncate", True)), float(attention))
+    raise JaxinferError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope, yarn)"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _sliding_windows(d: dict, num_layers: int) -> tuple:
@@ -265,4 +285,15 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False, long: bool = False) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if kind == "yarn":  # interpolated (divided by the factor) below the band of dims between the
+        # correction range's bounds, extrapolated (as they are) above it, a linear ramp between
+        factor, original, fast, slow, truncate, _ = scaling[1:]
+        bound = lambda rotations: dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
+        low, high = bound(fast), bound(slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        kept = 1 - np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        return (1.0 / (factor * powers) * (1 - kept) + inv_freq * kept).astype(np.float32)
     return inv_freq

@@ -68,15 +68,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
 
 def rope_factors(cfg: ModelConfig, sliding: bool, rope_len: jax.Array) -> tuple[jax.Array, float]:
     """A layer's inverse frequencies ([hd/2], or per token [B, T, hd/2] under longrope) and the
-    factor on cos and sin. longrope takes its long factors where the sequence is longer than the
-    original context, as transformers decides per forward pass by its last position: `rope_len`
-    [B, T] (or [B, 1]) is that length for each token: the whole prompt's for a prompt (chunked or
-    not), each decoded token's own (a speculative check computes its tokens as plain decoding would)."""
+    factor on cos and sin (longrope's and YaRN's attention factor). longrope takes its long factors
+    where the sequence is longer than the original context, as transformers decides per forward
+    pass by its last position: `rope_len` [B, T] (or [B, 1]) is that length for each token: the
+    whole prompt's for a prompt (chunked or not), each decoded token's own (a speculative check
+    computes its tokens as plain decoding would)."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding))
-    kind = cfg.rope_scaling[0]
-    if kind != "longrope" or (sliding and cfg.rope_local):
+    scaling = cfg.rope_local[1] if sliding and cfg.rope_local else cfg.rope_scaling
+    if scaling[0] == "yarn":
+        return inv_freq, scaling[-1]
+    if scaling[0] != "longrope":
         return inv_freq, 1.0
-    _, _, _, original, scale = cfg.rope_scaling
+    _, _, _, original, scale = scaling
     long = jnp.asarray(rope_inv_freq(cfg, sliding, long=True))
     return jnp.where((rope_len > original)[..., None], long, inv_freq), scale
 

@@ -135,6 +135,40 @@ def test_longrope_factors_are_transformers(attention_factor):
     assert longrope_switch(cfg) == 4096
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen's long-context recipe: truncated bounds
+        {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+        {"factor": 8.0, "attention_factor": 1.2, "original_max_position_embeddings": 2048},
+    ],
+)
+def test_yarn_factors_are_transformers(scaling):
+    """YaRN as gpt-oss, Qwen's long-context configs and DeepSeek's (mscale) write it: the frequencies
+    and the attention factor on cos and sin, against transformers' own yarn function."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        **SHAPE,
+        max_position_embeddings=131072,
+        rope_scaling={"rope_type": "yarn", **scaling},
+    )
+    cfg = config_from_hf(d)
+    theirs = transformers.AutoConfig.for_model(**{k: v for k, v in d.items() if k != "architectures"})
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](theirs, None)
+    np.testing.assert_allclose(rope_inv_freq(cfg), inv_freq.numpy(), rtol=1e-6)
+    assert cfg.rope_scaling[-1] == pytest.approx(attention, rel=1e-12)
+
+
 def test_errors_name_what_is_wrong():
     with pytest.raises(JaxinferError, match="GemmaForCausalLM.*Qwen3ForCausalLM|Qwen3ForCausalLM.*GemmaForCausalLM"):
         config_from_hf({**CONFIGS["llama, defaults"], "architectures": ["GPT2LMHeadModel"]})
@@ -152,8 +186,8 @@ def test_errors_name_what_is_wrong():
     }
     with pytest.raises(JaxinferError, match="longrope needs 8 short and long factors"):
         config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": longrope})
-    with pytest.raises(JaxinferError, match="rope scaling type 'yarn' is not supported"):
-        config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(JaxinferError, match="rope scaling type 'dynamic' is not supported"):
+        config_from_hf({**CONFIGS["phi3, defaults"], "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(JaxinferError, match="hidden_size"):
         config_from_hf({k: v for k, v in CONFIGS["gemma, defaults"].items() if k != "hidden_size"})
     assert set(SUPPORTED_ARCHITECTURES) >= {
