@@ -42,6 +42,7 @@ class ModelConfig:
     clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to ±clip_qkv after their norms; 0 = off
     sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
     activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    attn_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax's denominator ("sinks" [H])
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the compute dtype
     attn_scale: float = 0.0  # scores times this; 0: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)

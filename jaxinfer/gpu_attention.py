@@ -44,9 +44,10 @@ MIN = float(jnp.finfo(jnp.float32).min)
 
 
 def here(cfg: ModelConfig, dtype) -> bool:
-    """Whether attention over this model's cache, computing in `dtype`, takes the kernel."""
+    """Whether attention over this model's cache, computing in `dtype`, takes the kernel (not with
+    attention sinks, gpt-oss's, which it does not take yet)."""
     name = jnp.dtype(dtype).name
-    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS):
+    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS) or cfg.attn_sinks:
         return False
     return gpu.MODE == "interpret" or _works(cfg.head_dim, name, cfg.kv_dtype == "int8", bool(cfg.attn_softcap))
 

@@ -143,17 +143,22 @@ def attention(
     window: int | None,
     scale: float,
     softcap: float | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Queries q [B, T, KV, G, hd] at positions [B, T] over layer `layer` of a whole stacked cache
     k, v [L, R, KV, S, hd] (rows `rows` [B]), keys below `kv_len`: softmax(q·k · scale) · v per
-    query, float32 [B, T, KV, G, hd]. Queries at positions ≥ kv_len (finished rows) get zeros."""
+    query, float32 [B, T, KV, G, hd], each head's sink logit (`sinks` [KV·G], gpt-oss's) joined to
+    its denominator where given. Queries at positions ≥ kv_len (finished rows) get zeros."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    heads = q.shape[2] * q.shape[3]
+    sinks = jnp.full(heads, -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     return jax.ffi.ffi_call("jaxinfer_attention", out)(
         q.astype(jnp.float32),
         positions.astype(jnp.int32),
         k,
         v,
         rows.astype(jnp.int32),
+        sinks,
         layer=np.int64(layer),
         kv_len=np.int64(kv_len),
         window=np.int64(window or 0),

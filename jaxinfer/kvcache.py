@@ -140,6 +140,7 @@ class KVCache:
         window: int | None,
         scale: float,
         softcap: float | None,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
         """The kernel's attention (`kernel`: the CPU's or the GPU's) of queries q [B, T, KV, G, hd]
         at positions [B, T] over `layer`'s first `kv_len` positions of cache rows `rows` (default:
@@ -148,14 +149,16 @@ class KVCache:
         one item of the kernel reads are one contiguous run; held by position as XLA's (a row's kv
         heads interleaved), decode's attention took 10% longer (SmolLM-135M shape, B=16 over 128
         positions: 6.7 → 7.5 ms a step) and a B=4 decode step over 2048 positions 11% longer. The
-        GPU's (`jaxinfer.gpu_attention`) reads it in XLA's layout, [L, B, S, KV, hd]."""
+        GPU's (`jaxinfer.gpu_attention`) reads it in XLA's layout, [L, B, S, KV, hd]. `sinks` [H]:
+        each head's sink logit (gpt-oss's; the CPU's only)."""
         if self.kernel == "gpu":
             scales = (self.k_scale, self.v_scale)
             return gpu_attention.attend(
                 q, positions, self.k, self.v, *scales, self._at(layer), rows, kv_len, window, scale, softcap
             )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
-        return kernel.attention(q, positions, self.k, self.v, rows, self._at(layer), kv_len, window, scale, softcap)
+        at = self._at(layer)
+        return kernel.attention(q, positions, self.k, self.v, rows, at, kv_len, window, scale, softcap, sinks)
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None

@@ -90,11 +90,11 @@ FLASH: str | None = None  # jax.nn.dot_product_attention's implementation for `f
 def flash(cfg: ModelConfig, dtype, i: int) -> str | None:
     """The fused attention a prompt from its start takes over its own keys in layer i, where the
     backend has one: cuDNN's flash attention on NVIDIA GPUs (causal, grouped-query, sliding windows;
-    16-bit, head dims up to 128, no soft-capping), which never holds a [T, T] score matrix in
+    16-bit, head dims up to 128, no soft-capping or sinks), which never holds a [T, T] score matrix in
     memory. None elsewhere (XLA CPU's own path, or `KVCache.attend`'s kernel, is faster there).
     `FLASH` = "xla" runs the same call through XLA, so the CPU tests check what the GPU runs."""
     implementation = FLASH or ("cudnn" if jax.default_backend() == "gpu" else None)
-    if implementation is None or cfg.attn_softcap or cfg.kv_dtype == "int8":
+    if implementation is None or cfg.attn_softcap or cfg.kv_dtype == "int8" or cfg.attn_sinks:
         return None
     sixteen_bit = dtype in (jnp.bfloat16, jnp.float16)
     if implementation == "cudnn" and (not sixteen_bit or cfg.head_dim % 8 or cfg.head_dim > 128):
@@ -171,7 +171,8 @@ def attention(
             cache = cache.write(i, bk, bv, block.positions, block.rows)
         rotated.append((bq, bk, bv))
         at += R * T
-    outs = [_block_attention(*qkv, block, cache, i, cfg) for qkv, block in zip(rotated, blocks)]
+    sinks = layer.get("sinks")
+    outs = [_block_attention(*qkv, block, cache, i, cfg, sinks) for qkv, block in zip(rotated, blocks)]
     out = jnp.concatenate([out.astype(x.dtype).reshape(-1, H * hd) for out in outs])
     if cfg.attn_output_gate:
         out = out * jax.nn.sigmoid(gate)
@@ -181,10 +182,11 @@ def attention(
 MIXERS = {"attention": attention, "delta": delta_net.mix}  # a layer's mixer, by `ModelConfig.mixer`
 
 
-def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: ModelConfig) -> jax.Array:
+def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: ModelConfig, sinks=None) -> jax.Array:
     """One block's attention [R, T, KV, G, hd] (or [R, KV, G, hd] for T = 1 on XLA): its queries
     [R, T, H, hd] over the cache's first `kv_len` positions, its K/V already written there; without
-    a cache, over its own keys and values [R, T, KV, hd]."""
+    a cache, over its own keys and values [R, T, KV, hd]. `sinks` [H]: each head's sink logit
+    (gpt-oss), which joins the softmax's denominator and weighs no value."""
     B, T, H, hd = q.shape
     KV = k.shape[2]
     positions, rows, kv_len = block.positions, block.rows, block.kv_len
@@ -215,7 +217,7 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731
 
     if cache is not None and cache.kernel:  # the CPU's or the GPU's kernel, both phases (see `attend`)
-        return cache.attend(i, q, positions, rows, kv_len, window, scale, softcap)
+        return cache.attend(i, q, positions, rows, kv_len, window, scale, softcap, sinks)
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).
     q = q if T > 1 else q[:, 0]
@@ -224,9 +226,12 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     # or a speculative check. A fresh prompt in one call (T = kv_len) sees its whole bucket, where
     # the loop only costs (a 1024-token prompt: 2.6 → 2.9 s).
     if 1 < T < kv_len and kv_len > KEY_BLOCK and kv_len % KEY_BLOCK == 0:
-        total, out = _blockwise(attend, read, positions, kv_len, window)
+        top, total, out = _blockwise(attend, read, positions, kv_len, window)
     else:
-        _, total, out = attend(*read(0, kv_len), 0)
+        top, total, out = attend(*read(0, kv_len), 0)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(KV, -1, *(1,) * (top.ndim - 3))  # [KV, G, (1)]
+        total, out = with_sinks(top, total, out, sink)
     out = out / total[..., None]  # [B, KV, G, (T), hd]
     return jnp.moveaxis(out, 3, 1) if T > 1 else out
 
@@ -267,12 +272,21 @@ def _attend(
     return top, total, out
 
 
-def _blockwise(attend, read, q_pos: jax.Array, kv_len: int, window: int | None) -> tuple[jax.Array, jax.Array]:
+def with_sinks(top: jax.Array, total: jax.Array, out: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A running softmax's (max, sum, weighted values) with each head's sink logit joined to its sum
+    (gpt-oss's attention sinks: `softmax([scores, sink])` whose sink column weighs nothing): (sum,
+    weighted values), both rescaled to max(max, sink) so neither can overflow."""
+    new = jnp.maximum(top, sink)
+    kept = jnp.exp(top - new)
+    return total * kept + jnp.exp(sink - new), out * kept[..., None]
+
+
+def _blockwise(attend, read, q_pos: jax.Array, kv_len: int, window: int | None) -> tuple[jax.Array, ...]:
     """A prompt chunk's (or a speculative check's) attention a KEY_BLOCK of keys at a time (flash
     attention's running softmax), over only the blocks its queries can see: its program's kv bucket
     is a power of two, and a chunk at position 2500 of a 4096 bucket skips the last 1536 keys (and,
     under a sliding window, the blocks below it). The scores held at once are [T, KEY_BLOCK] per
-    head, not [T, kv_len]. Returns (sum, weighted values)."""
+    head, not [T, kv_len]. Returns (max, sum, weighted values)."""
     last = jnp.minimum(q_pos.max() // KEY_BLOCK + 1, kv_len // KEY_BLOCK)
     first = 0 if window is None else jnp.maximum(q_pos.min() - window + 1, 0) // KEY_BLOCK
 
@@ -286,8 +300,7 @@ def _blockwise(attend, read, q_pos: jax.Array, kv_len: int, window: int | None) 
 
     shape = jax.eval_shape(attend, *read(0, KEY_BLOCK), 0)
     carry = (jnp.full(shape[0].shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape[1].shape), jnp.zeros(shape[2].shape))
-    _, total, out = jax.lax.fori_loop(first, last, block, carry)
-    return total, out
+    return jax.lax.fori_loop(first, last, block, carry)
 
 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:

@@ -1,8 +1,9 @@
 """The CPU attention kernel (`kernels/attention.cc`) against XLA's attention (`model._attend`) on
 the same cache: decode rows (one finished), prompt chunks read from other cache rows, sliding
-windows, soft-capping, bfloat16 caches, 3 and 4 query heads a kv head (Qwen3.5's 4 of 256: a
-decode step's scores summed four keys by four rows at once), on each code path this CPU has. End to end, every test
-that compares with transformers runs on it where it is built."""
+windows, soft-capping, attention sinks (gpt-oss's: one a head, below and above its scores),
+bfloat16 caches, 3 and 4 query heads a kv head (Qwen3.5's 4 of 256: a decode step's scores summed
+four keys by four rows at once), on each code path this CPU has. End to end, every test that
+compares with transformers runs on it where it is built."""
 
 from dataclasses import replace
 
@@ -20,18 +21,22 @@ from jaxinfer.kvcache import KVCache
 L, R, S, KV, G, HD = 2, 3, 1024, 2, 3, 64
 
 
-def xla_attention(q, positions, k, v, rows, layer, kv_len, window, scale, softcap):
+def xla_attention(q, positions, k, v, rows, layer, kv_len, window, scale, softcap, sinks):
     """What `model.attention` computes without the kernel: over the first kv_len keys at once."""
     keys, values = (a[layer][rows, :kv_len] for a in (k, v))
-    _, total, out = M._attend(q, positions, window, scale, softcap, keys, values, None, None, 0)
+    top, total, out = M._attend(q, positions, window, scale, softcap, keys, values, None, None, 0)
+    if sinks is not None:
+        total, out = M.with_sinks(top, total, out, sinks.reshape(q.shape[2], q.shape[3], 1))
     return jnp.moveaxis(out / total[..., None], 3, 1)
 
 
-CASES = {  # positions [B, T], cache rows, kv_len, window, softcap
-    "decode, a finished row": ([[700], [S]], [0, 2], 1024, None, None),
-    "chunk over other rows": ([list(range(600, 616)), list(range(40, 56))], [2, 1], 1024, None, None),
-    "sliding window": ([list(range(900, 964))], [1], 1024, 300, None),
-    "soft-capped, short bucket": ([list(range(100, 103)), list(range(3))], [0, 1], 128, None, 0.5),
+CASES = {  # positions [B, T], cache rows, kv_len, window, softcap, sinks (their spread)
+    "decode, a finished row": ([[700], [S]], [0, 2], 1024, None, None, None),
+    "decode, sinks": ([[700], [5]], [0, 2], 1024, None, None, 3.0),
+    "chunk over other rows": ([list(range(600, 616)), list(range(40, 56))], [2, 1], 1024, None, None, None),
+    "sliding window": ([list(range(900, 964))], [1], 1024, 300, None, None),
+    "sliding window, sinks": ([list(range(900, 964))], [1], 1024, 300, None, 10.0),
+    "soft-capped, short bucket": ([list(range(100, 103)), list(range(3))], [0, 1], 128, None, 0.5, None),
 }
 
 
@@ -40,11 +45,12 @@ CASES = {  # positions [B, T], cache rows, kv_len, window, softcap
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("G, HD", [(3, 64), (4, 256)])  # a decode step's rows: scores read where the keys lie
 def test_attention_kernel_matches_xla(isa, dtype, case, G, HD):
-    positions, rows, kv_len, window, softcap = CASES[case]
+    positions, rows, kv_len, window, softcap, spread = CASES[case]
     positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)
     k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)).astype(dtype) for i in (0, 1))  # XLA's cache layout
     q = jax.random.normal(jax.random.key(2), (*positions.shape, KV, G, HD))
-    rest = (rows, 1, kv_len, window, HD**-0.5, softcap)
+    sinks = None if spread is None else spread * jax.random.normal(jax.random.key(3), (KV * G,))
+    rest = (rows, 1, kv_len, window, HD**-0.5, softcap, sinks)
     # the kernel's: [L, R, KV, S, hd]
     ours = np.asarray(kernel.attention(q, positions, k.swapaxes(2, 3), v.swapaxes(2, 3), *rest))
     want = np.asarray(xla_attention(q, positions, k, v, *rest))

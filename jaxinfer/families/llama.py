@@ -68,6 +68,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
             add("self_attn.o_proj.weight", "wo", (D, q_out), ("embed", "heads"))
             if cfg.o_bias:
                 add("self_attn.o_proj.bias", "bo", (D,), ("embed",))
+            if cfg.attn_sinks:
+                add("self_attn.sinks", "sinks", (cfg.num_heads,), ("heads",))
             if cfg.qk_norm == "heads":
                 add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
                 add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))

@@ -8,7 +8,9 @@
 //   q, out [B, T, KV, G, hd] float32 (G query heads per kv head, grouped-query attention);
 //   k, v   [L, R, KV, S, hd] float32 or bfloat16: the whole stacked cache, row `rows[b]`, layer `layer`;
 //   pos    [B, T] int32: each query's position; it sees keys at positions <= its own (and within
-//          `window` when that is not 0), below `kv_len`.
+//          `window` when that is not 0), below `kv_len`;
+//   sinks  [KV * G] float32: each query head's sink logit, which joins its softmax's denominator and
+//          weighs no value (gpt-oss); -inf: none.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,13 +43,14 @@ Item item_at(const Attention& p, int64_t i) {
 }
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Buffer<ffi::S32> rows, int64_t layer, int64_t kv_len, int64_t window, float scale, float softcap,
+                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> sinks, int64_t layer, int64_t kv_len, int64_t window, float scale, float softcap,
                   ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const bool bf16 = k.element_type() == ffi::DataType::BF16;
   if (qd.size() != 5 || kd.size() != 5 || (!bf16 && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type() ||
-      kd[2] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[3]) {
-    return ffi::Error::InvalidArgument("jaxinfer_attention: q [B, T, KV, G, hd] and a cache [L, R, KV, S, hd] of float32 or bfloat16 that agree");
+      kd[2] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[3] || sinks.element_count() != qd[2] * qd[3]) {
+    return ffi::Error::InvalidArgument(
+        "jaxinfer_attention: q [B, T, KV, G, hd], a cache [L, R, KV, S, hd] of float32 or bfloat16 and sinks [KV * G] that agree");
   }
   Attention p{q.typed_data(), k.untyped_data(), v.untyped_data(), pos.typed_data(), rows.typed_data(),
               qd[0], qd[1], qd[2], qd[3], qd[4], kd[1], kd[3], layer, kv_len, window, scale, softcap, bf16};
@@ -76,8 +79,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     for (int64_t i = i0; i < i1; ++i) run(problem, item_at(problem, i), part(i));
   });
   // Merge each tile's splits: softmax over all its keys = the splits' weighted values and sums,
-  // each rescaled to the largest max.
+  // each rescaled to the largest max (or the head's sink, its exp joining the sum).
   float* o = out->typed_data();
+  const float* sink = sinks.typed_data();
   for (int64_t unit = 0; unit < units; ++unit) {
     const Item it = item_at(p, unit * p.splits);
     for (int64_t m = 0; m < it.rows; ++m) {
@@ -86,6 +90,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       float* dst = o + p.query_at(it.b, it.t0 + m / p.G, it.h, m % p.G);
       std::fill(dst, dst + p.hd, 0.f);
       if (top == -std::numeric_limits<float>::infinity()) continue;  // no key visible (a finished row)
+      const float head_sink = sink[it.h * p.G + m % p.G];
+      top = std::max(top, head_sink);
+      total = std::exp(head_sink - top);  // 0 without a sink
       for (int64_t s = 0; s < p.splits; ++s) {
         const Part from = part(unit * p.splits + s);
         const float weight = std::exp(from.top[m] - top);
@@ -109,6 +116,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_attention, jaxinfer::Attend,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("kv_len")
                                   .Attr<int64_t>("window")
