@@ -41,7 +41,11 @@ class ModelConfig:
     qk_norm: str = ""  # RMSNorm on q and k before RoPE: "heads" over each head (Qwen3), "whole" over all (OLMoE)
     clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to ±clip_qkv after their norms; 0 = off
     sliding_windows: tuple = ()  # per layer: None (full attention) or the window length
-    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (Gemma's GeGLU) or "swiglu_clamped" (gpt-oss's
+    # experts: the gate clamped above and up to ±swiglu_limit, then (up + 1) · gate · σ(swiglu_alpha · gate))
+    activation: str = "silu"
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     attn_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax's denominator ("sinks" [H])
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the compute dtype
@@ -121,13 +125,36 @@ class Weight(NamedTuple):
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     expert: tuple[int, int] | None = None
+    # How the tensor lies against its leaf: "" as the leaf holds it; "in_out": its last two axes
+    # swapped ([..., in, out]); "pairs": a gated MLP's gate and up outputs interleaved along its last
+    # axis (gate, up, gate, ...), which the leaf holds as all the gates, then all the ups; both:
+    # "in_out pairs" (gpt-oss's experts).
+    stored: str = ""
 
     @property
     def leaf(self) -> Weight:
-        """The leaf this tensor goes into: itself, or the whole stack of experts."""
-        if self.expert is None:
-            return self
-        return Weight(self.path, (self.expert[1], *self.shape), ("experts", *(None,) * len(self.shape)))
+        """The leaf this tensor goes into: itself, or the whole stack of experts, in the leaf's layout."""
+        shape, axes = self.shape, self.axes
+        if "in_out" in self.stored:
+            shape, axes = (*shape[:-2], shape[-1], shape[-2]), (*axes[:-2], axes[-1], axes[-2])
+        if self.expert is not None:
+            shape, axes = (self.expert[1], *shape), ("experts", *(None,) * len(shape))
+        return Weight(self.path, shape, axes)
+
+    @property
+    def of_experts(self) -> bool:
+        """Whether the tensor is (a slice of) a mixture's stack of experts."""
+        return self.expert is not None or self.axes[:1] == ("experts",)
+
+    def arranged(self, array: np.ndarray) -> np.ndarray:
+        """The tensor's values as its leaf (or its expert's slice of it) holds them (`stored`)."""
+        if "in_out" in self.stored:
+            array = np.swapaxes(array, -1, -2)
+        if "pairs" in self.stored:
+            out = -2 if "in_out" in self.stored else -1
+            moved = np.moveaxis(array, out, 0)
+            array = np.moveaxis(np.concatenate([moved[0::2], moved[1::2]]), 0, out)
+        return np.ascontiguousarray(array)
 
 
 def leaves_of(table: dict[str, Weight]) -> dict[tuple, Weight]:

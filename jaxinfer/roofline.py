@@ -90,9 +90,10 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None, share: float = 1.0)
     parameters, or in bytes as `storage` stores them; of a mixture's experts, `share` of them."""
     layer_matrices = head = other = 0.0
     embed_per_value = 1.0
-    for path, shape, _, expert in weight_table(cfg).values():
+    for weight in weight_table(cfg).values():
+        path, shape = weight.path, weight.shape
         n = int(np.prod(shape)) * (storage.bytes_per_value(path, shape) if storage else 1)
-        if expert is not None:
+        if weight.of_experts:
             layer_matrices += n * share
         elif path[0] == "layers" and len(shape) == 2 and path[-1] != "router":
             layer_matrices += n
@@ -110,7 +111,7 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None, share: float = 1.0)
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """The parameters; `active`: those one token computes with (a mixture's k experts of E)."""
     share = expert_share(cfg) if active else 1.0
-    return round(sum(int(np.prod(w.shape)) * (1.0 if w.expert is None else share) for w in weight_table(cfg).values()))
+    return round(sum(int(np.prod(w.shape)) * (share if w.of_experts else 1.0) for w in weight_table(cfg).values()))
 
 
 def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:

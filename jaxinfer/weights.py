@@ -213,6 +213,7 @@ def read_safetensors(
             )
         if tuple(array.shape) != shape:
             raise JaxinferError(f"tensor {name} has shape {tuple(array.shape)}, config.json implies {shape}")
+        array = weight.arranged(array)
         if weight.expert is not None:  # one expert's slice: the leaf is made when its stack is whole
             e, count = weight.expert
             stack = stacks.setdefault(path, [None] * count)

@@ -51,6 +51,29 @@ CONFIGS = {
     "phi4-mini, partial rotary": dict(
         model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75, **SHAPE
     ),
+    "gpt-oss, defaults": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], **SHAPE),
+    # gpt-oss-20b's config.json as the hub has it: the older rope keys, its layer types written out
+    "gpt-oss, older keys": dict(
+        model_type="gpt_oss",
+        architectures=["GptOssForCausalLM"],
+        **{**SHAPE, "num_hidden_layers": 4},
+        head_dim=16,
+        num_local_experts=8,
+        experts_per_token=4,
+        num_experts_per_tok=4,
+        rope_theta=150000,
+        rope_scaling={
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        swiglu_limit=7.0,
+    ),
 }
 
 
@@ -66,6 +89,10 @@ def test_config_reads_as_transformers_reads_it(name):
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[
         getattr(theirs, "hidden_activation", None) or theirs.hidden_act
     ]
+    if hasattr(theirs, "swiglu_limit"):  # gpt-oss's experts
+        act = "swiglu_clamped"
+        assert (ours.swiglu_limit, ours.swiglu_alpha) == (theirs.swiglu_limit, theirs.swiglu_alpha)
+        assert (ours.num_experts, ours.experts_per_token) == (theirs.num_local_experts, theirs.num_experts_per_tok)
     assert ours.activation == act
     window = getattr(theirs, "sliding_window", None) if getattr(theirs, "use_sliding_window", True) else None
     types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers

@@ -136,6 +136,27 @@ ARCHITECTURES = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),
+    # gpt-oss: a window the tests' sequences pass, YaRN from an original context of 64, a clamp that
+    # bites; its biases and sinks drawn at random (`make_model`)
+    "gpt-oss": dict(
+        model_type="gpt_oss",
+        architectures=["GptOssForCausalLM"],
+        head_dim=32,
+        intermediate_size=64,
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=2.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",
@@ -233,9 +254,11 @@ def make_model(
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # random init gives near-uniform logits; widen them so argmax is decisive
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and not name.endswith("_bias"):
                 p.normal_(0.0, init_std)
+            elif ARCHITECTURES[arch]["model_type"] == "gpt_oss" and "norm" not in name:  # its biases and sinks
+                p.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory

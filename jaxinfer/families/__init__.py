@@ -12,10 +12,10 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, hybrid, llama, moe, phi3
+from jaxinfer.families import gemma, gpt_oss, hybrid, llama, moe, phi3
 
 FAMILIES: dict[str, ModuleType] = {
-    arch: module for module in (llama, gemma, phi3, moe, hybrid) for arch in module.ARCHITECTURES
+    arch: module for module in (llama, gemma, phi3, moe, hybrid, gpt_oss) for arch in module.ARCHITECTURES
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

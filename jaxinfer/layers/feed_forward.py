@@ -4,7 +4,9 @@ which each token takes k, and an optional shared expert with a sigmoid gate).
 A mixture's leaves (`jaxinfer.families.moe`): "router" [E, D] (a plain array: never quantized or
 packed, so the choice of experts is the checkpoint's to float32 rounding), the experts' stacks
 "we_gate", "we_up" [E, F, D] and "we_down" [E, D, F] (`forms.Experts`), and for a shared expert the
-dense MLP's "wgate"/"wup"/"wdown" and "shared_gate" [1, D].
+dense MLP's "wgate"/"wup"/"wdown" and "shared_gate" [1, D]. gpt-oss's (`jaxinfer.families.gpt_oss`):
+the router's bias "router_bias" [E], gate and up fused, "we_gate_up" [E, 2F, D], and each stack's
+biases "be_gate_up" [E, 2F], "be_down" [E, D].
 
 The experts' products read only the experts the tokens were routed to (`routed_mlp`), by one of
 three plans chosen by shape (first measured on XLA CPU, a 2-core Zen 4, 64 experts of 384 × 1024
@@ -39,20 +41,32 @@ def linear(x: jax.Array, layer: dict, name: str, cfg: ModelConfig) -> jax.Array:
     return y if bias is None else y + bias
 
 
+def gated(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A gated MLP's hidden units from its gate and up projections: act(gate) · up, or gpt-oss's
+    clamped SwiGLU (`ModelConfig.activation`)."""
+    if cfg.activation == "swiglu_clamped":
+        gate, up = jnp.minimum(gate, cfg.swiglu_limit), jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    return ACTIVATIONS[cfg.activation](gate) * up
+
+
 def dense(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The gated MLP: down(act(gate(x)) · up(x)), x [N, D] → [N, D]."""
     if "wgate_up" in layer:
         gate, up = jnp.split(linear(x, layer, "gate_up", cfg), 2, axis=-1)
     else:
         gate, up = linear(x, layer, "gate", cfg), linear(x, layer, "up", cfg)
-    return linear(ACTIVATIONS[cfg.activation](gate) * up, layer, "down", cfg)
+    return linear(gated(gate, up, cfg), layer, "down", cfg)
 
 
 def route(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The router's choice for tokens x [N, D]: expert ids [N, k] (int32) and their weights [N, k]
-    (float32), as transformers picks them: a softmax over all experts' logits, the k largest, and
-    renormalised to sum to 1 where the family does (`ModelConfig.norm_topk`)."""
+    (float32), as transformers picks them: a softmax over all experts' logits (plus the router's
+    bias, gpt-oss's), the k largest, and renormalised to sum to 1 where the family does
+    (`ModelConfig.norm_topk`; gpt-oss's softmax over the k largest logits is that)."""
     logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), layer["router"].astype(jnp.float32))
+    if "router_bias" in layer:
+        logits = logits + layer["router_bias"].astype(jnp.float32)
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
     if cfg.norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
@@ -82,19 +96,29 @@ def feed_forward(layer: dict, x: jax.Array, i: int, cfg: ModelConfig) -> jax.Arr
 PAIRS = 16
 
 
+EXPERT_MATRICES = ("we_gate", "we_up", "we_gate_up", "we_down")  # gate and up apart, or fused (gpt-oss)
+
+
 def expert_mlp(layer: dict, x: jax.Array, e: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The gated MLP of expert e (one for all rows, or one a row [T]) on rows x [T, D] → [T, D]
     float32: on the CPU kernels each expert read where it lies in its stack, elsewhere (one expert)
-    its matrices sliced."""
+    its matrices sliced; gate and up one product where the stack holds them fused (its outputs all
+    the gates, then all the ups), each product plus its expert's bias where there are biases."""
     bf16 = cfg.matmul_inputs == "bfloat16"
 
     def product(name: str, rows: jax.Array, dtype) -> jax.Array:
         if layer[name].on_kernel():
-            return layer[name].matmul_routed(rows, jnp.broadcast_to(e, rows.shape[:1]), bf16, dtype)
-        return forms.matmul(rows, layer[name].expert(e), bf16, dtype)
+            y = layer[name].matmul_routed(rows, jnp.broadcast_to(e, rows.shape[:1]), bf16, dtype)
+        else:
+            y = forms.matmul(rows, layer[name].expert(e), bf16, dtype)
+        bias = layer.get("b" + name[1:])  # [E, out]
+        return y if bias is None else y + bias[e].astype(dtype)
 
-    gate, up = product("we_gate", x, x.dtype), product("we_up", x, x.dtype)
-    return product("we_down", ACTIVATIONS[cfg.activation](gate) * up, jnp.float32)
+    if "we_gate_up" in layer:
+        gate, up = jnp.split(product("we_gate_up", x, x.dtype), 2, axis=-1)
+    else:
+        gate, up = product("we_gate", x, x.dtype), product("we_up", x, x.dtype)
+    return product("we_down", gated(gate, up, cfg), jnp.float32)
 
 
 def tile_rows(pairs: int, experts: int) -> int:
@@ -115,7 +139,7 @@ def routed_mlp(layer: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, cf
     product one call over all of them (`routed_kernels`), elsewhere tiles of one expert (`routed_tiles`)."""
     if ids.size <= PAIRS:
         return routed_pairs(layer, x, ids, weights, cfg)
-    if all(layer[name].on_kernel() for name in ("we_gate", "we_up", "we_down")):
+    if all(layer[name].on_kernel() for name in EXPERT_MATRICES if name in layer):
         return routed_kernels(layer, x, ids, weights, cfg)
     return routed_tiles(layer, x, ids, weights, cfg)
 
