@@ -42,10 +42,12 @@ TEXT = (
 pytestmark = pytest.mark.slow  # the inner loop's `pytest -m "not slow"` leaves this file out
 
 
-# mistral: a sliding window of 24, shorter than most chunks' reach
-@pytest.fixture(scope="module", params=["llama", "mistral"])
-def models(tiny, request):
-    path = tiny(request.param, max_position_embeddings=S)
+# mistral: a sliding window of 24, shorter than most chunks' reach (its chunks take every path a
+# chunk without a window takes, and the window's mask; test_batch, test_hybrid and the sharded runs
+# prefill llama's prompts in chunks too)
+@pytest.fixture(scope="module")
+def models(tiny):
+    path = tiny("mistral", max_position_embeddings=S)
     return dataclasses.replace(load_model(path), eos_ids=()), reference(path)
 
 
@@ -221,9 +223,9 @@ def test_longrope_past_the_original_context_in_chunks_and_in_a_batch(tiny):
     assert {r["id"]: (r["text"], r["generated_tokens"]) for r in out} == expected
 
 
-@pytest.mark.parametrize("attention", ["kernel", "xla"])
-# sliding windows (blocks skipped below them); soft-capped scores
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+# sliding windows (blocks skipped below them) on the kernel; soft-capped scores too on XLA (the
+# kernel's soft-capping: test_attention_kernel)
+@pytest.mark.parametrize("family, attention", [("mistral", "kernel"), ("gemma2", "xla")])
 def test_attention_a_key_block_at_a_time_matches_transformers(tiny, family, attention):
     """Past KEY_BLOCK keys a prompt's queries attend a block at a time, over the blocks they can see
     (the CPU kernel's blocks, or XLA's `_blockwise`): every position's logits are transformers' (one

@@ -29,14 +29,16 @@ def test_prefill_and_every_decode_step_match_transformers(tiny, arch):
     ids = ours.tokenizer.encode(PROMPT)
     steps, S = 24, 64  # steps go past mistral's sliding window of 24
     logits, cache = our_prompt_logits(ours, ids, S)
-    assert_close(logits, hf_logits(hf, ids))
+    prompt_logits = hf_logits(hf, ids)
+    assert_close(logits, prompt_logits)
+    ref = prompt_logits[-1]
 
     for _ in range(steps):  # feed greedy tokens one at a time through the cache
-        ref = hf_logits(hf, ids)[-1]
         ids.append(int(ref.argmax()))
         pos = jnp.asarray([[len(ids) - 1]])
         hidden, cache = M.forward(ours.params, ours.config, jnp.asarray([[ids[-1]]]), pos, cache, S)
-        assert_close(np.asarray(M.logits(ours.params, hidden, ours.config))[0, 0], hf_logits(hf, ids)[-1])
+        ref = hf_logits(hf, ids)[-1]  # transformers' whole sequence again: its last logits, then its next token
+        assert_close(np.asarray(M.logits(ours.params, hidden, ours.config))[0, 0], ref)
 
 
 @pytest.mark.slow
