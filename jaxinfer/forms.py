@@ -315,7 +315,7 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
             if not (layout == "packed" and isinstance(value.inner, Plain) and packed.packable(value.inner.w[0])):
                 return value
             replacement = Experts.of(value.inner.w, Packed.of)
-        elif isinstance(value, Quantized) and columns and _whole(value) and quant.METHODS[value.method].kind < 0:
+        elif isinstance(value, Quantized) and columns and _whole(value) and _in_columns(value.method):
             if value.layout == "columns":
                 return value
             replacement = value.in_columns()
@@ -343,6 +343,13 @@ def lay_out(params: dict, layout: str, consume: bool = False) -> dict:
     if layout == "fused":
         tree["layers"] = [_fused(layer, consume) for layer in tree["layers"]]
     return tree
+
+
+def _in_columns(method: str) -> bool:
+    """Whether the GPU's kernel reads this method's blocks (`jaxinfer.gpu`: the scale-per-block ones
+    whose 4-bit codes are q + 8; MXFP4's are dequantized in the graph there)."""
+    m = quant.METHODS[method]
+    return m.kind < 0 and not m.e2m1
 
 
 def _whole(leaf: Quantized) -> bool:

@@ -10,7 +10,7 @@ tensor, `ModelConfig`'s "freq_factors"); Gemma's norms, stored as 1 + weight (`w
 What the file leaves out is read as llama.cpp reads it (`_gemma`, `_phi3`).
 
 Tensor types: F32, F16 and BF16 are float matrices; a type named as a `quant.METHODS` entry (Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1) is held in that method, the file's blocks repacked as the
+Q4_0, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1, MXFP4) is held in that method, the file's blocks repacked as the
 kernels read them with every value unchanged (`_scale_and_min` unpacks the k-quants' 6-bit scales);
 Q2_K and Q3_K (`DEQUANTIZED`) are dequantized to float32 as they load — the same values, without
 their bandwidth saving.
@@ -62,7 +62,7 @@ def method_of(kind: str) -> str | None:
     """The `quant.METHODS` entry a tensor type is held in as it is (a GGUF type of the same name)."""
     from jaxinfer.quant import METHODS
 
-    return kind.lower() if kind.lower() in METHODS and kind.startswith("Q") else None
+    return kind.lower() if kind.lower() in METHODS and kind.startswith(("Q", "MXFP4")) else None
 
 
 def read_types() -> list[str]:
@@ -367,12 +367,7 @@ def tensor_values(
         blocks = np.asarray(raw).reshape(shape[0], shape[1] // METHODS[how].block, -1)
         if METHODS[how].kind >= 0:
             return how, _scale_and_min(blocks, how)
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
-        if how == "q8_0":
-            codes = blocks[..., 2:].view(np.int8)
-        else:  # byte j holds value j (low nibble) and value j + 16 (high)
-            codes = np.concatenate([blocks[..., 2:] & 0x0F, blocks[..., 2:] >> 4], -1)
-        return how, (codes, scales)
+        return how, block_arrays(blocks, how)
     if kind == "BF16":
         import ml_dtypes
 
@@ -380,6 +375,21 @@ def tensor_values(
     if kind in FILE_DTYPES:
         return "float", np.asarray(raw).reshape(shape)  # the shape the converter squeezed, put back
     return "float", gguf.quants.dequantize(np.asarray(raw), tensor.tensor_type).reshape(shape)
+
+
+def block_arrays(blocks: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
+    """A scale-per-block type's blocks [n, k/32, bytes] → `quant.pack`'s (codes [n, k/32, 32], scales
+    [n, k/32]): Q8_0's and Q4_0's a float16 scale, then the codes; MXFP4's an E8M0 exponent, then
+    the codes (`quant.e8m0_scales`). In 4-bit blocks byte j holds code j (low nibble) and j + 16 (high)."""
+    from jaxinfer.quant import e8m0_scales
+
+    if how == "mxfp4":
+        scales, packed = e8m0_scales(blocks[..., 0]), blocks[..., 1:]
+    else:
+        scales, packed = blocks[..., :2].copy().view(np.float16)[..., 0], blocks[..., 2:]
+    if how == "q8_0":
+        return packed.view(np.int8), scales
+    return np.concatenate([packed & 0x0F, packed >> 4], -1), scales
 
 
 @dataclass(frozen=True)

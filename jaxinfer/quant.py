@@ -11,6 +11,11 @@ with the 16 outputs side by side.
   q = round(w / d) + 8 clipped to [0, 15], two to a byte (chunks c and c + 4 share one).
 - q8_0, q4_0: llama.cpp's `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`: the codes from the
   float32 scale's reciprocal, the scale stored float16 (exact for what a GGUF file holds).
+- mxfp4: OCP's microscaling FP4 (gpt-oss's experts; GGUF's MXFP4), read, never made: per block of
+  32, 4-bit E2M1 codes whose values (±0, 0.5, 1, 1.5, 2, 3, 4, 6) are held doubled as integers
+  (`E2M1`), and the scale 2^(e - 128) for the block's E8M0 exponent e, in bfloat16, which holds it
+  exactly for every e (4.5 bits a weight where the file's byte of exponent makes 4.25; the kernels
+  read the scale as every method's).
 
 Decode reads every weight once per step, so bytes are its speed: int8 is 34 bytes per 32 weights
 (3.8× fewer than float32), int4 18. The matmul runs on our FFI kernel where it is built (the CPU;
@@ -88,6 +93,7 @@ class Method:
     dtype: object  # q's
     codes: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None
     scale_dtype: object = jnp.bfloat16
+    e2m1: bool = False  # 4-bit codes are MXFP4's E2M1 codes (`E2M1`), not q + 8
     kind: int = -1
     super_block: int = 0
     sub_scales: bool = False
@@ -130,6 +136,8 @@ class Method:
         if self.bits == 8:
             return wide
         codes = jnp.concatenate([wide[..., :4, :, :] & 0x0F, wide[..., :4, :, :] >> 4], axis=-3)
+        if self.e2m1:
+            return jnp.asarray(E2M1, jnp.int32)[codes]
         if self.kind < 0:
             return codes - 8
         c = jnp.arange(8)[:, None, None]
@@ -145,6 +153,18 @@ class Method:
         return arrays if self.sub_scales else (arrays[0], None, arrays[1])
 
 
+# MXFP4's values by code, doubled (the scale holds the half): ggml's kvalues_mxfp4
+E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_scales(exponents) -> np.ndarray:
+    """MXFP4's block exponents (E8M0, uint8) → the scales its doubled `E2M1` values take, 2^(e - 128)
+    (ggml's `ggml_e8m0_to_fp32_half`), bfloat16: exact for every e, subnormals included."""
+    import ml_dtypes
+
+    return np.ldexp(np.float32(1), np.asarray(exponents, np.int32) - 128).astype(ml_dtypes.bfloat16)
+
+
 def _k(name: str, bits: int, kind: int, super_block: int, sub_scales: bool, supers: int) -> Method:
     return Method(name, bits, jnp.uint8, None, kind=kind, super_block=super_block, sub_scales=sub_scales, supers=supers)
 
@@ -156,6 +176,7 @@ METHODS = {
         Method("int4", 4, jnp.uint8, _int4_codes),
         Method("q8_0", 8, jnp.int8, _q8_0_codes, jnp.float16),
         Method("q4_0", 4, jnp.uint8, _q4_0_codes, jnp.float16),
+        Method("mxfp4", 4, jnp.uint8, None, e2m1=True),
         # KKind's order: Q4_K, Q5_K, Q6_K, Q4_1, Q5_1, Q5_0
         _k("q4_k", 4, 0, 256, True, 2),
         _k("q5_k", 5, 1, 256, True, 2),
@@ -282,7 +303,7 @@ def matmul(x: jax.Array, arrays: tuple, method: str, experts: jax.Array | None =
         sub = jnp.zeros((0,), jnp.uint8) if sub is None else sub
         return kernel.call("jaxinfer_kmatmul", x, groups * GROUP, q, sub, sup, experts=experts, kind=np.int64(m.kind))
     if kernel.available():
-        return kernel.call("jaxinfer_qmatmul", x, groups * GROUP, *arrays, experts=experts)
+        return kernel.call("jaxinfer_qmatmul", x, groups * GROUP, *arrays, experts=experts, e2m1=m.e2m1)
     if experts is not None:
         raise ValueError("routed rows are the CPU kernel's")
     return jnp.einsum("...i,oi->...o", x, dequantize(arrays, method, x.dtype), preferred_element_type=jnp.float32)

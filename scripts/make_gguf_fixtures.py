@@ -8,7 +8,7 @@ Tiny random-weight models made by transformers (`tests/tiny_models.py`), each wi
 kind GGUF files carry: a SentencePiece BPE (Llama 2 / Mistral), a byte-level BPE split as Llama 3
 splits, one split as Qwen2 does. llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python
 source distribution, as `compare_peers.py` uses it) writes the F32/F16/BF16/Q8_0 files, and its
-`llama_model_quantize` the rest (Q4_0, Q4_1, Q5_0, Q4_K_M, Q5_K_M, Q6_K; the k-quants on a model whose
+`llama_model_quantize` the rest (Q4_0, Q4_1, Q5_0, Q4_K_M, Q5_K_M, Q6_K, MXFP4_MOE; the k-quants on a model whose
 matrices are 256 wide, as they need). The converter knows real tokenizers by a hash of their output;
 these tiny ones it cannot know, so it is told the pre-tokenizer each was made with.
 
@@ -144,7 +144,7 @@ MODELS = {
             head_dim=64,
             init_std=0.08,
         ),
-        ["Q4_K_M"],
+        ["Q4_K_M", "MXFP4_MOE"],
     ),
     # hybrids: Qwen3.5 (two value heads a key head: the converter reorders them, `gguf_model`'s
     # "tiled"), its mixture, Qwen3-Next (its interleaved projections split by the converter; every
@@ -165,7 +165,8 @@ MODELS = {
     ),
 }
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
+# llama.h's LLAMA_FTYPE_MOSTLY_*; MXFP4_MOE: experts' stacks MXFP4, the other matrices Q8_0
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 
 
 def quantize(source: Path, out: Path, kind: str) -> None:

@@ -59,6 +59,25 @@ def test_quantize_error_is_within_the_block_step(method):
     assert np.median(error[:, 1:]) < 0.3 * np.median(step)  # most values land well inside the bound
 
 
+def test_mxfp4_values_are_gguf_s_bit_for_bit():
+    """MXFP4's blocks as gguf-py quantizes floats into them (block exponents over nearly their whole
+    range): their values through our packing, bit for bit gguf-py's. Not below 2^-120: XLA flushes
+    subnormal floats to zero, so the values of a block whose exponent is under 3 (weights under
+    1e-37) come out 0 where numpy keeps them."""
+    import gguf
+
+    from jaxinfer.gguf_model import block_arrays
+
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((32, 256, 32)) * np.exp2(rng.integers(-120, 120, (32, 256, 1)))).reshape(32, -1)
+    theirs = gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+    assert len(np.unique(theirs.reshape(32, 256, 17)[..., 0])) > 200
+    codes, scales = block_arrays(theirs.reshape(32, 256, 17), "mxfp4")
+    leaf = Quantized(*quant.pack(jnp.asarray(codes), jnp.asarray(scales), "mxfp4"), "mxfp4")
+    want = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(np.asarray(leaf.dense()).view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("method", ["q8_0", "q4_0"])
 def test_llama_cpp_methods_are_its_own_bits(method):
     """q8_0 and q4_0 quantize as llama.cpp's reference does (the `gguf` package's port of it), bit for
@@ -87,6 +106,12 @@ def problem(n, k, m, method, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[0, :32] = 0  # an all-zero activation block
+    if method == "mxfp4":  # every code, exponents around real weights' (2^-12 … 2^-1) and the extremes
+        codes = rng.integers(0, 16, (n, k // 32, 32))
+        exponents = rng.integers(116, 127, (n, k // 32))
+        exponents[:2, 0] = (0, 160)  # a subnormal scale; one far above (254 overflows float32 at 12 · 2^126)
+        arrays = quant.pack(jnp.asarray(codes), jnp.asarray(quant.e8m0_scales(exponents)), method)
+        return jnp.asarray(x), Quantized(*arrays, method)
     if method in K_QUANTS:
         m_ = quant.METHODS[method]
         codes = rng.integers(0, 2**m_.bits, (n, k // 32, 32))

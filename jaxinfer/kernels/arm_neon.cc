@@ -104,9 +104,11 @@ inline float32x4_t widen_scale(const QProblem& p, const uint16_t* s) {
 
 // SDOT: each instruction adds 4 outputs' 4-input dots into int32; kRows rows by a group, each weight
 // vector loaded once for the rows, x's chunk broadcast (LD1R) to meet it.
-template <int kRows, int kBits>
+// MXFP4 (kE2M1): the codes looked up (TBL) as their values + 12, the offset 12 · sum(xq).
+template <int kRows, int kBits, bool kE2M1 = false>
 void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
+  const uint8x16_t table = vld1q_u8(kE2M1Unsigned);
   float32x4_t acc[kRows][4];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = vdupq_n_f32(0.f);
@@ -129,7 +131,9 @@ void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
         if constexpr (kBits == 8) {
           for (int r = 0; r < kRows; ++r) dot[r][j] = vdotq_s32(dot[r][j], vreinterpretq_s8_u8(v), x[r]);
         } else {
-          const int8x16_t first = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), second = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+          uint8x16_t low = vandq_u8(v, vdupq_n_u8(0x0F)), high = vshrq_n_u8(v, 4);
+          if constexpr (kE2M1) low = vqtbl1q_u8(table, low), high = vqtbl1q_u8(table, high);
+          const int8x16_t first = vreinterpretq_s8_u8(low), second = vreinterpretq_s8_u8(high);
           for (int r = 0; r < kRows; ++r) dot[r][j] = vdotq_s32(vdotq_s32(dot[r][j], first, x[r]), second, xh[r]);
         }
       }
@@ -137,7 +141,7 @@ void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
     const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
     for (int r = 0; r < kRows; ++r) {
       const float xs = p.xs[(row0 + r) * p.k_blocks + b];
-      const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : 8 * p.xsum[(row0 + r) * p.k_blocks + b]);
+      const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : (kE2M1 ? kE2M1Offset : 8) * p.xsum[(row0 + r) * p.k_blocks + b]);
       for (int j = 0; j < 4; ++j)
         acc[r][j] = vfmaq_f32(acc[r][j], vcvtq_f32_s32(vsubq_s32(dot[r][j], offset)), vmulq_n_f32(widen_scale(p, scale + 4 * j), xs));
     }
@@ -146,9 +150,9 @@ void qtile_dot(const QProblem& p, int64_t g, int64_t row0) {
     for (int j = 0; j < 4; ++j) vst1q_f32(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 4 * j, acc[r][j]);
 }
 
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups_dot(const QProblem& p, int64_t g0, int64_t g1) {
-  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_dot<decltype(rows)::value, kBits>(p, g, row); });
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_dot<decltype(rows)::value, kBits, kE2M1>(p, g, row); });
 }
 
 #if defined(__clang__)
@@ -161,9 +165,10 @@ void qgroups_dot(const QProblem& p, int64_t g0, int64_t g1) {
 // inputs (|w x| <= 127 · 127 for int8, 15 · 127 for int4 nibbles) and SADALP adds their pairs into
 // int32, so each output's two partial sums sit side by side until ADDP adds them after the block.
 // One row at a time: 8 pair sums and 4 float sums.
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qtile_mull(const QProblem& p, int64_t g, int64_t row) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
+  const uint8x16_t table = vld1q_u8(kE2M1Unsigned);  // MXFP4: its codes as value + 12 (|w x| <= 24 · 127)
   float32x4_t acc[4];
   for (int j = 0; j < 4; ++j) acc[j] = vdupq_n_f32(0.f);
   for (int64_t b = 0; b < p.k_blocks; ++b) {
@@ -182,14 +187,16 @@ void qtile_mull(const QProblem& p, int64_t g, int64_t row) {
           add(j, vld1q_s8(wb + 64 * c + 16 * j), x);
         } else {
           const uint8x16_t v = vld1q_u8(reinterpret_cast<const uint8_t*>(wb) + 64 * c + 16 * j);
-          add(j, vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), x);
-          add(j, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vreinterpret_s8_s32(vdup_n_s32(xb[c + 4])));
+          uint8x16_t low = vandq_u8(v, vdupq_n_u8(0x0F)), high = vshrq_n_u8(v, 4);
+          if constexpr (kE2M1) low = vqtbl1q_u8(table, low), high = vqtbl1q_u8(table, high);
+          add(j, vreinterpretq_s8_u8(low), x);
+          add(j, vreinterpretq_s8_u8(high), vreinterpret_s8_s32(vdup_n_s32(xb[c + 4])));
         }
       }
     }
     const uint16_t* scale = p.scale + (g * p.k_blocks + b) * kGroup;
     const float xs = p.xs[row * p.k_blocks + b];
-    const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : 8 * p.xsum[row * p.k_blocks + b]);
+    const int32x4_t offset = vdupq_n_s32(kBits == 8 ? 0 : (kE2M1 ? kE2M1Offset : 8) * p.xsum[row * p.k_blocks + b]);
     for (int j = 0; j < 4; ++j) {
       const int32x4_t dot = vsubq_s32(vpaddq_s32(pairs[2 * j], pairs[2 * j + 1]), offset);
       acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(dot), vmulq_n_f32(widen_scale(p, scale + 4 * j), xs));
@@ -198,10 +205,10 @@ void qtile_mull(const QProblem& p, int64_t g, int64_t row) {
   for (int j = 0; j < 4; ++j) vst1q_f32(p.y + row * p.groups * kGroup + g * kGroup + 4 * j, acc[j]);
 }
 
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups_mull(const QProblem& p, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t row = 0; row < p.m; ++row) qtile_mull<kBits>(p, g, row);
+    for (int64_t row = 0; row < p.m; ++row) qtile_mull<kBits, kE2M1>(p, g, row);
 }
 
 // ----------------------------------------------------------------------------------------- float
@@ -225,9 +232,11 @@ void add_neon(Paths& t, bool dotprod) {
     t.name += "-dotprod";
     t.qgroups[0] = qgroups_dot<8>;
     t.qgroups[1] = qgroups_dot<4>;
+    t.qgroups[2] = qgroups_dot<4, true>;
   } else {
     t.qgroups[0] = qgroups_mull<8>;
     t.qgroups[1] = qgroups_mull<4>;
+    t.qgroups[2] = qgroups_mull<4, true>;
   }
   t.fgroups[0] = simd::fgroups_narrow<Neon, false>;
   t.fgroups[1] = simd::fgroups_narrow<Neon, true>;

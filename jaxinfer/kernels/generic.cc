@@ -29,7 +29,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, floa
 // Each block's weights are unpacked once, to their signed values by output, for all the rows; the
 // 32-long integer dots are plain loops a compiler vectorises for the CPU's base instructions (SSE2,
 // NEON). The sums are the VNNI path's: exact integer dots, then scaled in the same order.
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;  // per group and block
   std::vector<float> acc(p.m * kGroup);
@@ -44,8 +44,8 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
             if constexpr (kBits == 8) {
               w[n][4 * c + i] = static_cast<int8_t>(q[(c * kGroup + n) * 4 + i]);
             } else {
-              const uint8_t byte = q[((c & 3) * kGroup + n) * 4 + i];
-              w[n][4 * c + i] = static_cast<int8_t>((c < 4 ? byte & 0x0F : byte >> 4) - 8);
+              const uint8_t byte = q[((c & 3) * kGroup + n) * 4 + i], code = c < 4 ? byte & 0x0F : byte >> 4;
+              w[n][4 * c + i] = kE2M1 ? kE2M1Values[code] : static_cast<int8_t>(code - 8);
             }
           }
         }
@@ -183,6 +183,7 @@ void add_generic(Paths& t) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+  t.qgroups[2] = qgroups<4, true>;
   for (KGroups& k : t.kgroups) k = kgroups;
   t.fgroups[0] = fgroups<false>;
   t.fgroups[1] = fgroups<true>;

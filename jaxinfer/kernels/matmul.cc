@@ -14,7 +14,9 @@
 // 4 consecutive k of 16 outputs and `vpdpbusd` with 4 broadcast activation bytes advances all 16
 // dots at once, with no horizontal sums:
 //   int8: q [N/16, K/32, 8, 16, 4] int8;  int4: q [N/16, K/32, 4, 16, 4] uint8, nibble j of byte
-//   (c, n, i) being k = 4 (c + 4 j) + i;  scale [N/16, K/32, 16] bfloat16.
+//   (c, n, i) being k = 4 (c + 4 j) + i;  scale [N/16, K/32, 16] bfloat16. MXFP4 (`e2m1`): as int4,
+//   each nibble an E2M1 code (paths.h's kE2M1Values, doubled) and the scale 2^(e - 128), which
+//   bfloat16 holds exactly for every E8M0 exponent e.
 // VNNI reads int8 weights as unsigned (q ^ 0x80 = q + 128) and int4 nibbles are q + 8, so every
 // weight byte is an unsigned operand and the offset comes back as `offset * sum(xq)` per block;
 // AVX2 multiplies |x| by w with x's sign instead (x86_avx2.cc). The scales are bfloat16 (ours) or
@@ -57,12 +59,13 @@ void run_work(ffi::ThreadPool& pool, const Work& work) {
   if (work.groups > 0) parallel_items(pool, work.groups, work.group_bytes, work.share);
 }
 
-ffi::Error QPrepare(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y, Work* work) {
+ffi::Error QPrepare(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale, bool e2m1, ffi::ResultBuffer<ffi::F32> y,
+                    Work* work) {
   const auto x_dims = x.dimensions();
   const auto q_dims = q.dimensions();
   const int bits = q.element_type() == ffi::DataType::S8 ? 8 : q.element_type() == ffi::DataType::U8 ? 4 : 0;
-  if (bits == 0 || q_dims.size() != 5 || x_dims.size() == 0) {
-    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: q must be int8 or uint8 [N/16, K/32, c, 16, 4]");
+  if (bits == 0 || q_dims.size() != 5 || x_dims.size() == 0 || (e2m1 && bits != 4)) {
+    return ffi::Error::InvalidArgument("jaxinfer_qmatmul: q must be int8 or uint8 [N/16, K/32, c, 16, 4] (MXFP4: uint8)");
   }
   const int64_t k = x_dims.back();
   const int64_t m = x.element_count() / std::max<int64_t>(k, 1);
@@ -85,8 +88,9 @@ ffi::Error QPrepare(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sc
   state->problem = QProblem{static_cast<const uint8_t*>(q.untyped_data()),
                             static_cast<const uint16_t*>(scale.untyped_data()),
                             y->typed_data(),
-                            m, k_blocks, groups, bits, state->rows.xq.data(), state->rows.xs.data(), state->rows.xsum.data(), f16_scale};
-  const QGroups share = run.qgroups[bits == 8 ? 0 : 1];
+                            m, k_blocks, groups, bits, state->rows.xq.data(), state->rows.xs.data(), state->rows.xsum.data(), f16_scale,
+                            e2m1};
+  const QGroups share = run.qgroups[e2m1 ? 2 : bits == 8 ? 0 : 1];
   work->groups = groups;
   work->group_bytes = k_blocks * (bits == 8 ? 512 : 256) * std::max<int64_t>(1, m / 4);
   work->share = [state, share](int64_t g0, int64_t g1) { share(state->problem, g0, g1); };
@@ -94,9 +98,9 @@ ffi::Error QPrepare(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer sc
 }
 
 ffi::Error QMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                   ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::AnyBuffer scale, bool e2m1, ffi::ResultBuffer<ffi::F32> y) {
   Work work;
-  const ffi::Error error = QPrepare(x, q, scale, y, &work);
+  const ffi::Error error = QPrepare(x, q, scale, e2m1, y, &work);
   if (error.success()) run_work(pool, work);
   return error;
 }
@@ -295,12 +299,12 @@ ffi::Error routed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int64_t expert
 }
 
 ffi::Error QMatmulRouted(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
-                         ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::S32> expert, bool e2m1, ffi::ResultBuffer<ffi::F32> y) {
   if (q.dimensions().size() == 0) return ffi::Error::InvalidArgument("jaxinfer_qmatmul_routed: q must be a stack");
   return routed(pool, x, q.dimensions()[0], expert, y,
                 [&](int64_t e, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out, Work* work) {
                   const Expert q_e(q, e), scale_e(scale, e);
-                  return QPrepare(rows, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), out, work);
+                  return QPrepare(rows, ffi::AnyBuffer(q_e.get()), ffi::AnyBuffer(scale_e.get()), e2m1, out, work);
                 });
 }
 
@@ -338,6 +342,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul_routed, jaxinfer::QMatmulRouted,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("e2m1")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul_routed, jaxinfer::KMatmulRouted,
@@ -366,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_qmatmul, jaxinfer::QMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Attr<bool>("e2m1")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_kmatmul, jaxinfer::KMatmul,

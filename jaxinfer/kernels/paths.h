@@ -19,7 +19,12 @@ constexpr int kBlock = 32;  // quantized weights: k per scale
 constexpr int kGroup = 16;  // outputs side by side, in every packed layout
 
 // y[M, N] = x[M, K] @ W[N, K]^T for block-quantized W (the layout: matmul.cc), W8A8: x quantized per
-// block of 32 to int8 with one float scale (`xs`) and its values' sum (`xsum`) beside them.
+// block of 32 to int8 with one float scale (`xs`) and its values' sum (`xsum`) beside them. 4-bit codes
+// are q + 8 (int4, Q4_0), or MXFP4's E2M1 codes (`e2m1`), whose values are kE2M1Values' (doubled, so
+// integers: the scale holds the half), taken as kE2M1Values[code] + 12 where a path wants them unsigned.
+constexpr int8_t kE2M1Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kE2M1Offset = 12;
+alignas(16) constexpr uint8_t kE2M1Unsigned[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 struct QProblem {
   const uint8_t* q;
   const uint16_t* scale;  // bfloat16 bits, or float16 where `f16_scale` (llama.cpp's q8_0 / q4_0)
@@ -30,6 +35,7 @@ struct QProblem {
   const float* xs;
   const int32_t* xsum;
   bool f16_scale = false;
+  bool e2m1 = false;
 
   float scale_at(int64_t at) const { return f16_scale ? f16_to_float(scale[at]) : bf16_to_float(scale[at]); }
 };
@@ -132,7 +138,7 @@ using AmxMatmul = void (*)(xla::ffi::ThreadPool&, const float* x, const uint16_t
 struct Paths {
   std::string name;  // `jaxinfer.kernel.isa()`
   QuantizeRows quantize_rows = nullptr;
-  QGroups qgroups[2] = {};  // int8, int4
+  QGroups qgroups[3] = {};  // int8, int4, MXFP4
   KGroups kgroups[kKinds] = {};  // by KKind
   FGroups fgroups[2] = {};  // float32, bfloat16 weights
   RoundValues round = nullptr;  // x rounded to bfloat16 values (`bf16_inputs` on the FMA paths)

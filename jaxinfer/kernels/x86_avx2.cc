@@ -141,10 +141,13 @@ inline void store_tile(const Problem& p, int64_t g, int64_t row0, const __m256 a
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup + 8 * h, acc[r][h]);
 }
 
-template <int kRows, int kBits>
+// MXFP4 (kE2M1): the codes looked up (VPSHUFB) as their values + 12, at most 24, so a pair is at most
+// 2 · 24 · 127 and a chunk's two are widened at once; the offset comes back as 12 · sum(xq).
+template <int kRows, int kBits, bool kE2M1 = false>
 void qtile(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Unsigned)));
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.k_blocks; ++b) {
@@ -165,20 +168,29 @@ void qtile(const QProblem& p, int64_t g, int64_t row0) {
       }
     } else {
       __m256i sums[kRows][2];
-      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = dot[r][0] = dot[r][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
-          const __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (kE2M1) first = _mm256_shuffle_epi8(table, first), second = _mm256_shuffle_epi8(table, second);
           for (int r = 0; r < kRows; ++r) {
-            sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_maddubs_epi16(first, _mm256_set1_epi32(xb[r][c])));
-            sums[r][h] = _mm256_add_epi16(sums[r][h], _mm256_maddubs_epi16(second, _mm256_set1_epi32(xb[r][c + 4])));
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(first, _mm256_set1_epi32(xb[r][c])),
+                                                  _mm256_maddubs_epi16(second, _mm256_set1_epi32(xb[r][c + 4])));
+            if constexpr (kE2M1) {
+              dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pair, ones));
+            } else {
+              sums[r][h] = _mm256_add_epi16(sums[r][h], pair);
+            }
           }
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        const __m256i offset = _mm256_set1_epi32(8 * p.xsum[(row0 + r) * p.k_blocks + b]);
-        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_sub_epi32(_mm256_madd_epi16(sums[r][h], ones), offset);
+        const __m256i offset = _mm256_set1_epi32((kE2M1 ? kE2M1Offset : 8) * p.xsum[(row0 + r) * p.k_blocks + b]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i sum = kE2M1 ? dot[r][h] : _mm256_madd_epi16(sums[r][h], ones);
+          dot[r][h] = _mm256_sub_epi32(sum, offset);
+        }
       }
     }
     qscale<kRows>(p, g, b, row0, dot, acc);
@@ -186,9 +198,9 @@ void qtile(const QProblem& p, int64_t g, int64_t row0) {
   store_tile<kRows>(p, g, row0, acc);
 }
 
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
-  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile<decltype(rows)::value, kBits>(p, g, row); });
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile<decltype(rows)::value, kBits, kE2M1>(p, g, row); });
 }
 
 #if defined(JAXINFER_AVX_VNNI)
@@ -197,10 +209,11 @@ void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
 // signed operand, and the offset comes back per block as `offset * sum(xq)`: one VPDPBUSD per 4 k of 8
 // outputs where the plain path takes VPMADDUBSW, VPMADDWD and an add (and x's sign folded into w).
 // Compiled for AVX-VNNI here only: the rest of this file must run on CPUs without it.
-template <int kRows, int kBits>
+template <int kRows, int kBits, bool kE2M1 = false>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
-  constexpr int offset = kBits == 8 ? 128 : 8;
+  constexpr int offset = kBits == 8 ? 128 : kE2M1 ? kE2M1Offset : 8;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Unsigned)));
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.k_blocks; ++b) {
@@ -230,7 +243,8 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
       for (int c = 0; c < 4; ++c) {
         for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c + 32 * h));
-          const __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          __m256i first = _mm256_and_si256(v, low), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (kE2M1) first = _mm256_shuffle_epi8(table, first), second = _mm256_shuffle_epi8(table, second);
           for (int r = 0; r < kRows; ++r) {
             dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], first, _mm256_set1_epi32(xb[r][c]));
             odd[r][h] = _mm256_dpbusd_avx_epi32(odd[r][h], second, _mm256_set1_epi32(xb[r][c + 4]));
@@ -245,9 +259,9 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void qtile_vnni(const QProblem&
   store_tile<kRows>(p, g, row0, acc);
 }
 
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups_vnni(const QProblem& p, int64_t g0, int64_t g1) {
-  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_vnni<decltype(rows)::value, kBits>(p, g, row); });
+  groups_in_row_pairs(g0, g1, p.m, [&](int64_t g, int64_t row, auto rows) { qtile_vnni<decltype(rows)::value, kBits, kE2M1>(p, g, row); });
 }
 #endif
 
@@ -447,12 +461,14 @@ void add_avx2(Paths& t, bool vnni) {
   t.quantize_rows = quantize_rows;
   t.qgroups[0] = qgroups<8>;
   t.qgroups[1] = qgroups<4>;
+  t.qgroups[2] = qgroups<4, true>;
   add_kgroups(t, std::make_integer_sequence<int, kKinds>{});
 #if defined(JAXINFER_AVX_VNNI)
   if (vnni && cpu().avx_vnni) {
     t.name += "-vnni";
     t.qgroups[0] = qgroups_vnni<8>;
     t.qgroups[1] = qgroups_vnni<4>;
+    t.qgroups[2] = qgroups_vnni<4, true>;
     add_kgroups_vnni(t, std::make_integer_sequence<int, kKinds>{});
   }
 #endif

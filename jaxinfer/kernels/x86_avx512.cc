@@ -112,10 +112,10 @@ void quantize_rows(const float* x, int64_t m, int64_t k_blocks, int8_t* xq, floa
 // VNNI: per group and block, 8 vpdpbusd per row cover 16 outputs x 32 k. The weights are read as
 // unsigned (int8: q ^ 0x80 = q + 128; int4 nibbles: q + 8), the offset taken back per block as
 // `offset * sum(xq)`.
-template <int kRows, int kBits>
+template <int kRows, int kBits, bool kE2M1 = false>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const QProblem& p, int64_t g, int64_t row0) {
   constexpr int64_t weight_bytes = kBits == 8 ? 512 : 256;
-  constexpr int offset = kBits == 8 ? 128 : 8;
+  constexpr int offset = kBits == 8 ? 128 : kE2M1 ? kE2M1Offset : 8;  // MXFP4: its codes looked up as value + 12
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.k_blocks; ++b) {
@@ -126,10 +126,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const QPro
       for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), flip);
     } else {
       const __m512i low = _mm512_set1_epi8(0x0F);
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Unsigned)));
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
         w[c] = _mm512_and_si512(v, low);
         w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (kE2M1) w[c] = _mm512_shuffle_epi8(table, w[c]), w[c + 4] = _mm512_shuffle_epi8(table, w[c + 4]);
       }
     }
     const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.scale + (g * p.k_blocks + b) * kGroup));
@@ -145,12 +147,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const QPro
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(p.y + (row0 + r) * p.groups * kGroup + g * kGroup, acc[r]);
 }
 
-template <int kBits>
+template <int kBits, bool kE2M1 = false>
 void qgroups(const QProblem& p, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
     int64_t row = 0;
-    for (; row + 8 <= p.m; row += 8) tile_vnni<8, kBits>(p, g, row);
-    if (row < p.m) with_rows<7>(p.m - row, [&](auto rows) { tile_vnni<decltype(rows)::value, kBits>(p, g, row); });
+    for (; row + 8 <= p.m; row += 8) tile_vnni<8, kBits, kE2M1>(p, g, row);
+    if (row < p.m) with_rows<7>(p.m - row, [&](auto rows) { tile_vnni<decltype(rows)::value, kBits, kE2M1>(p, g, row); });
   }
 }
 
@@ -490,6 +492,7 @@ void add_avx512(Paths& t, bool amx) {
     t.quantize_rows = quantize_rows;
     t.qgroups[0] = qgroups<8>;
     t.qgroups[1] = qgroups<4>;
+    t.qgroups[2] = qgroups<4, true>;
     t.kgroups[kQ4K] = kgroups<kQ4K>;
     t.kgroups[kQ5K] = kgroups<kQ5K>;
     t.kgroups[kQ6K] = kgroups<kQ6K>;
