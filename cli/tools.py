@@ -129,7 +129,7 @@ def info(
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
-    storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout))
+    storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout), cfg)
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
     facts = model_facts(
         cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared

@@ -47,6 +47,7 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
     attn_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax's denominator ("sinks" [H])
+    mxfp4_experts: bool = False  # gpt-oss as the hub ships it: the experts' stacks as MXFP4 blocks and scales
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32, then casts
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), in the compute dtype
     attn_scale: float = 0.0  # scores times this; 0: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
@@ -126,15 +127,22 @@ class Weight(NamedTuple):
     axes: tuple[str | None, ...]
     expert: tuple[int, int] | None = None
     # How the tensor lies against its leaf: "" as the leaf holds it; "in_out": its last two axes
-    # swapped ([..., in, out]); "pairs": a gated MLP's gate and up outputs interleaved along its last
-    # axis (gate, up, gate, ...), which the leaf holds as all the gates, then all the ups; both:
-    # "in_out pairs" (gpt-oss's experts).
+    # swapped ([..., in, out]); "pairs": a gated MLP's gate and up outputs interleaved along its
+    # outputs' axis (gate, up, gate, ...), which the leaf holds as all the gates, then all the ups;
+    # both: "in_out pairs" (gpt-oss's experts). "mxfp4 blocks" / "mxfp4 scales": one of the two
+    # tensors of an MXFP4 matrix (the hub's gpt-oss: codes [..., out, in/32, 16] two a byte, E8M0
+    # exponents [..., out, in/32]), which together make one leaf (`weights.mxfp4_leaf`); `axes`
+    # are then the leaf's.
     stored: str = ""
 
     @property
     def leaf(self) -> Weight:
         """The leaf this tensor goes into: itself, or the whole stack of experts, in the leaf's layout."""
         shape, axes = self.shape, self.axes
+        if "mxfp4 blocks" in self.stored:
+            shape = (*shape[:-2], shape[-2] * 32)
+        elif "mxfp4 scales" in self.stored:
+            shape = (*shape[:-1], shape[-1] * 32)
         if "in_out" in self.stored:
             shape, axes = (*shape[:-2], shape[-1], shape[-2]), (*axes[:-2], axes[-1], axes[-2])
         if self.expert is not None:

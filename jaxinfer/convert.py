@@ -48,7 +48,9 @@ def convert(
     save_params(model.params, destination / ORBAX_DIR)
     if gguf_model.is_gguf(source):
         model.tokenizer.save(destination)
-        config_json[METHODS_KEY] = forms.methods_of(model.params)
+    methods = forms.methods_of(model.params)
+    if gguf_model.is_gguf(source) or set(methods.values()) - {model.quantize}:  # the file's or checkpoint's own
+        config_json[METHODS_KEY] = methods
     for name in SIDE_FILES:
         if source.is_dir() and (source / name).is_file():
             shutil.copy2(source / name, destination / name)

@@ -14,12 +14,12 @@ pass, and of the K/V read and written. Norms, RoPE and softmax are left out: a f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from jaxinfer import forms
-from jaxinfer.config import ModelConfig, Weight
+from jaxinfer.config import ModelConfig, Weight, leaves_of
 from jaxinfer.families import weight_table
 from jaxinfer.layers import delta_net
 from jaxinfer.quant import METHODS
@@ -51,16 +51,25 @@ class Storage:
     methods: tuple = ()
 
     @classmethod
-    def of(cls, dtype, quantize: str | None = None, compute_dtype=None) -> Storage:
-        return cls(np.dtype(dtype).itemsize, quantize, np.dtype(compute_dtype or dtype).itemsize)
+    def of(cls, dtype, quantize: str | None = None, compute_dtype=None, cfg: ModelConfig | None = None) -> Storage:
+        """As a model would be loaded in `dtype` with `quantize`; `cfg`: and with the matrices its
+        checkpoint holds quantized itself (the hub's MXFP4 experts of gpt-oss) as they are."""
+        made = cls(np.dtype(dtype).itemsize, quantize, np.dtype(compute_dtype or dtype).itemsize)
+        table = weight_table(cfg) if cfg is not None else {}
+        fixed = {".".join(map(str, w.path)): "mxfp4" for w in table.values() if "mxfp4" in w.stored}
+        if not fixed:
+            return made
+        chosen = {".".join(map(str, p)): quantize for p, w in leaves_of(table).items() if made.method_at(p, w.shape)}
+        return replace(made, methods=tuple(sorted({**chosen, **fixed}.items())))
 
     @classmethod
     def of_params(cls, params: dict) -> Storage:
-        """As a loaded parameter tree stores its weights (the cache is in the compute dtype, the final norm's)."""
+        """As a loaded parameter tree stores its weights (the cache is in the compute dtype, the final
+        norm's), each quantized matrix by its own method (a GGUF file's mix; MXFP4 experts beside float
+        matrices)."""
         itemsize = np.dtype(forms.stored_dtype(params)).itemsize
-        methods = forms.methods_of(params)
-        mixed = tuple(sorted(methods.items())) if len(set(methods.values())) > 1 else ()
-        return cls(itemsize, forms.quantized_by(params), params["norm"].dtype.itemsize, mixed)
+        methods = tuple(sorted(forms.methods_of(params).items()))
+        return cls(itemsize, forms.quantized_by(params), params["norm"].dtype.itemsize, methods)
 
     def method_at(self, path: tuple, shape: tuple[int, ...]) -> str | None:
         """The method the matrix at `path` is packed by, if any."""
@@ -90,7 +99,7 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None, share: float = 1.0)
     parameters, or in bytes as `storage` stores them; of a mixture's experts, `share` of them."""
     layer_matrices = head = other = 0.0
     embed_per_value = 1.0
-    for weight in weight_table(cfg).values():
+    for weight in leaves_of(weight_table(cfg)).values():
         path, shape = weight.path, weight.shape
         n = int(np.prod(shape)) * (storage.bytes_per_value(path, shape) if storage else 1)
         if weight.of_experts:
@@ -111,7 +120,8 @@ def _sizes(cfg: ModelConfig, storage: Storage | None = None, share: float = 1.0)
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """The parameters; `active`: those one token computes with (a mixture's k experts of E)."""
     share = expert_share(cfg) if active else 1.0
-    return round(sum(int(np.prod(w.shape)) * (share if w.of_experts else 1.0) for w in weight_table(cfg).values()))
+    leaves = leaves_of(weight_table(cfg)).values()
+    return round(sum(int(np.prod(w.shape)) * (share if w.of_experts else 1.0) for w in leaves))
 
 
 def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
@@ -125,7 +135,7 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
             int(np.prod(weight.shape)) * storage.bytes_per_value(weight.path, weight.shape) / (devices if split else 1)
         )
 
-    return round(sum(held(weight) for weight in weight_table(cfg).values()))
+    return round(sum(held(weight) for weight in leaves_of(weight_table(cfg)).values()))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:

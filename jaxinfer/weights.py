@@ -88,6 +88,18 @@ def leaf(cfg: ModelConfig, weight, array, dtype, quantize: str | None = None, me
     return matrix(value, quantize if packs else None) if is_matrix(path, shape) else value
 
 
+def mxfp4_leaf(weight, blocks: np.ndarray, scales: np.ndarray):
+    """An MXFP4 stack of experts from the hub's two tensors (gpt-oss): codes [E, out, in/32, 16], byte j
+    of a block holding code 2j (low nibble) and 2j + 1 (high), as transformers unpacks them, and E8M0
+    exponents [E, out, in/32]; gate and up de-interleaved where `weight.stored` says "pairs". Each
+    expert packed as `quant`'s "mxfp4" (every value the checkpoint's)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32)
+    if "pairs" in weight.stored:
+        codes, scales = (np.concatenate([a[:, 0::2], a[:, 1::2]], 1) for a in (codes, scales))
+    made = [quant.pack(jnp.asarray(c), jnp.asarray(quant.e8m0_scales(s)), "mxfp4") for c, s in zip(codes, scales)]
+    return Experts(Quantized(*(jnp.stack(arrays) for arrays in zip(*made)), "mxfp4"))
+
+
 def read_gguf(
     cfg: ModelConfig,
     file,
@@ -182,6 +194,7 @@ def read_safetensors(
     table = weight_table(cfg)
     leaves: dict[TreePath, jax.Array] = {}
     stacks: dict[TreePath, list] = {}  # experts' tensors read so far, by the leaf they stack into
+    parts: dict[TreePath, dict] = {}  # an MXFP4 matrix's blocks or scales read so far, by its leaf
     seen: set[str] = set()
     try:
         handles = [safe_open(str(f), framework="np") for f in files]
@@ -206,6 +219,16 @@ def read_safetensors(
             array = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxinferError(f"cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
+        if "mxfp4" in weight.stored:  # one of an MXFP4 matrix's two tensors: the leaf when both are read
+            if array.dtype != np.uint8 or tuple(array.shape) != shape:
+                raise JaxinferError(f"tensor {name} has {array.dtype} {tuple(array.shape)}, MXFP4 needs uint8 {shape}")
+            held = parts.setdefault(path, {})
+            held[weight.stored.split()[1]] = array
+            if len(held) == 2:  # whole on every device, as every quantized matrix (the kernel's call takes it whole)
+                placed = weight_sharding(cfg, (), mesh)
+                leaves[path] = jax.tree.map(lambda a: jax.device_put(a, placed), mxfp4_leaf(weight, **held))
+                del parts[path]
+            continue
         if array.dtype.kind in "iub":  # ml_dtypes' bfloat16 is kind "V"
             raise JaxinferError(
                 f"tensor {name} holds {array.dtype} values: jaxinfer reads float32, bfloat16 and float16 weights (not "

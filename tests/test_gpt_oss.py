@@ -6,15 +6,18 @@ test_parity's (the tiny gpt-oss of tiny_models: YaRN, a window of 24 the tests' 
 
 import dataclasses
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from cli_helpers import jaxinfer
-from reference import greedy_reference, our_prompt_logits, reference
+from kernel_helpers import xla_dot
+from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 
 from jaxinfer import forms, roofline
+from jaxinfer.convert import convert
 from jaxinfer.forms import Experts, Packed, Quantized
 from jaxinfer.layers import feed_forward
 from jaxinfer.loading import load_model
@@ -123,3 +126,57 @@ def test_two_devices_give_one_devices_tokens(tiny):
     run = ("run", "-m", tiny("gpt-oss"), "-n", "12", "--temp", "0", "--ignore-eos", "--json", PROMPT)
     tokens = [json.loads(jaxinfer(*run, "--devices", str(n)).stdout)["token_ids"] for n in (1, 2)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+
+def as_the_hub_ships_it(path, out):
+    """The tiny gpt-oss with its experts in MXFP4 as openai/gpt-oss-20b holds them: `*_blocks` [E, out,
+    in/32, 16] (byte j of a block: code 2j low, 2j + 1 high) and `*_scales` [E, out, in/32], quantized
+    by gguf-py's MXFP4 (llama.cpp's reference quantizer), and a quantization_config saying so."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    out = shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = np.swapaxes(tensors.pop(name), 1, 2)  # [E, out, in], gate and up still interleaved
+        ggml = gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.MXFP4)
+        ggml = ggml.reshape(*w.shape[:2], -1, 17)  # byte 0 the exponent; byte j + 1: codes j (low), j + 16
+        codes = np.concatenate([ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4], -1)
+        tensors[f"{name}_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        tensors[f"{name}_scales"] = np.ascontiguousarray(ggml[..., 0])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_the_hubs_mxfp4_experts_are_transformers(tiny, tmp_path):
+    """The hub's MXFP4 layout: held as MXFP4 (4.5 bits a weight), its values transformers' dequantized
+    ones: through XLA's dot the logits within float32 rounding of transformers' on the same
+    checkpoint; through the kernels (activations quantized per block, as llama.cpp's) close, the same
+    next token nearly everywhere; `info`'s count of its bytes that of the loaded tree; its orbax copy
+    the same model."""
+    import transformers
+
+    path = as_the_hub_ships_it(tiny("gpt-oss"), tmp_path / "mxfp4")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    ).eval()
+    ids = load_model(path).tokenizer.encode(PROMPT)
+    theirs = hf_logits(hf, ids)
+    with xla_dot():
+        model = load_model(path)
+        assert model.params["layers"][0]["we_gate_up"].inner.method == "mxfp4"
+        assert_close(our_prompt_logits(model, ids, 128)[0], theirs)
+    model = load_model(path)
+    ours = our_prompt_logits(model, ids, 128)[0]
+    assert np.mean(ours.argmax(-1) == theirs.argmax(-1)) >= 0.9  # seen: 100%, 0.85% apart
+    assert np.abs(ours - theirs).mean() <= 0.03 * np.abs(theirs).mean()
+    # info counts, before loading, what the loaded tree holds: MXFP4 stacks beside float matrices
+    held = roofline.weight_bytes(model.config, roofline.Storage.of_params(model.params))
+    assert roofline.weight_bytes(model.config, roofline.Storage.of("float32", cfg=model.config)) == held
+    assert held < 0.6 * roofline.weight_bytes(model.config, roofline.Storage.of("float32"))
+    converted = load_model(convert(path, tmp_path / "converted"))  # the orbax copy holds them as they are
+    assert converted.params["layers"][0]["we_down"].inner.method == "mxfp4"
+    np.testing.assert_array_equal(our_prompt_logits(converted, ids, 128)[0], ours)

@@ -6,6 +6,7 @@ transformers' layout, [E, in, out] with gate and up interleaved (`config.Weight.
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig, Weight, common_fields
+from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama, moe
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -43,6 +44,9 @@ def config(d: dict, arch: str) -> ModelConfig:
         ]
     fields = common_fields(d)
     experts, top = moe.routing(d)
+    method = (d.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise JaxinferError(f"config.json: gpt-oss quantized by {method!r} is not read (MXFP4 and float ones are)")
     attention_bias = bool(d["attention_bias"])
     return ModelConfig(
         architecture=arch,
@@ -58,6 +62,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         experts_per_token=top,
         expert_size=fields["intermediate_size"],
         norm_topk=True,  # a softmax over the k largest logits: over all, then the k largest renormalised
+        mxfp4_experts=method == "mxfp4",
     )
 
 
@@ -71,11 +76,17 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         pre = f"model.layers.{i}.mlp"
         table[f"{pre}.router.weight"] = Weight(("layers", i, "router"), (E, D), (None, "embed"))
         table[f"{pre}.router.bias"] = Weight(("layers", i, "router_bias"), (E,), (None,))
-        for name, leaf, shape, stored, bias_stored in (
-            ("gate_up_proj", "gate_up", (E, D, 2 * F), "in_out pairs", "pairs"),
-            ("down_proj", "down", (E, F, D), "in_out", ""),
+        for name, leaf, (out, inputs), pairs in (
+            ("gate_up_proj", "gate_up", (2 * F, D), "pairs"),
+            ("down_proj", "down", (D, F), ""),
         ):
-            matrix, bias = ("layers", i, f"we_{leaf}"), ("layers", i, f"be_{leaf}")
-            table[f"{pre}.experts.{name}"] = Weight(matrix, shape, ("experts", None, None), None, stored)
-            table[f"{pre}.experts.{name}_bias"] = Weight(bias, (E, shape[-1]), ("experts", None), None, bias_stored)
+            matrix, bias, experts = ("layers", i, f"we_{leaf}"), ("layers", i, f"be_{leaf}"), ("experts", None, None)
+            if cfg.mxfp4_experts:  # [E, out, in] as codes and exponents
+                for part, shape in (("blocks", (E, out, inputs // 32, 16)), ("scales", (E, out, inputs // 32))):
+                    stored = f"mxfp4 {part} {pairs}".strip()
+                    table[f"{pre}.experts.{name}_{part}"] = Weight(matrix, shape, experts, None, stored)
+            else:  # transformers' [E, in, out]
+                stored = f"in_out {pairs}".strip()
+                table[f"{pre}.experts.{name}"] = Weight(matrix, (E, inputs, out), experts, None, stored)
+            table[f"{pre}.experts.{name}_bias"] = Weight(bias, (E, out), experts[:2], None, pairs)
     return table
