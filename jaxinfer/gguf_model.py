@@ -44,12 +44,21 @@ ARCHITECTURES = {
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 MIXTRAL = "MixtralForCausalLM"
 # Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
 # architecture: the file does not say)
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "qwen35moe": True, "qwen3next": True}
+NORM_TOPK = {
+    "llama": True,
+    "qwen2moe": False,
+    "qwen3moe": True,
+    "olmoe": False,
+    "qwen35moe": True,
+    "qwen3next": True,
+    "gpt-oss": True,
+}
 # llama.cpp's sliding-window pattern where the file gives none (every n-th layer global), and the
 # layer count of the 27B models, whose queries it scales by (hidden / heads)^-1/2, not head_dim's
 SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -160,8 +169,10 @@ def config_json(file: GGUFFile) -> dict:
         "max_position_embeddings": int(key("context_length")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in file.tensors,
+        "attention_bias": arch in ("llama", "gpt-oss") and "blk.0.attn_q.bias" in file.tensors,
     }
+    if arch == "gpt-oss":  # llama.cpp's: every other layer sliding, from the first (as transformers')
+        d["sliding_window"] = int(key("attention.sliding_window"))
     ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
@@ -235,8 +246,18 @@ def _rope_scaling(file: GGUFFile, key) -> dict:
         return {"rope_scaling": {"rope_type": "freq_factors", "factors": factors}}
     if scaling == "linear":
         return {"rope_scaling": {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}}
+    if scaling == "yarn":  # ggml's correction range is always truncated to whole dims
+        yarn = {
+            "rope_type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": True,
+        }
+        return {"rope_scaling": yarn}
     if scaling != "none":
-        raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+        raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear, yarn)")
     return {}
 
 
@@ -303,9 +324,10 @@ def _tensor(file: GGUFFile, name: str):
     return file.tensors[name]
 
 
-def gguf_names(cfg, table: dict) -> dict[str, str]:
+def gguf_names(cfg, table: dict) -> dict[str, str | tuple[str, str]]:
     """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map); every
-    expert's tensor of a stack → the file's one merged tensor (`ffn_gate_exps`, ...)."""
+    expert's tensor of a stack → the file's one merged tensor (`ffn_gate_exps`, ...); gpt-oss's gate
+    and up, fused in its checkpoints, → the two the converter splits them into (gate's, up's)."""
     import gguf
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == _gguf_arch(cfg))
@@ -315,9 +337,19 @@ def gguf_names(cfg, table: dict) -> dict[str, str]:
         expert = table[hf].expert
         if hf.endswith(".linear_attn.dt_bias"):  # the converter's name for it (its `dt_proj`)
             return hf.replace(".dt_bias", ".dt_proj.bias")
+        if hf.endswith(("_proj_bias", ".experts.down_proj", ".self_attn.sinks")):  # gpt-oss's, as converted
+            return hf[: -len("_bias")] + ".bias" if hf.endswith("_bias") else hf + ".weight"
         return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
 
-    return {hf: names.get_name(merged(hf), try_suffixes=(".weight", ".bias")) for hf in table}
+    def name(hf: str) -> str | tuple[str, str]:
+        if ".experts.gate_up_proj" in hf:  # gpt-oss's gate and up: one tensor here, two in the file
+            stack, suffix = hf.split(".experts.")[0] + ".experts.", ".bias" if hf.endswith("_bias") else ".weight"
+            return tuple(
+                names.get_name(f"{stack}{part}{suffix}", try_suffixes=(suffix,)) for part in ("gate_proj", "up_proj")
+            )
+        return names.get_name(merged(hf), try_suffixes=(".weight", ".bias"))
+
+    return {hf: name(hf) for hf in table}
 
 
 def _gguf_arch(cfg) -> str:
@@ -390,6 +422,21 @@ def block_arrays(blocks: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
     if how == "q8_0":
         return packed.view(np.int8), scales
     return np.concatenate([packed & 0x0F, packed >> 4], -1), scales
+
+
+def fused_values(file: GGUFFile, names: tuple[str, str], shape: tuple[int, ...], held: bool = True):
+    """gpt-oss's gate and up, two tensors of the file (`gguf_names`), as its checkpoints' one: gate's
+    outputs, then up's (a stack [E, 2F, D]; `held` False: a bias [E, 2F]), as `tensor_values` gives
+    each. The two must share a type (llama.cpp's quantizer gives them one)."""
+    axis = len(shape) - 2 if held else len(shape) - 1
+    half = (*shape[:axis], shape[axis] // 2, *shape[axis + 1 :])
+    (how, gate), (other, up) = (tensor_values(file, name, half, held=held) for name in names)
+    if how != other:
+        raise JaxinferError(f"{file.path}: {names[0]} is held as {how}, {names[1]} as {other}: one type is read")
+    if how == "float":
+        return how, np.concatenate([gate, up], axis)
+    join = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731  (each array leads with the outputs)
+    return how, [tuple(map(join, g, u)) for g, u in zip(gate, up)]
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def read_gguf(
 
     table = weight_table(cfg)
     names = gguf_model.gguf_names(cfg, table)
-    extra = gguf_model.unmapped(file, set(names.values()))
+    read = {part for name in names.values() for part in (name if isinstance(name, tuple) else (name,))}
+    extra = gguf_model.unmapped(file, read)
     if extra:
         raise JaxinferError(
             f"{file.path}: tensor {extra[0]} does not belong to a {cfg.architecture} with this metadata"
@@ -136,8 +137,11 @@ def read_gguf(
         if weight.expert is not None and weight.expert[0]:
             continue  # the file's one tensor holds the whole stack: read with expert 0
         heads = permuted.get(weight.path[-1]) if llama else None
-        shape = weight.leaf.shape
-        how, value = gguf_model.tensor_values(file, names[hf_name], shape, heads, held=is_matrix(weight.path, shape))
+        shape, name, held = weight.leaf.shape, names[hf_name], is_matrix(weight.path, weight.leaf.shape)
+        if isinstance(name, tuple):  # gpt-oss's gate and up: two tensors of the file, one leaf
+            how, value = gguf_model.fused_values(file, name, shape, held)
+        else:
+            how, value = gguf_model.tensor_values(file, name, shape, heads, held=held)
         # llama.cpp's converter stored Gemma's and Qwen3.5's 1 + weight (not a DeltaNet's gated norm's,
         # which scales by its weight itself)
         norm = len(weight.shape) == 1 and weight.path[-1].endswith("norm") and weight.path[-1] != "gate_norm"
@@ -147,7 +151,7 @@ def read_gguf(
             value = np.log(-np.asarray(value, np.float32))  # the converter stored -exp(A_log)
         if how == "float":
             leaves[weight.path] = leaf(cfg, weight, value, dtype, quantize, mesh)
-        elif weight.expert is not None:  # each expert's blocks
+        elif isinstance(value, list):  # a stack: each expert's blocks
             experts = [blocks(arrays, how) for arrays in value]
             leaves[weight.path] = Experts(jax.tree.map(lambda *a: jnp.stack(a), *experts))
         else:

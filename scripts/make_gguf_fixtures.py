@@ -163,6 +163,9 @@ MODELS = {
         dict(bos_token_id=None, eos_token_id=2, linear_value_head_dim=16, decoder_sparse_step=1),
         ["F32"],
     ),
+    # gpt-oss: sinks, windows of 24 the prompt passes, YaRN, its experts split by the converter into
+    # gate and up (a float checkpoint's), then MXFP4 by llama.cpp's quantizer
+    "gpt-oss-bpe": ("gpt-oss", "qwen2", dict(bos_token_id=None, eos_token_id=2, init_std=0.1), ["F32", "MXFP4_MOE"]),
 }
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 # llama.h's LLAMA_FTYPE_MOSTLY_*; MXFP4_MOE: experts' stacks MXFP4, the other matrices Q8_0
