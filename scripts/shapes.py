@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.families import config_from_hf
 from jaxinfer.forms import Plain, Quantized, check_layout, is_form, lay_out
 from jaxinfer.weights import abstract_params, quantized_here
 
@@ -132,11 +133,30 @@ SHAPES["qwen3.5-0.5b"] = ModelConfig(
     delta_value_dim=128,
     delta_conv=4,
 )
+# gpt-oss-20b's layers (2,880 wide, 64 query heads of 64 over 8 kv heads, sinks, 128-token windows
+# every other layer, YaRN; experts of 2,880 with biases, MXFP4 in the released files) scaled to fit
+# here: 4 layers of its 24, 8 experts of its 32, 4 a token as there, the 32k vocabulary of the
+# shapes above: 1.1 B parameters, 0.7 B active a token.
+GPT_OSS = dict(
+    vocab_size=32000,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=4096,
+)
+SHAPES["gpt-oss-1.1b-a0.7b"] = config_from_hf({"architectures": ["GptOssForCausalLM"], **GPT_OSS})
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -175,6 +195,8 @@ def hf_config(cfg: ModelConfig, **keys):
             linear_conv_kernel_dim=cfg.delta_conv,
             partial_rotary_factor=cfg.rotary_dim / cfg.head_dim,
         )
+    if cfg.architecture == "GptOssForCausalLM":  # its own keys, transformers' defaults for the rest
+        d = {**GPT_OSS, **keys}
     config = transformers.AutoConfig.for_model(MODEL_TYPES[cfg.architecture], **d)
     config.architectures = [cfg.architecture]
     return config
