@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -115,7 +116,7 @@ def info(
     from jaxinfer.forms import layout_for_batch
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import compute_dtype, resolve_dtype, roof_dtype, stored_quantization
-    from jaxinfer.modeldir import load_config
+    from jaxinfer.modeldir import METHODS_KEY, load_config
     from jaxinfer.roofline import Storage, model_facts
     from jaxinfer.runtime import check_backend
 
@@ -129,7 +130,10 @@ def info(
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     context = options.context(cfg.max_position_embeddings, max_context)
     roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
-    storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout), cfg)
+    methods = config_json.get(METHODS_KEY)  # a GGUF file's, or a converted model's: each matrix's own
+    storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout), cfg, methods)
+    if methods:  # most common first, as `run --stats` names them
+        quantize = "/".join(method for method, _ in Counter(methods.values()).most_common())
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
     facts = model_facts(
         cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared

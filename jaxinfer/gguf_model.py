@@ -358,6 +358,30 @@ def _gguf_arch(cfg) -> str:
     return next(arch for arch, hf in ARCHITECTURES.items() if hf == cfg.architecture)
 
 
+def held_method(kind: str, shape: tuple[int, ...], held: bool = True) -> str | None:
+    """The method a tensor of type `kind` is held in as the file stores it, or None (read as floats): a
+    matrix or stack the kernels multiply (`held`), of a type named as a method, in whole groups of 16."""
+    how = method_of(kind) if held else None
+    return how if how and len(shape) in (2, 3) and shape[-2] % 16 == 0 else None
+
+
+def methods_by_path(file: GGUFFile, cfg) -> dict[str, str]:
+    """Each matrix the file holds quantized, by its path in our tree ("layers.3.wq"): its method, as
+    `weights.read_gguf` will hold it (what `info` counts before loading; a converted file's
+    config.json records the same)."""
+    from jaxinfer.families import weight_table
+    from jaxinfer.forms import is_matrix
+
+    table = weight_table(cfg)
+    methods = {}
+    for hf, name in gguf_names(cfg, table).items():
+        leaf = table[hf].leaf
+        kind = _tensor(file, name[0] if isinstance(name, tuple) else name).tensor_type.name
+        if how := held_method(kind, leaf.shape, is_matrix(leaf.path, leaf.shape)):
+            methods[".".join(map(str, leaf.path))] = how
+    return methods
+
+
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's converter's permutation of Llama's q/k rows (its `LlamaModel.permute`: each
     head's two halves interleaved for its rope) on [rows, ...] (float values or quantized blocks)."""
@@ -390,8 +414,8 @@ def tensor_values(
     raw = tensor.data
     if heads:
         raw = _unpermute(raw, heads)
-    how = method_of(kind) if held else None
-    if how and len(shape) in (2, 3) and shape[-2] % 16 == 0:
+    how = held_method(kind, shape, held)
+    if how:
         from jaxinfer.quant import METHODS
 
         if len(shape) == 3:  # a stack of experts: each one's blocks, as a 2-D matrix's, one after another

@@ -137,6 +137,7 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
         file = gguf_model.open_gguf(model_dir)
         method = gguf_model.quantized_by(file)
         config_json = {**gguf_model.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
+        config_json[METHODS_KEY] = gguf_model.methods_by_path(file, config_from_hf(config_json))
     elif not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
     else:

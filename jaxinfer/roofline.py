@@ -51,10 +51,15 @@ class Storage:
     methods: tuple = ()
 
     @classmethod
-    def of(cls, dtype, quantize: str | None = None, compute_dtype=None, cfg: ModelConfig | None = None) -> Storage:
+    def of(
+        cls, dtype, quantize: str | None = None, compute_dtype=None, cfg: ModelConfig | None = None, methods=None
+    ) -> Storage:
         """As a model would be loaded in `dtype` with `quantize`; `cfg`: and with the matrices its
-        checkpoint holds quantized itself (the hub's MXFP4 experts of gpt-oss) as they are."""
+        checkpoint holds quantized itself (the hub's MXFP4 experts of gpt-oss) as they are; `methods`:
+        each quantized matrix's method by path, where the model says (a GGUF file's, a converted one's)."""
         made = cls(np.dtype(dtype).itemsize, quantize, np.dtype(compute_dtype or dtype).itemsize)
+        if methods:
+            return replace(made, methods=tuple(sorted(methods.items())))
         table = weight_table(cfg) if cfg is not None else {}
         fixed = {".".join(map(str, w.path)): "mxfp4" for w in table.values() if "mxfp4" in w.stored}
         if not fixed:

@@ -346,17 +346,29 @@ def retyped(tmp_path: Path, name: str, tensor, kind) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-sp-256.Q4_K_M.gguf", "llama-sp.Q4_0.gguf", "gemma2-sp.Q8_0.gguf", "qwen3moe-bpe-256.Q4_K_M.gguf"]
+    "name",
+    [
+        "llama-sp-256.Q4_K_M.gguf",
+        "llama-sp.Q4_0.gguf",
+        "gemma2-sp.Q8_0.gguf",
+        "qwen3moe-bpe-256.Q4_K_M.gguf",
+        "gpt-oss-bpe.MXFP4_MOE.gguf",
+    ],
 )
 def test_the_roofline_counts_the_bytes_a_file_holds(name):
-    """A file's mix of methods (Q4_K_M: q4_k and q6_k) is what `info`, `bench` and MBU count."""
+    """A file's mix of methods (Q4_K_M: q4_k and q6_k; MXFP4_MOE: mxfp4 experts, q8_0 the rest) is what
+    `info` (from the file, before loading), `bench` and MBU count."""
     import jax
 
+    from jaxinfer.modeldir import METHODS_KEY, load_config
     from jaxinfer.roofline import Storage, weight_bytes
 
     model = load_model(DATA / name, layout="out_in")
     held = sum(a.nbytes for a in jax.tree.leaves(model.params))
     assert weight_bytes(model.config, Storage.of_params(model.params)) == held
+    _, cfg, config_json = load_config(DATA / name)
+    assert config_json[METHODS_KEY] == forms.methods_of(model.params)
+    assert weight_bytes(cfg, Storage.of("float32", methods=config_json[METHODS_KEY])) == held
 
 
 def test_a_quantized_file_refuses_quantize_and_a_float_one_takes_it():
