@@ -170,6 +170,12 @@ def leaves_of(table: dict[str, Weight]) -> dict[tuple, Weight]:
     return {weight.path: weight.leaf for weight in table.values()}
 
 
+def stored_methods(table: dict[str, Weight]) -> dict[str, str]:
+    """The leaves the checkpoint itself holds quantized, by path ("layers.3.we_down"): their method
+    (the hub's gpt-oss: its experts' MXFP4), whatever `--quantize` says of the others."""
+    return {".".join(map(str, w.path)): "mxfp4" for w in table.values() if "mxfp4" in w.stored}
+
+
 def _rope(d: dict) -> tuple[float, tuple]:
     """(theta, scaling) from either the transformers-5 `rope_parameters` or the older keys."""
     params = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from jaxinfer import forms
-from jaxinfer.config import ModelConfig, Weight, leaves_of
+from jaxinfer.config import ModelConfig, Weight, leaves_of, stored_methods
 from jaxinfer.families import weight_table
 from jaxinfer.layers import delta_net
 from jaxinfer.quant import METHODS
@@ -61,7 +61,7 @@ class Storage:
         if methods:
             return replace(made, methods=tuple(sorted(methods.items())))
         table = weight_table(cfg) if cfg is not None else {}
-        fixed = {".".join(map(str, w.path)): "mxfp4" for w in table.values() if "mxfp4" in w.stored}
+        fixed = stored_methods(table)
         if not fixed:
             return made
         chosen = {".".join(map(str, p)): quantize for p, w in leaves_of(table).items() if made.method_at(p, w.shape)}

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer import quant
-from jaxinfer.config import ModelConfig, leaves_of
+from jaxinfer.config import ModelConfig, leaves_of, stored_methods
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import ignored, weight_table
 from jaxinfer.forms import Experts, Plain, Quantized, is_matrix, matrix
@@ -53,13 +53,17 @@ def abstract_params(
     """The parameter tree as ShapeDtypeStructs in their forms: the restore target (no random
     initialisation), each leaf with its place on `mesh` where there is one (orbax reads each device's
     shard only). Matrices are quantized by `quantize` where they fit, or by `methods` where given
-    (`forms.methods_of`: a converted GGUF file's, each matrix its own)."""
+    (`forms.methods_of`: a converted GGUF file's, each matrix its own); those the checkpoint holds
+    quantized itself (`config.stored_methods`) as it holds them."""
+    table = weight_table(cfg)
+    stored = stored_methods(table)
 
     def leaf(path: TreePath, shape: tuple[int, ...]):
+        name = ".".join(map(str, path))
         if methods is not None:
-            method = methods.get(".".join(map(str, path)))
+            method = methods.get(name)
         else:
-            method = quantize if quantize and quantized_here(path, shape) else None
+            method = stored.get(name) or (quantize if quantize and quantized_here(path, shape) else None)
         if method:
             shapes = quant.METHODS[method].packed_shapes(shape[-2:]).values()
             arrays = [jax.ShapeDtypeStruct(shape[:-2] + s, dtype) for s, dtype in shapes]
@@ -71,7 +75,7 @@ def abstract_params(
             made = Plain(made)
         return Experts(made) if len(shape) == 3 else made
 
-    tree = tree_from_leaves(cfg, {path: leaf(path, w.shape) for path, w in leaves_of(weight_table(cfg)).items()})
+    tree = tree_from_leaves(cfg, {path: leaf(path, w.shape) for path, w in leaves_of(table).items()})
     if mesh is None:
         return tree
     placed = lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)  # noqa: E731

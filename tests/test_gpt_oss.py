@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from cli_helpers import jaxinfer
 from kernel_helpers import xla_dot
 from reference import assert_close, greedy_reference, hf_logits, our_prompt_logits, reference
 
-from jaxinfer import forms, roofline
+from jaxinfer import forms, roofline, weights
 from jaxinfer.convert import convert
 from jaxinfer.forms import Experts, Packed, Quantized
 from jaxinfer.layers import feed_forward
@@ -155,8 +156,8 @@ def test_the_hubs_mxfp4_experts_are_transformers(tiny, tmp_path):
     """The hub's MXFP4 layout: held as MXFP4 (4.5 bits a weight), its values transformers' dequantized
     ones: through XLA's dot the logits within float32 rounding of transformers' on the same
     checkpoint; through the kernels (activations quantized per block, as llama.cpp's) close, the same
-    next token nearly everywhere; `info`'s count of its bytes that of the loaded tree; its orbax copy
-    the same model."""
+    next token nearly everywhere; `info`'s count of its bytes that of the loaded tree; the abstract
+    tree a load compiles ahead for that tree; its orbax copy the same model."""
     import transformers
 
     path = as_the_hub_ships_it(tiny("gpt-oss"), tmp_path / "mxfp4")
@@ -177,6 +178,11 @@ def test_the_hubs_mxfp4_experts_are_transformers(tiny, tmp_path):
     held = roofline.weight_bytes(model.config, roofline.Storage.of_params(model.params))
     assert roofline.weight_bytes(model.config, roofline.Storage.of("float32", cfg=model.config)) == held
     assert held < 0.6 * roofline.weight_bytes(model.config, roofline.Storage.of("float32"))
+    # what a load compiles ahead for, and restores into, is the tree it loads
+    stored, abstract = load_model(path, layout="out_in").params, weights.abstract_params(model.config, jnp.float32)
+    assert jax.tree.structure(abstract) == jax.tree.structure(stored)
+    shapes = lambda tree: [(a.shape, a.dtype) for a in jax.tree.leaves(tree)]  # noqa: E731
+    assert shapes(abstract) == shapes(stored)
     converted = load_model(convert(path, tmp_path / "converted"))  # the orbax copy holds them as they are
     assert converted.params["layers"][0]["we_down"].inner.method == "mxfp4"
     np.testing.assert_array_equal(our_prompt_logits(converted, ids, 128)[0], ours)
