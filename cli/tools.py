@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -113,7 +112,7 @@ def info(
     from dataclasses import replace
 
     from jaxinfer.ceilings import check_peaks, device_memory_bytes
-    from jaxinfer.forms import layout_for_batch
+    from jaxinfer.forms import layout_for_batch, methods_named
     from jaxinfer.kvcache import check_kv_dtype
     from jaxinfer.loading import compute_dtype, resolve_dtype, roof_dtype, stored_quantization
     from jaxinfer.modeldir import METHODS_KEY, load_config
@@ -132,8 +131,8 @@ def info(
     roofs = options.ceilings(roof_dtype(chosen, layout), peak_flops, peak_bandwidth, remeasure=measure)
     methods = config_json.get(METHODS_KEY)  # a GGUF file's, or a converted model's: each matrix's own
     storage = Storage.of(chosen, quantize, compute_dtype(chosen, layout), cfg, methods)
-    if methods:  # most common first, as `run --stats` names them
-        quantize = "/".join(method for method, _ in Counter(methods.values()).most_common())
+    if methods:  # as `run --stats` names them
+        quantize = methods_named(methods)
     shared = check_backend() == "cpu"  # the CPU's devices share its memory
     facts = model_facts(
         cfg, storage, context, batch_size, prompt_tokens, roofs, device_memory_bytes(), mesh.size if mesh else 1, shared

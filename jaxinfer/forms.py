@@ -21,6 +21,7 @@ input stacked into one matrix, `FUSED`); Quantized ones stay as they are in each
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import jax
@@ -389,6 +390,12 @@ def methods_of(params: dict) -> dict[str, str]:
     name = lambda path: ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)  # noqa: E731
     inner = lambda leaf: leaf.inner if isinstance(leaf, Experts) else leaf  # noqa: E731
     return {name(path): inner(leaf).method for path, leaf in flat if isinstance(inner(leaf), Quantized)}
+
+
+def methods_named(methods: dict[str, str]) -> str | None:
+    """Matrices' methods by path (`methods_of`) as one name, the most common first: "q8_0",
+    "q4_k/q6_k" (a GGUF file's mix); None where none is quantized."""
+    return "/".join(method for method, _ in Counter(methods.values()).most_common()) or None
 
 
 def on_kernel(params: dict) -> bool:

@@ -5,7 +5,6 @@ model, its context); every command that generates opens its model through it."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -57,8 +56,7 @@ class LoadedModel:
     @property
     def methods(self) -> str | None:
         """The quantized matrices' methods, the most common first: "q8_0", "q4_k/q6_k" (a GGUF file's mix)."""
-        counts = Counter(forms.methods_of(self.params).values())
-        return "/".join(method for method, _ in counts.most_common()) or None
+        return forms.methods_named(forms.methods_of(self.params))
 
     @property
     def computed_in(self) -> str:
