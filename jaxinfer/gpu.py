@@ -24,11 +24,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import BLOCK, GROUP, METHODS, pack, quantize
@@ -54,8 +56,9 @@ def kernel_here() -> bool:
 
 @functools.cache
 def _works() -> bool:
-    """The kernel compiled and checked on this GPU: int8 and int4 columns of a 256 × 512 matrix
-    against their dequantized product (a failure to lower or a wrong answer turns it off)."""
+    """The kernel compiled and checked on this GPU: int8 and int4 columns of a 256 × 512 matrix, by
+    three rows and by one, against their dequantized product (a failure to lower or a wrong answer
+    turns it off)."""
     return tried(_check)
 
 
@@ -82,74 +85,160 @@ def _check() -> bool:
     for method in ("int8", "int4"):
         w = jax.random.normal(jax.random.key(1), (256, 512)) * 0.02
         columns = to_columns(quantize(w, method), method)
-        got = quantized_matmul(x, *columns, METHODS[method].bits)
-        expected = jnp.dot(x.astype(jnp.float32), columns_dense(columns, method))
-        if not bool(jnp.abs(got - expected).max() <= 1e-3 * jnp.abs(expected).max()):
-            return False
+        for rows in (x, x[:1]):  # one row: its own tiles (`TILES`)
+            got = quantized_matmul(rows, *columns, METHODS[method].bits)
+            expected = jnp.dot(rows.astype(jnp.float32), columns_dense(columns, method))
+            if not bool(jnp.abs(got - expected).max() <= 1e-3 * jnp.abs(expected).max()):
+                return False
     return True
 
 
-def _program(x_ref, q_ref, s_ref, o_ref, *, blocks: int, bits: int):
-    """One program's outputs [ROWS, bn] over its share of the inputs: `blocks` blocks of 32."""
+@dataclass(frozen=True)
+class Tiles:
+    """How the kernel cuts a product (`scripts/sweep_gpu_kernels.py` tries them on a GPU). `kind`
+    "dot": the rows padded to `ROWS` on the tensor cores, one product per block of 32 inputs; "fma":
+    one row (M = 1) on the CUDA cores, no padding. `step` blocks an iteration reads together (its
+    loads issued before its products, so many bytes are in flight), `bn` outputs a program, the inputs
+    split until there are `programs` programs; `unpack` the 4-bit codes: "i32" (widened, then
+    converted), "i8" (nibbles kept in 8 bits: Triton's fast int8 conversion), "magic" (a nibble
+    ORed into bfloat16 128.0's bits, then 136 subtracted: no conversion at all); `pad`: the rows
+    padded by XLA before the call (else loaded masked); `evict`: codes loaded "evict_first" (read
+    once a step, they need not stay in L2)."""
 
-    def block(b, total):
-        scale = s_ref[pl.ds(b, 1), :].astype(jnp.float32)  # [1, BN]
-        if bits == 8:
-            codes = q_ref[pl.ds(b * BLOCK, BLOCK), :].astype(x_ref.dtype)
-            part = jnp.dot(x_ref[:, pl.ds(b * BLOCK, BLOCK)], codes, preferred_element_type=jnp.float32)
-        else:  # rows 0-15 of the block in the low nibbles, 16-31 in the high
-            both = q_ref[pl.ds(b * (BLOCK // 2), BLOCK // 2), :].astype(jnp.int32)
-            half = BLOCK // 2
-            f32 = jnp.float32
-            low, high = ((both & 15) - 8).astype(x_ref.dtype), ((both >> 4) - 8).astype(x_ref.dtype)
-            part = jnp.dot(x_ref[:, pl.ds(b * BLOCK, half)], low, preferred_element_type=f32)
-            part += jnp.dot(x_ref[:, pl.ds(b * BLOCK + half, half)], high, preferred_element_type=f32)
-        return total + part * scale
-
-    o_ref[...] = jax.lax.fori_loop(0, blocks, block, jnp.zeros(o_ref.shape, jnp.float32))
+    kind: str = "dot"
+    step: int = 1
+    bn: int = BN
+    programs: int = PROGRAMS
+    warps: int = 4
+    stages: int = 3
+    unpack: str = "i32"
+    pad: bool = True
+    evict: bool = False
 
 
-def split(k_blocks: int, programs: int) -> int:
+# By the codes' bits, as `scripts/sweep_gpu_kernels.py` found them (an H100, the 8B shapes' matrices
+# at one row, µs a product; BENCHMARKS.md): int8 on the CUDA cores, 2 blocks an iteration, 256
+# outputs a program: q/k/v 20.2 → 19.6, o 18.7 → 13.3, gate/up 76.5 → 70.4, down 38.7 → 35.2 (−10%
+# over the four). No cut of int4's beat the default; fatter iterations on the tensor cores (4 or 8
+# blocks) were slower for both, 87-187 µs on gate/up: Triton did not keep more bytes in flight.
+TILES = {8: Tiles(kind="fma", step=2, bn=256, stages=1), 4: Tiles()}
+
+
+def _codes(q_ref, b: int | jax.Array, bits: int, unpack: str, evict: bool, dtype) -> tuple[jax.Array, ...]:
+    """Block b's codes as `dtype` values: [32, bn] (8 bits), or its rows 0-15 and 16-31 (4 bits)."""
+    rows = BLOCK * bits // 8
+    at = q_ref.at[pl.ds(b * rows, rows), :]
+    codes = plgpu.load(at, eviction_policy="evict_first") if evict else at[...]
+    if bits == 8:
+        return (codes.astype(dtype),)
+    if unpack == "i32":
+        wide = codes.astype(jnp.int32)
+        return ((wide & 15) - 8).astype(dtype), ((wide >> 4) - 8).astype(dtype)
+    if unpack == "i8":
+        return ((codes & 15).astype(jnp.int8) - 8).astype(dtype), ((codes >> 4).astype(jnp.int8) - 8).astype(dtype)
+    # "magic": 0x4300 | n is bfloat16 128 + n (a mantissa step of 1 at 2^7): minus 136, n - 8 exactly
+    halves = ((codes & 15).astype(jnp.uint16), (codes >> 4).astype(jnp.uint16))
+    return tuple((jax.lax.bitcast_convert_type(h | 0x4300, jnp.bfloat16) - 136).astype(dtype) for h in halves)
+
+
+def _program(x_ref, q_ref, s_ref, o_ref, *, iterations: int, bits: int, m: int | None, tiles: Tiles):
+    """One program's outputs [ROWS, bn] over its share of the inputs, `tiles.step` blocks of 32 an
+    iteration. `m`: the real rows, where they were not padded (the rest loaded as 0)."""
+    step, f32 = tiles.step, jnp.float32
+    live = None if m is None else (jnp.arange(ROWS) < m)[:, None]
+
+    def inputs(at: int | jax.Array, width: int) -> jax.Array:
+        if m is None:
+            return x_ref[:, pl.ds(at, width)]
+        return plgpu.load(x_ref.at[pl.ds(0, ROWS), pl.ds(at, width)], mask=live, other=0)
+
+    def iteration(n, total):
+        blocks = [n * step + s for s in range(step)]  # every load first, then the products
+        codes = [_codes(q_ref, b, bits, tiles.unpack, tiles.evict, x_ref.dtype) for b in blocks]
+        scales = [s_ref[pl.ds(b, 1), :].astype(f32) for b in blocks]  # [1, bn] each
+        xs = [[inputs(b * BLOCK + i * len(c[0]), len(c[0])) for i in range(len(c))] for b, c in zip(blocks, codes)]
+        for c, scale, x in zip(codes, scales, xs):
+            part = sum(jnp.dot(xi, ci, preferred_element_type=f32) for xi, ci in zip(x, c))
+            total += part * scale
+        return total
+
+    o_ref[...] = jax.lax.fori_loop(0, iterations, iteration, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _program_fma(x_ref, q_ref, s_ref, o_ref, *, iterations: int, bits: int, tiles: Tiles):
+    """One row's outputs [1, bn] over the program's share, on the CUDA cores: per block, the codes
+    times the inputs summed over the block, times its scales."""
+    step, f32 = tiles.step, jnp.float32
+
+    def iteration(n, total):
+        blocks = [n * step + s for s in range(step)]
+        codes = [_codes(q_ref, b, bits, tiles.unpack, tiles.evict, f32) for b in blocks]
+        scales = [s_ref[pl.ds(b, 1), :].astype(f32) for b in blocks]
+        xs = [
+            [x_ref[:, pl.ds(b * BLOCK + i * len(c[0]), len(c[0]))] for i in range(len(c))]
+            for b, c in zip(blocks, codes)
+        ]
+        for c, scale, x in zip(codes, scales, xs):
+            part = sum((ci * xi.astype(f32).reshape(-1, 1)).sum(0, keepdims=True) for xi, ci in zip(x, c))
+            total += part * scale
+        return total
+
+    o_ref[...] = jax.lax.fori_loop(0, iterations, iteration, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def split(k_blocks: int, programs: int, target: int = PROGRAMS, step: int = 1) -> int:
     """Into how many shares `k_blocks` blocks go (a matrix's inputs, attention's keys) so that
-    `programs` programs a share make `PROGRAMS`: the fewest that do, each a whole number of blocks."""
+    `programs` programs a share make `target`: the fewest that do, each a whole number of `step`s."""
     shares = 1
-    while programs * shares < PROGRAMS and k_blocks % (2 * shares) == 0:
+    while programs * shares < target and k_blocks % (2 * shares * step) == 0:
         shares *= 2
     return shares
 
 
-def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, tiles: Tiles | None = None) -> jax.Array:
     """x [M ≤ ROWS, in] @ the columns' matrix → [M, out] float32, by the kernel (`MODE`'s)."""
-    return _quantized_matmul(x, q, scale, bits, MODE == "interpret")
+    return _quantized_matmul(x, q, scale, bits, MODE == "interpret", tiles or TILES[bits])
 
 
-@partial(jax.jit, static_argnames=("bits", "interpret"))
-def _quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, interpret: bool) -> jax.Array:
+@partial(jax.jit, static_argnames=("bits", "interpret", "tiles"))
+def _quantized_matmul(
+    x: jax.Array, q: jax.Array, scale: jax.Array, bits: int, interpret: bool, tiles: Tiles
+) -> jax.Array:
     M, K = x.shape
     N = scale.shape[1]
-    bn = next(n for n in (BN, 64, 32, 16) if N % n == 0)  # quantized matrices' outputs come in 16s
-    rows = jnp.zeros((ROWS, K), x.dtype).at[:M].set(x)
-    shares = split(K // BLOCK, N // bn)
+    fma = tiles.kind == "fma" and M == 1
+    tiles = tiles if fma or tiles.kind == "dot" else Tiles()  # more rows: the tensor cores, as they come
+    bn = next(n for n in (tiles.bn, 128, 64, 32, 16) if n <= tiles.bn and N % n == 0)  # outputs come in 16s
+    step = next(s for s in (tiles.step, 8, 4, 2, 1) if s <= tiles.step and (K // BLOCK) % s == 0)
+    tiles = replace(tiles, step=step)
+    shares = split(K // BLOCK, N // bn, tiles.programs, step)
     share = K // shares  # inputs per program
-    per_code = 8 // bits  # codes a byte
+    rows, m = (1, None) if fma else (ROWS, None if tiles.pad else M)
+    if not fma and tiles.pad:
+        x = jnp.zeros((ROWS, K), x.dtype).at[:M].set(x)
     params = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=3)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
+    iterations = share // BLOCK // step
+    program = (
+        partial(_program_fma, iterations=iterations, bits=bits, tiles=tiles)
+        if fma
+        else partial(_program, iterations=iterations, bits=bits, m=m, tiles=tiles)
+    )
     out = pl.pallas_call(
-        partial(_program, blocks=share // BLOCK, bits=bits),
-        out_shape=jax.ShapeDtypeStruct((shares, ROWS, N), jnp.float32),
+        program,
+        out_shape=jax.ShapeDtypeStruct((shares, rows, N), jnp.float32),
         grid=(N // bn, shares),
         in_specs=[
-            pl.BlockSpec((ROWS, share), lambda i, j: (0, j)),
-            pl.BlockSpec((share // per_code, bn), lambda i, j: (j, i)),
+            pl.BlockSpec((x.shape[0], share), lambda i, j: (0, j)),
+            pl.BlockSpec((share * bits // 8, bn), lambda i, j: (j, i)),
             pl.BlockSpec((share // BLOCK, bn), lambda i, j: (j, i)),
         ],
-        out_specs=pl.BlockSpec((None, ROWS, bn), lambda i, j: (j, 0, i)),
+        out_specs=pl.BlockSpec((None, rows, bn), lambda i, j: (j, 0, i)),
         interpret=interpret,
+        name=f"jaxinfer_int{bits}_matmul",
         **params,
-    )(rows, q, scale)
+    )(x, q, scale)
     return out.sum(0)[:M]
 
 

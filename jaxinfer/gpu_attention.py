@@ -1,19 +1,23 @@
-"""Attention over the cache on a GPU, where cuDNN's does not serve (`model.flash`): decode's steps,
-speculative checks, a prompt's later chunks, soft-capping, float32, int8 caches. A Pallas kernel,
-lowered through Triton: flash attention reading the cache where it lies, each query up to its own
-position (not the whole kv bucket), split over the keys where the queries alone would not fill the
-GPU (flash-decoding's split-K).
+"""Attention over the cache on a GPU, where cuDNN's does not serve (`model.flash`): a prompt's later
+chunks, speculative checks, soft-capping, float32, int8 caches. A Pallas kernel, lowered through
+Triton: flash attention reading the cache where it lies, each query up to its own position (not the
+whole kv bucket), split over the keys where the queries alone would not fill the GPU (flash-decoding's
+split-K).
 
-Through XLA a decode step's attention ran as several kernels a layer over the whole bucket (scores,
-mask, max, exp, sums, the value product: the 1B shape's step was 389 kernels, ~40% of its time in
-small ones; BENCHMARKS.md, "On a GPU"), a bucket holds up to twice the positions a row has written,
-and a fresh prompt that cuDNN could not take held its [T, T] scores in memory. Here a kv head's
-queries are rows (each of its T positions × its G query heads, `queries`), and one program takes
-one cache row, one kv head, a block of up to `ROWS` query rows and one share of the keys: it walks
+Through XLA a chunk's attention runs as several kernels a layer over the whole bucket (scores, mask,
+max, exp, sums, the value product), a bucket holds up to twice the positions a row has written, and a
+fresh prompt that cuDNN could not take held its [T, T] scores in memory. A decode step's one query is
+XLA's all the same (`KVCache.attends`): measured, its einsums took less than this kernel's call alone
+(a kernel of the same grid that only stores zeros: 12.5-19.5 µs a layer; XLA's whole attention
+10.4-11.5; `scripts/sweep_gpu_kernels.py`).
+
+Here a kv head's queries are rows (each of its T positions × its G query heads, `queries`), and one
+program takes one cache row, one kv head, a block of up to `ROWS` query rows and one share of the keys: it walks
 its share `BLOCK_K` keys at a time with the running softmax, visiting only the blocks between its
 rows' first visible key (a sliding window's) and their last position; shares past them do nothing.
-XLA then merges the shares' (max, sum, weighted values). int8 K/V are converted in registers, their
-per-position scales multiplying the scores (K) and the weights (V), as the XLA path does
+XLA then merges the shares' (max, sum, weighted values); one share normalises in the kernel. int8
+K/V are converted in registers, their per-position scales multiplying the scores (K) and the weights
+(V), as the XLA path does
 (`model._attend`).
 
 Which caches take it: `KVCache.zeros` says once, per cache (`here`): a GPU (or `gpu.MODE`
@@ -25,6 +29,8 @@ head dim of 64, 128 or 256, and the kernel tried once for that kind of head on t
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -41,6 +47,22 @@ MIN_ROWS = 16  # and at least: Triton's dot takes 16 rows (decode's G heads are 
 HEAD_DIMS = (64, 128, 256)  # Triton's tiles are powers of two
 DTYPES = ("bfloat16", "float16", "float32")  # float32: its products in full precision (IEEE), as XLA's
 MIN = float(jnp.finfo(jnp.float32).min)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How the kernel cuts attention (`scripts/sweep_gpu_kernels.py` tries them on a GPU): `block`
+    keys a step, the keys split until there are `programs` programs (or into `splits` shares), Triton's
+    `warps` and `stages`. One share normalises in the kernel (no merge by XLA)."""
+
+    block: int = BLOCK_K
+    splits: int | None = None
+    programs: int = gpu.PROGRAMS
+    warps: int = 4
+    stages: int = 2
+
+
+TILES = Tiles()
 
 
 def here(cfg: ModelConfig, dtype) -> bool:
@@ -96,6 +118,7 @@ def attend(
     window: int | None,
     scale: float,
     softcap: float | None,
+    tiles: Tiles | None = None,
 ) -> jax.Array:
     """Queries q [R, T, KV, G, hd] at positions [R, T] over `layer`'s keys and values k, v
     [L, B, S, KV, hd] of cache rows `rows` [R] (None: the first R), at most `kv_len` positions
@@ -107,8 +130,12 @@ def attend(
     blocks = pl.cdiv(queries, block_rows)
     # whole blocks even where fewer keys are held (Triton's dot takes 16 at least): a bucket capped by the
     # context, or a short sequence without a cache, ends mid-block, its last block read masked
-    block = BLOCK_K
-    splits = gpu.split(pl.cdiv(kv_len, block), R * KV * blocks)
+    tiles = tiles or TILES
+    block = tiles.block
+    key_blocks = pl.cdiv(kv_len, block)
+    splits = (
+        math.gcd(tiles.splits, key_blocks) if tiles.splits else gpu.split(key_blocks, R * KV * blocks, tiles.programs)
+    )
     out, top, total = _attend(
         jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32),
         jnp.full(1, layer, jnp.int32),  # an operand, not a constant: every layer runs one compiled kernel
@@ -124,8 +151,11 @@ def attend(
         window=window,
         scale=scale,
         softcap=softcap,
+        tiles=tiles,
         interpret=gpu.MODE == "interpret",
     )
+    if splits == 1:  # normalised in the kernel
+        return jnp.moveaxis(out[:, :, 0].reshape(R, KV, T, G, hd), 1, 2)
     # the shares merged: each weighted by how far its max lies below the query's (a share that saw
     # no key holds max MIN, sum 0: weight 0; a query that saw none at all, 0)
     weight = jnp.exp(top - top.max(2, keepdims=True))  # [R, KV, splits, queries]
@@ -136,14 +166,31 @@ def attend(
 
 @partial(
     jax.jit,
-    static_argnames=("kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "interpret"),
+    static_argnames=("kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "tiles", "interpret"),
 )
 def _attend(
-    rows, layer, positions, q, k, v, *scales, kv_len, block, block_rows, splits, window, scale, softcap, interpret
+    rows,
+    layer,
+    positions,
+    q,
+    k,
+    v,
+    *scales,
+    kv_len,
+    block,
+    block_rows,
+    splits,
+    window,
+    scale,
+    softcap,
+    tiles,
+    interpret,
 ):
     R, KV, queries, hd = q.shape
     blocks = pl.cdiv(queries, block_rows)
-    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
     whole = pl.BlockSpec()  # the array as it lies: the program indexes its cache row, head and keys
     # program (b, h, i · splits + j): query block i, share j; a last block's rows past `queries` are
     # loaded as 0 and never stored
@@ -178,6 +225,7 @@ def _attend(
         + [whole] * (2 + len(scales)),
         out_specs=[per_program(hd), per_program(), per_program()],
         interpret=interpret,
+        name="jaxinfer_attention",
         **params,
     )(rows, layer, positions, q, k, v, *scales)
 
@@ -244,6 +292,8 @@ def _program(
 
     start = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full(rows, MIN), jnp.zeros(rows, jnp.float32))
     out, top, total = jax.lax.fori_loop(first, last, step, start)
+    if splits == 1:  # the only share: normalised here (a query that saw no key: 0)
+        out = out / jnp.where(total > 0, total, 1)[:, None]
     plgpu.store(out_ref, out, mask=live[:, None])
     plgpu.store(top_ref, top, mask=live)
     plgpu.store(total_ref, total, mask=live)

@@ -105,17 +105,31 @@ def test_the_kernel_check_answers_where_it_is_first_asked_while_tracing(interpre
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_the_kernel_lowers_to_triton_at_the_8b_shapes(bits):
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        None,
+        gpu.Tiles(),
+        gpu.Tiles(step=4, bn=256, unpack="i8", pad=False, evict=True),
+        gpu.Tiles(kind="fma", step=8, unpack="magic"),
+    ],
+    ids=["chosen", "dot", "dot-fat", "fma"],
+)
+def test_the_kernel_lowers_to_triton_at_the_8b_shapes(bits, tiles):
     """What JAX hands XLA's GPU backend for the Llama-3.1-8B shape's matrices (the down projection's
-    shares are 896 inputs, not a power of two): a Triton call each. JAX lowers for CUDA on any
-    machine; the compilation to the GPU's code is checked there (`gpu._works`)."""
+    shares are 896 inputs, not a power of two): a Triton call each, for the chosen tiles (`gpu.TILES`)
+    and the sweep's other kinds. JAX lowers for CUDA on any machine; the compilation to the GPU's code is checked
+    there (`gpu._works`)."""
+    tiles = tiles or gpu.TILES[bits]
     for K, N in ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)):
         args = (
-            jnp.zeros((gpu.ROWS, K), jnp.bfloat16),
+            jnp.zeros((1 if tiles.kind == "fma" or not tiles.pad else gpu.ROWS, K), jnp.bfloat16),
             jnp.zeros((K // (8 // bits), N), jnp.int8 if bits == 8 else jnp.uint8),
             jnp.zeros((K // 32, N), jnp.bfloat16),
         )
         lowered = (
-            jax.jit(lambda *a: gpu._quantized_matmul(*a, bits, False)).trace(*args).lower(lowering_platforms=("cuda",))
+            jax.jit(lambda *a: gpu._quantized_matmul(*a, bits, False, tiles))
+            .trace(*args)
+            .lower(lowering_platforms=("cuda",))
         )
         assert "xla.gpu.triton" in lowered.as_text(), (K, N)

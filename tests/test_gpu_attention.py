@@ -158,7 +158,7 @@ def test_off_a_gpu_the_kernel_is_not_asked():
 )
 def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, monkeypatch, arch, dtype, kv_dtype, chunk):
     """Gemma 2's soft-capping and sliding window (24, passed); Llama over an int8 cache with its
-    prompt (40 tokens) in chunks of 16 over the cache: the prompt and every step through the kernel.
+    prompt (40 tokens) in chunks of 16 over the cache: the prompt's chunks through the kernel.
     In float32 (full-precision products on both paths): in bfloat16 the running softmax rounds its
     weights apart from XLA's, and a near tie flips (Llama's int8 case at token 11); the kernel's
     bfloat16 arithmetic is held to XLA's by the tests above."""
@@ -220,7 +220,7 @@ def test_the_kernel_lowers_to_triton(quantized, softcap, T, kv_len):
     queries = (jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16))
     args = (jnp.arange(2), jnp.ones(1, jnp.int32), *queries, k, k, *scales)
     static = dict(kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
-    call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, interpret=False)  # noqa: E731
+    call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, tiles=gpu_attention.TILES, interpret=False)  # noqa: E731
     assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
