@@ -11,7 +11,8 @@ attention never dequantizes: K's scales multiply the scores, V's the attention w
 Who attends over it (`KVCache.kernel`, decided once, when it is made): the CPU kernel where it is
 built ("cpu", in its own layout); on a GPU the Pallas kernel of `jaxinfer.gpu_attention` ("gpu", in
 XLA's layout; a fresh prompt goes to cuDNN's flash attention first where that fits, `model.flash`);
-elsewhere XLA's einsums (`model._attend`). Both kernels serve both phases.
+elsewhere XLA's einsums (`model._attend`). The CPU's kernel serves both phases; the GPU's a prompt's
+chunks and speculative checks, a decode step's one query going to XLA's einsums (`attends`).
 """
 
 from __future__ import annotations
@@ -99,11 +100,21 @@ class KVCache:
         a kernel reads the row's own, within each layer's sliding window (at their mean length: exact
         without speculation, where each pass adds one); XLA's einsums the whole bucket. The roofline's
         decode bytes."""
-        if self.kernel is None:
+        if not self.attends(1):
             return kv_len
         length = (first + last) / 2
         windows = [cfg.sliding_windows[i] for i in cfg.attention_layers] if cfg.sliding_windows else [None]
         return sum(min(length, window or length) for window in windows) / len(windows)
+
+    def attends(self, queries: int) -> bool:
+        """Whether its kernel attends `queries` queries a row (else XLA's einsums do, over the
+        bucket): the CPU's always; the GPU's more than one (a prompt's chunk, a speculative check).
+        A decode step's one query took longer by the GPU's kernel than by XLA: over a bucket of 1024
+        (decode at 968) 22.4 µs a layer against 10.4 on the 1B shape, 19.3 against 11.5 on the 8B;
+        the kernel's best tiles 12.1 and 12.5, a Pallas kernel of the same grid that only stores
+        zeros already 12.5 and 19.5 (an H100, `scripts/sweep_gpu_kernels.py`); the 1B's step 1.258
+        ms with it, 1.203 without (an H200), and at 3000 positions it took 64 µs a layer (an H200)."""
+        return self.kernel == "cpu" or (self.kernel == "gpu" and queries > 1)
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""

@@ -216,7 +216,7 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     else:
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731
 
-    if cache is not None and cache.kernel:  # the CPU's or the GPU's kernel, both phases (see `attend`)
+    if cache is not None and cache.attends(T):  # the CPU's kernel, the GPU's for more than one query
         return cache.attend(i, q, positions, rows, kv_len, window, scale, softcap, sinks)
     # Decode (T = 1) without the length-1 axis: with it XLA CPU transposes around both dots
     # (SmolLM-135M shape, B=16, 128 keys: 0.33 → 0.23 ms per layer).

@@ -33,7 +33,7 @@ def expected_kv_read(engine: Engine, cfg, prompt_tokens: int, generated: int) ->
     """Cache positions the decode steps read, summed: where XLA attends, each step the bucket of its own
     length; where a kernel does (the CPU's here), each layer its own length, within its window."""
     lengths = range(prompt_tokens + 1, prompt_tokens + generated)
-    if engine.slots.state.cache.kernel is None:
+    if not engine.slots.state.cache.attends(1):
         return sum(kv_bucket(length, S) for length in lengths)
     return sum(min(length, w or length) for length in lengths for w in cfg.sliding_windows) / cfg.num_layers
 
