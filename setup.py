@@ -11,6 +11,8 @@ built (no C++ compiler) the install still succeeds: models run on XLA's own matm
 output is refused in one line.
 """
 
+import os
+
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -18,6 +20,11 @@ KERNEL_SOURCES = ("matmul", "attention", "constrain", "paths", "generic", "x86_a
 
 
 class BuildWithFfiHeaders(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # one compiler a core: the files are independent
+            self.parallel = os.cpu_count() or 1
+
     def build_extensions(self):
         import jax.ffi
 
