@@ -138,7 +138,7 @@ def _turn(session, text: str) -> dict | None:
     for notice in notices:
         render.notice(notice)
     try:
-        render.stream(gen)
+        render.stream(gen, session.format)
     except KeyboardInterrupt:
         gen.interrupt()
     render.end_stream()

@@ -209,6 +209,7 @@ def run(
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
     from jaxinfer.text import check_echo
+    from jaxinfer.tools import reply
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit
@@ -245,8 +246,9 @@ def run(
     sampling = options.sampling(loaded, locals())
     stops = tuple(map(options.unescape, stop))
     special = system is None  # a chat turn's template writes the special tokens itself
+    template = ChatTemplate.of(loaded)
+    fmt = "harmony" if template.is_harmony else None  # gpt-oss: reasoning apart from the answer
     if system is not None:
-        template = ChatTemplate.of(loaded)
         if template.is_fallback:
             render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
         text = template.render([{"role": "system", "content": system}, {"role": "user", "content": text}])
@@ -275,10 +277,12 @@ def run(
             for _ in gen:
                 pass
         else:
-            render.stream(gen)
+            render.stream(gen, fmt)
     except KeyboardInterrupt:
         gen.interrupt()
     result = gen.result()
+    if fmt:  # the text as generated, markers kept; and read
+        result["reasoning"], result["content"], result["tool_calls"] = reply(result["text"], fmt)
     if not json_output:
         render.end_stream()  # before any notice the roofline may print
     if result["finish_reason"] == "interrupted" and not result["generated_tokens"]:  # no phase to report

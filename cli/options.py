@@ -55,6 +55,7 @@ FLAGS = {
     # request fields with no flag (batch lines, the server's bodies): said as they are
     "tools": "tools",
     "tool_choice": "tool_choice",
+    "reasoning_effort": "reasoning_effort",
 }
 
 MODEL = typer.Option(

@@ -53,10 +53,11 @@ def notice(message: str) -> None:
     err.print(message, style="dim", markup=False)
 
 
-def stream(pieces: Iterable[str]) -> None:
+def stream(pieces: Iterable[str], fmt: str | None = None) -> None:
     """Print text pieces as they come: through rich on a terminal, plain and flushed when piped.
-    On a terminal a spinner fills the wait for the first piece (a first compile takes seconds)."""
-    pieces = iter(pieces)
+    On a terminal a spinner fills the wait for the first piece (a first compile takes seconds).
+    `fmt` "harmony" (gpt-oss's replies): the answer on stdout, the reasoning dim on stderr."""
+    pieces = iter(pieces) if fmt is None else _answer(pieces, fmt)
     if out.is_terminal and err.is_terminal:
         with err.status("compiling and prefilling…", spinner="dots"):
             first = next(pieces, None)
@@ -67,6 +68,23 @@ def stream(pieces: Iterable[str]) -> None:
         else:
             sys.stdout.write(piece)
             sys.stdout.flush()
+
+
+def _answer(pieces: Iterable[str], fmt: str) -> Iterator[str]:
+    """A reply's content pieces as they come (`tools.visible`); its reasoning printed on stderr."""
+    from jaxinfer.tools import visible
+
+    text, said, shown = "", 0, 0
+    for piece in pieces:
+        text += piece
+        reasoning, content = visible(text, fmt)
+        if len(reasoning) > said:
+            err.print(reasoning[said:], style="dim", end="", markup=False)
+            said = len(reasoning)
+        if said and not shown and content:
+            err.print()  # the reasoning ends its line before the answer
+        yield content[shown:]
+        shown = len(content)
 
 
 def end_stream() -> None:

@@ -31,7 +31,7 @@ from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.slots import penalized
-from jaxinfer.tools import check_tools, forced_grammar, format_of, split, template_messages
+from jaxinfer.tools import check_tools, forced_grammar, format_of, reply, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 FIELDS = {
@@ -47,6 +47,7 @@ FIELDS = {
     "logit_bias",
     "tools",
     "tool_choice",
+    "reasoning_effort",
     *CONSTRAINT_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -99,12 +100,26 @@ class Parser:
                 raise JaxinferError('"prompt" must be a non-empty string')
             if tools:
                 raise JaxinferError('"tools" go with "messages": the chat template offers them to the model', "tools")
+            if "reasoning_effort" in item:
+                raise JaxinferError('"reasoning_effort" goes with "messages": the template says it', "reasoning_effort")
             check_text_fits(item["prompt"], tokenizer, self.context)
             ids = tokenizer.encode(item["prompt"])
         else:
-            if tools and (tool_format := format_of(self.template.source)) is None:
+            found = format_of(self.template.source)
+            if tools and found is None:
                 raise JaxinferError("this model's chat template offers no tools (in a format parsed here)", "tools")
-            text = self.template.render(template_messages(_messages(item["messages"])), tools=tools)
+            if forced and found == "harmony":
+                raise JaxinferError(
+                    'a forced tool call is not offered in harmony\'s format (gpt-oss): "tool_choice": "auto" lets '
+                    "the model call",
+                    "tool_choice",
+                )
+            tool_format = found if tools or found == "harmony" else None  # harmony: the reasoning read apart
+            effort = item.get("reasoning_effort")
+            if effort not in (None, "low", "medium", "high"):
+                raise JaxinferError('"reasoning_effort" must be "low", "medium" or "high"', "reasoning_effort")
+            extra = {} if effort is None else {"reasoning_effort": effort}  # templates that read it (gpt-oss's)
+            text = self.template.render(template_messages(_messages(item["messages"])), tools=tools, **extra)
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
@@ -316,8 +331,9 @@ def openai_body(records: list[dict], url: str, model: str, tools: str | None = N
             text = record.get("prompt", "") + record["text"]
             return {"index": index, "text": text, "logprobs": _logprobs(url, entries), "finish_reason": finish}
         logprobs = _logprobs(url, record.get("logprobs"))
-        content, calls = split(record["text"], tools) if tools else (record["text"], [])
-        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        reasoning, content, calls = reply(record["text"], tools)
+        message = {"role": "assistant", "content": content}
+        message |= ({"reasoning_content": reasoning} if reasoning else {}) | ({"tool_calls": calls} if calls else {})
         return {
             "index": index,
             "message": message,
@@ -353,12 +369,16 @@ def openai_chunk(
     logprobs: list[dict] | None = None,
     finish: str | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
 ) -> dict:
     """One streamed chunk of choice `index`: new text (the chat endpoint's first chunk, text None,
     says the role), the log-probabilities of its tokens where asked for, the finish reason at the
-    end; a chat's `tool_calls` (`tools.split`'s) whole, in one chunk."""
+    end; a chat's new reasoning (`reasoning_content`) and its `tool_calls` (`tools.reply`'s) whole, in
+    one chunk."""
     if url == "/v1/chat/completions":
         delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         said, kind = {"delta": delta}, "chat.completion.chunk"

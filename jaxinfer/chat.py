@@ -18,6 +18,7 @@ from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import share
 from jaxinfer.sampling import Sampling
+from jaxinfer.tools import reply
 
 ON_FULL = ("drop-oldest", "error")
 
@@ -46,6 +47,7 @@ class ChatSession:
         self.logit_bias = logit_bias
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate.of(model)
+        self.format = "harmony" if self.template.is_harmony else None  # how replies read
         self.context_used = 0  # tokens of the last turn's prompt and reply
 
     def conversation(self) -> list[dict]:
@@ -84,8 +86,10 @@ class ChatSession:
         return gen, notices
 
     def record(self, gen: Generation) -> None:
-        """Keep the reply (also a partial, interrupted one) in the conversation."""
-        self.messages.append({"role": "assistant", "content": gen.text})
+        """Keep the reply (also a partial, interrupted one) in the conversation: its answer (a harmony
+        reply's reasoning is not, as its template drops it from earlier turns)."""
+        text = gen.text if self.format is None else reply(gen.text, self.format)[1] or ""
+        self.messages.append({"role": "assistant", "content": text})
         self.context_used = len(gen.prompt_ids) + len(gen.token_ids)
 
     def _fit(self) -> tuple[list[int], list[str]]:

@@ -10,6 +10,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from jaxinfer import harmony
 from jaxinfer.errors import JaxinferError
 
 # For models without a template: plain role-prefixed turns, documented in docs/usage.md. Generation
@@ -68,6 +69,7 @@ class ChatTemplate:
         import jinja2
 
         self.is_fallback = source is None
+        self.is_harmony = harmony.is_harmony(source)  # gpt-oss's (`jaxinfer.harmony`)
         self.source = source
         self.stop = (FALLBACK_STOP,) if self.is_fallback else ()
         self._special_tokens = special_tokens
@@ -76,13 +78,30 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise JaxinferError(f"the model's chat template does not parse: {e}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        """`tools`: OpenAI's function definitions, for templates that offer them to the model (`jaxinfer.tools`)."""
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra
+    ) -> str:
+        """`tools`: OpenAI's function definitions, for templates that offer them to the model (`jaxinfer.tools`);
+        `extra`: more variables some templates read (gpt-oss's `reasoning_effort`)."""
         import jinja2
 
+        if self.is_harmony:  # gpt-oss's asks `"..." in message.content`: null (OpenAI's, beside calls) is no text
+            messages = [{k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages]
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self._special_tokens
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **self._special_tokens,
+                **extra,
             )
-        except jinja2.TemplateError as e:  # raise_exception() in the template, or a template bug
+        except jinja2.TemplateError as e:  # raise_exception() in the template
             raise JaxinferError(f"chat template: {e}") from None
+        except (
+            TypeError,
+            ValueError,
+            AttributeError,
+            KeyError,
+            IndexError,
+        ) as e:  # a template bug, or input it cannot take
+            raise JaxinferError(f"chat template: {type(e).__name__}: {e}") from None

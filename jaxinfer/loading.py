@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import defaults, forms, gguf_model, kernel, weights
+from jaxinfer import defaults, forms, gguf_model, harmony, kernel, weights
+from jaxinfer.chat_template import read_template
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
@@ -169,6 +170,9 @@ def load_model(
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     generation = {} if gguf else read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer.from_gguf(gguf.meta, str(model_dir)) if gguf else Tokenizer(model_dir)
+    speaks_harmony = harmony.is_harmony(read_template(model_dir, tokenizer.config))
+    if speaks_harmony:  # gpt-oss: its replies' markers are kept
+        tokenizer.keep(harmony.MARKERS)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise JaxinferError(
             f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} "
@@ -183,6 +187,8 @@ def load_model(
     if compute_dtype(chosen, layout) == "float32":
         float32_products()
     sampling, eos_ids = Sampling.from_generation_config(generation), _eos_ids(config_json, generation, tokenizer)
+    if speaks_harmony:  # a reply ends at its answer or a call, whatever EOS the file names (a GGUF file's one)
+        eos_ids = tuple(dict.fromkeys(eos_ids + harmony.stop_ids(tokenizer)))
 
     def model(params: dict) -> LoadedModel:
         return LoadedModel(

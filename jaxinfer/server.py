@@ -35,7 +35,7 @@ from jaxinfer.api import (
 )
 from jaxinfer.errors import JaxinferError
 from jaxinfer.scheduler import Inbox, Request, Scheduler
-from jaxinfer.tools import split, streamable
+from jaxinfer.tools import reply, visible
 
 MAX_N = 16  # choices per request at most
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
@@ -307,11 +307,14 @@ class Server:
         def event(data: dict) -> str:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        def chunk(index: int, text: str | None, entries=None, finish=None, calls=None) -> str:
-            return event(openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish, calls))
+        def chunk(index: int, text: str | None, entries=None, finish=None, calls=None, reasoning=None) -> str:
+            return event(
+                openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish, calls, reasoning)
+            )
 
         async def events():
-            made, sent, records, status = [""] * n, [0] * n, {}, "200"  # per choice: its text, and how much was sent
+            # per choice: its text, and how much of its reasoning and content was sent
+            made, sent, records, status = [""] * n, [(0, 0)] * n, {}, "200"
             try:
                 if url == "/v1/chat/completions":
                     for i in range(n):
@@ -325,16 +328,17 @@ class Server:
                     if kind == "text":
                         piece, entries = rest
                         made[index] += piece
-                        upto = streamable(made[index], tools) if tools else len(made[index])
-                        if upto > sent[index] or entries:
-                            yield chunk(index, made[index][sent[index] : upto], entries or None)
-                            sent[index] = max(sent[index], upto)
+                        (reasoning, content), (said, shown) = visible(made[index], tools), sent[index]
+                        if len(content) > shown or len(reasoning) > said or entries:
+                            yield chunk(index, content[shown:], entries or None, reasoning=reasoning[said:])
+                            sent[index] = (max(said, len(reasoning)), max(shown, len(content)))
                     else:
                         record = records[index] = rest[0]
-                        content, calls = split(record["text"], tools) if tools else (record["text"], [])
+                        reasoning, content, calls = reply(record["text"], tools)
                         finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
-                        tail = (content or "")[sent[index] :]  # what the end let through (held text)
-                        yield chunk(index, tail, finish=finish, calls=calls)
+                        said, shown = sent[index]  # what the end let through (held text)
+                        tail, thought = (content or "")[shown:], (reasoning or "")[said:]
+                        yield chunk(index, tail, finish=finish, calls=calls, reasoning=thought)
                 if include_usage and len(records) == n:
                     ordered = [records[i] for i in range(n)]
                     yield event(usage_chunk(url, request_id, created, self.model_name, ordered))

@@ -115,6 +115,7 @@ class Tokenizer:
         self.special_tokens = self._special_tokens()  # what chat templates see
         specials = sorted({t for t in (*self.special_tokens.values(), *specials) if t}, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+        self._kept: dict[int, str] = {}  # special tokens decoding keeps as text (`keep`)
 
     def save(self, directory: Path) -> None:
         """Into a model directory as transformers keeps it: tokenizer.json or tokenizer.model, and
@@ -216,9 +217,26 @@ class Tokenizer:
                 ids += self._sp.encode(part)
         return ids
 
+    def keep(self, tokens) -> None:
+        """Decoding keeps these special tokens' text (those the vocabulary has): a format's markers
+        that say what the text around them is (`jaxinfer.harmony`)."""
+        self._kept = {i: t for t in tokens if (i := self.token_id(t)) is not None}
+
     def decode(self, ids: list[int]) -> str:
-        """Text of ids, special tokens left out, and ids outside the vocabulary too (sentencepiece
-        raises on them; an embedding padded past the tokenizer has such rows)."""
+        """Text of ids, special tokens left out (but those kept: `keep`), and ids outside the
+        vocabulary too (sentencepiece raises on them; an embedding padded past the tokenizer has such rows)."""
+        if self._kept and any(i in self._kept for i in ids):
+            runs, run = [], []
+            for i in ids:
+                if i in self._kept:
+                    runs += [self._decode(run), self._kept[i]]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(runs) + self._decode(run)
+        return self._decode(ids)
+
+    def _decode(self, ids: list[int]) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size]
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)

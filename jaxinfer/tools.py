@@ -9,6 +9,9 @@ parsed out of its text in the format that template teaches:
 - "llama3": the whole reply a JSON object {"name", "parameters"} (Llama 3.1–3.3's JSON calling),
   after `<|python_tag|>` where the model writes one.
 
+- "harmony": gpt-oss's messages on channels (`jaxinfer.harmony`), whose replies also hold the model's
+  reasoning apart from its answer: every reply of such a template is read, tools or none.
+
 A template that mentions `tools` in none of these formats takes no tools here: a request with tools
 for it is refused rather than answered with calls nobody parses.
 """
@@ -19,15 +22,18 @@ import json
 import re
 import secrets
 
+from jaxinfer import harmony
 from jaxinfer.errors import JaxinferError
 
-FORMATS = ("hermes", "mistral", "llama3")
+FORMATS = ("hermes", "mistral", "llama3", "harmony")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "<|python_tag|>"}
 
 
 def format_of(template: str | None) -> str | None:
     """The tool-call format a chat template's source teaches, or None (no tools, or a format not parsed)."""
+    if harmony.is_harmony(template):
+        return "harmony"
     if not template or "tools" not in template:
         return None
     if "<tool_call>" in template:
@@ -195,3 +201,27 @@ def streamable(text: str, fmt: str) -> int:
     if not stripped or any(o.startswith(stripped[: len(o)]) for o in openers):
         return 0
     return len(text)
+
+
+def reply(text: str, fmt: str | None) -> tuple[str | None, str | None, list[dict]]:
+    """A chat reply in format `fmt` (None: all content) as (reasoning, content, tool calls in
+    OpenAI's shape). A call that does not parse stays in the content, as written."""
+    if fmt != "harmony":
+        return (None, *split(text, fmt)) if fmt else (None, text, [])
+    reasoning, content, found = harmony.split(text)
+    calls = []
+    for name, arguments in found:
+        call = _call(name, _json(arguments))
+        if call:
+            calls.append(call)
+        else:
+            content = "\n\n".join(filter(None, (content, arguments)))
+    return reasoning, content, calls
+
+
+def visible(text: str, fmt: str | None) -> tuple[str, str]:
+    """(reasoning, content) of a reply so far that may be shown as it comes: what `reply` will end
+    with, less what may still turn out a call (each grows only by what follows)."""
+    if fmt == "harmony":
+        return harmony.visible(text)
+    return "", text[: streamable(text, fmt)] if fmt else text

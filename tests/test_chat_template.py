@@ -33,8 +33,9 @@ def tokenizers(tiny):
 
 
 def test_the_real_world_templates_are_there():
-    # gemma: google/gemma-7b-it's (no system role, "model" turns); phi3: microsoft/Phi-3-mini-4k-instruct's
-    assert set(TEMPLATES) == {"llama3", "qwen2.5", "mistral", "gemma", "phi3"}
+    # gemma: google/gemma-7b-it's (no system role, "model" turns); phi3: microsoft/Phi-3-mini-4k-instruct's;
+    # gpt-oss: openai/gpt-oss-120b's (harmony, as llama.cpp keeps it: models/templates/openai-gpt-oss-120b.jinja)
+    assert set(TEMPLATES) == {"llama3", "qwen2.5", "mistral", "gemma", "phi3", "gpt-oss"}
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
