@@ -4,10 +4,10 @@ harmony guide read them), shown as they stream, and the tokenizer keeping the ma
 is which."""
 
 import json
-from pathlib import Path
 
 import pytest
 import transformers
+from test_tools import TEMPLATES, WEATHER
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
@@ -17,15 +17,7 @@ from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tools import format_of, reply, template_messages, visible
 
-TEMPLATE = (Path(__file__).parent / "chat_templates" / "gpt-oss.jinja").read_text()
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+TEMPLATE = (TEMPLATES / "gpt-oss.jinja").read_text()
 THINK = "<|channel|>analysis<|message|>The user asks the weather.<|end|>"
 ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 18 °C in Paris.<|return|>"
 CALL = (
@@ -95,7 +87,7 @@ def test_the_template_is_harmony_and_renders_as_transformers(tiny):
     namespace, an earlier call and its answer, the reasoning effort asked for; transformers renders
     it the same."""
     assert format_of(TEMPLATE) == "harmony" and harmony.is_harmony(TEMPLATE)
-    assert not harmony.is_harmony((Path(__file__).parent / "chat_templates" / "qwen2.5.jinja").read_text())
+    assert not harmony.is_harmony((TEMPLATES / "qwen2.5.jinja").read_text())
     path = tiny("llama")
     conversation = [
         {"role": "system", "content": "You help."},
