@@ -142,45 +142,29 @@ def _codes(q_ref, b: int | jax.Array, bits: int, unpack: str, evict: bool, dtype
 
 
 def _program(x_ref, q_ref, s_ref, o_ref, *, iterations: int, bits: int, m: int | None, tiles: Tiles):
-    """One program's outputs [ROWS, bn] over its share of the inputs, `tiles.step` blocks of 32 an
-    iteration. `m`: the real rows, where they were not padded (the rest loaded as 0)."""
-    step, f32 = tiles.step, jnp.float32
-    live = None if m is None else (jnp.arange(ROWS) < m)[:, None]
+    """One program's outputs [rows, bn] over its share of the inputs, `tiles.step` blocks of 32 an
+    iteration, each block's product times its scales. `m`: the real rows, where they were not padded
+    (the rest loaded as 0). The "fma" kind: one row on the CUDA cores, codes times inputs summed."""
+    step, f32, fma = tiles.step, jnp.float32, tiles.kind == "fma"
 
     def inputs(at: int | jax.Array, width: int) -> jax.Array:
         if m is None:
             return x_ref[:, pl.ds(at, width)]
+        live = (jnp.arange(ROWS) < m)[:, None]
         return plgpu.load(x_ref.at[pl.ds(0, ROWS), pl.ds(at, width)], mask=live, other=0)
+
+    def product(x: jax.Array, codes: jax.Array) -> jax.Array:
+        if fma:  # x [1, width]
+            return (codes * x.astype(f32).reshape(-1, 1)).sum(0, keepdims=True)
+        return jnp.dot(x, codes, preferred_element_type=f32)
 
     def iteration(n, total):
         blocks = [n * step + s for s in range(step)]  # every load first, then the products
-        codes = [_codes(q_ref, b, bits, tiles.unpack, tiles.evict, x_ref.dtype) for b in blocks]
+        codes = [_codes(q_ref, b, bits, tiles.unpack, tiles.evict, f32 if fma else x_ref.dtype) for b in blocks]
         scales = [s_ref[pl.ds(b, 1), :].astype(f32) for b in blocks]  # [1, bn] each
         xs = [[inputs(b * BLOCK + i * len(c[0]), len(c[0])) for i in range(len(c))] for b, c in zip(blocks, codes)]
         for c, scale, x in zip(codes, scales, xs):
-            part = sum(jnp.dot(xi, ci, preferred_element_type=f32) for xi, ci in zip(x, c))
-            total += part * scale
-        return total
-
-    o_ref[...] = jax.lax.fori_loop(0, iterations, iteration, jnp.zeros(o_ref.shape, jnp.float32))
-
-
-def _program_fma(x_ref, q_ref, s_ref, o_ref, *, iterations: int, bits: int, tiles: Tiles):
-    """One row's outputs [1, bn] over the program's share, on the CUDA cores: per block, the codes
-    times the inputs summed over the block, times its scales."""
-    step, f32 = tiles.step, jnp.float32
-
-    def iteration(n, total):
-        blocks = [n * step + s for s in range(step)]
-        codes = [_codes(q_ref, b, bits, tiles.unpack, tiles.evict, f32) for b in blocks]
-        scales = [s_ref[pl.ds(b, 1), :].astype(f32) for b in blocks]
-        xs = [
-            [x_ref[:, pl.ds(b * BLOCK + i * len(c[0]), len(c[0]))] for i in range(len(c))]
-            for b, c in zip(blocks, codes)
-        ]
-        for c, scale, x in zip(codes, scales, xs):
-            part = sum((ci * xi.astype(f32).reshape(-1, 1)).sum(0, keepdims=True) for xi, ci in zip(x, c))
-            total += part * scale
+            total += sum(product(xi, ci) for xi, ci in zip(x, c)) * scale
         return total
 
     o_ref[...] = jax.lax.fori_loop(0, iterations, iteration, jnp.zeros(o_ref.shape, jnp.float32))
@@ -220,13 +204,8 @@ def _quantized_matmul(
     if not interpret:
         params["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
     iterations = share // BLOCK // step
-    program = (
-        partial(_program_fma, iterations=iterations, bits=bits, tiles=tiles)
-        if fma
-        else partial(_program, iterations=iterations, bits=bits, m=m, tiles=tiles)
-    )
     out = pl.pallas_call(
-        program,
+        partial(_program, iterations=iterations, bits=bits, m=m, tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((shares, rows, N), jnp.float32),
         grid=(N // bn, shares),
         in_specs=[
