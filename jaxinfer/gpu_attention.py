@@ -12,13 +12,12 @@ XLA's all the same (`KVCache.attends`): measured, its einsums took less than thi
 10.4-11.5; `scripts/sweep_gpu_kernels.py`).
 
 Here a kv head's queries are rows (each of its T positions × its G query heads, `queries`), and one
-program takes one cache row, one kv head, a block of up to `ROWS` query rows and one share of the keys: it walks
-its share `BLOCK_K` keys at a time with the running softmax, visiting only the blocks between its
-rows' first visible key (a sliding window's) and their last position; shares past them do nothing.
-XLA then merges the shares' (max, sum, weighted values); one share normalises in the kernel. int8
-K/V are converted in registers, their per-position scales multiplying the scores (K) and the weights
-(V), as the XLA path does
-(`model._attend`).
+program takes one cache row, one kv head, a block of up to `ROWS` query rows and one share of the
+keys: it walks its share `BLOCK_K` keys at a time with the running softmax, visiting only the blocks
+between its rows' first visible key (a sliding window's) and their last position; shares past them
+do nothing. XLA then merges the shares' (max, sum, weighted values); one share normalises in the
+kernel. int8 K/V are converted in registers, their per-position scales multiplying the scores (K)
+and the weights (V), as the XLA path does (`model._attend`).
 
 Which caches take it: `KVCache.zeros` says once, per cache (`here`): a GPU (or `gpu.MODE`
 "interpret", where the CPU tests run the same kernel through Pallas' interpreter), one device, a
@@ -151,7 +150,8 @@ def attend(
         window=window,
         scale=scale,
         softcap=softcap,
-        tiles=tiles,
+        warps=tiles.warps,
+        stages=tiles.stages,
         interpret=gpu.MODE == "interpret",
     )
     if splits == 1:  # normalised in the kernel
@@ -166,7 +166,18 @@ def attend(
 
 @partial(
     jax.jit,
-    static_argnames=("kv_len", "block", "block_rows", "splits", "window", "scale", "softcap", "tiles", "interpret"),
+    static_argnames=(
+        "kv_len",
+        "block",
+        "block_rows",
+        "splits",
+        "window",
+        "scale",
+        "softcap",
+        "warps",
+        "stages",
+        "interpret",
+    ),
 )
 def _attend(
     rows,
@@ -183,14 +194,15 @@ def _attend(
     window,
     scale,
     softcap,
-    tiles,
+    warps,
+    stages,
     interpret,
 ):
     R, KV, queries, hd = q.shape
     blocks = pl.cdiv(queries, block_rows)
     params = {}
     if not interpret:
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=stages)
     whole = pl.BlockSpec()  # the array as it lies: the program indexes its cache row, head and keys
     # program (b, h, i · splits + j): query block i, share j; a last block's rows past `queries` are
     # loaded as 0 and never stored

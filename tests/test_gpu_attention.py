@@ -220,7 +220,7 @@ def test_the_kernel_lowers_to_triton(quantized, softcap, T, kv_len):
     queries = (jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16))
     args = (jnp.arange(2), jnp.ones(1, jnp.int32), *queries, k, k, *scales)
     static = dict(kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
-    call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, tiles=gpu_attention.TILES, interpret=False)  # noqa: E731
+    call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, warps=4, stages=2, interpret=False)  # noqa: E731
     assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
