@@ -27,6 +27,7 @@ def chat(
     model: Optional[Path] = options.MODEL,
     gguf_file: Optional[str] = options.GGUF_FILE,
     system: Optional[str] = options.SYSTEM,
+    reasoning_effort: Optional[str] = options.REASONING_EFFORT,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
@@ -95,6 +96,7 @@ def chat(
         ignore_eos,
         constraint,
         bias,
+        reasoning_effort,
     )
     if session.template.is_fallback:
         render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")

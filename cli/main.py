@@ -150,6 +150,7 @@ def run(
     model: Optional[Path] = options.MODEL,
     gguf_file: Optional[str] = options.GGUF_FILE,
     system: Optional[str] = options.SYSTEM,
+    reasoning_effort: Optional[str] = options.REASONING_EFFORT,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
@@ -221,6 +222,8 @@ def run(
             raise JaxinferError("the prompt is empty: give some text to continue")
         return text
 
+    if reasoning_effort is not None and system is None:
+        raise JaxinferError("reasoning_effort goes through the chat template: give a system prompt", "reasoning_effort")
     options.check_positive(max_tokens=max_tokens)
     check_logprobs(logprobs)
     check_echo(echo, logprobs)
@@ -251,7 +254,8 @@ def run(
     if system is not None:
         if template.is_fallback:
             render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
-        text = template.render([{"role": "system", "content": system}, {"role": "user", "content": text}])
+        turns = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        text = template.render(turns, **template.reasoning(reasoning_effort))
         stops += template.stop
     check_text_fits(text, loaded.tokenizer, context)
     prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=special)

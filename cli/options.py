@@ -52,10 +52,10 @@ FLAGS = {
     "peak_bandwidth": "--peak-bandwidth",
     "resume": "--resume",
     "reset": "/reset",  # chat's command
+    "reasoning_effort": "--reasoning-effort",
     # request fields with no flag (batch lines, the server's bodies): said as they are
     "tools": "tools",
     "tool_choice": "tool_choice",
-    "reasoning_effort": "reasoning_effort",
 }
 
 MODEL = typer.Option(
@@ -169,6 +169,12 @@ SYSTEM = typer.Option(
     "-sys",
     help="System prompt (llama.cpp's -sys, mlx-lm's --system-prompt); with run, the prompt goes through the "
     "model's chat template as one user turn.",
+)
+REASONING_EFFORT = typer.Option(
+    None,
+    "--reasoning-effort",
+    help="low, medium or high: how long gpt-oss reasons before it answers (its chat template's "
+    "reasoning_effort, OpenAI's field) [default: the template's, medium].",
 )
 ESCAPE = typer.Option(
     True,

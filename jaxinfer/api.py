@@ -115,10 +115,7 @@ class Parser:
                     "tool_choice",
                 )
             tool_format = found if tools or found == "harmony" else None  # harmony: the reasoning read apart
-            effort = item.get("reasoning_effort")
-            if effort not in (None, "low", "medium", "high"):
-                raise JaxinferError('"reasoning_effort" must be "low", "medium" or "high"', "reasoning_effort")
-            extra = {} if effort is None else {"reasoning_effort": effort}  # templates that read it (gpt-oss's)
+            extra = self.template.reasoning(item.get("reasoning_effort"))
             text = self.template.render(template_messages(_messages(item["messages"])), tools=tools, **extra)
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)

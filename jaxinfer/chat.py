@@ -37,6 +37,7 @@ class ChatSession:
         ignore_eos: bool = False,
         constraint: Constraint | None = None,
         logit_bias: dict[int, float] | None = None,
+        reasoning_effort: str | None = None,
     ):
         if on_full not in ON_FULL:
             raise JaxinferError(f"on_full must be one of {', '.join(ON_FULL)}, not {on_full!r}", "on_full")
@@ -48,6 +49,7 @@ class ChatSession:
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate.of(model)
         self.format = "harmony" if self.template.is_harmony else None  # how replies read
+        self.variables = self.template.reasoning(reasoning_effort)  # gpt-oss's effort, where asked
         self.context_used = 0  # tokens of the last turn's prompt and reply
 
     def conversation(self) -> list[dict]:
@@ -57,7 +59,7 @@ class ChatSession:
     def prompt_ids(self) -> list[int]:
         """The conversation rendered, ready for the assistant's reply. The template writes the
         special tokens itself, so none are added here (as transformers' apply_chat_template)."""
-        text = self.template.render(self.conversation(), add_generation_prompt=True)
+        text = self.template.render(self.conversation(), add_generation_prompt=True, **self.variables)
         return self.model.tokenizer.encode(text, add_special_tokens=False)
 
     def ask(self, text: str) -> tuple[Generation, list[str]]:

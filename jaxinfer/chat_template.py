@@ -58,6 +58,9 @@ def _environment():
     return env
 
 
+EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning efforts (OpenAI's `reasoning_effort`)
+
+
 class ChatTemplate:
     @classmethod
     def of(cls, model) -> ChatTemplate:
@@ -77,6 +80,17 @@ class ChatTemplate:
             self._template = _environment().from_string(FALLBACK_TEMPLATE if source is None else source)
         except jinja2.TemplateError as e:
             raise JaxinferError(f"the model's chat template does not parse: {e}") from None
+
+    def reasoning(self, effort: str | None) -> dict:
+        """The variables that ask this template for a reasoning effort (gpt-oss's `reasoning_effort`):
+        none where none is asked; one it does not read is refused, not ignored."""
+        if effort is None:
+            return {}
+        if effort not in EFFORTS:
+            raise JaxinferError('reasoning_effort must be "low", "medium" or "high"', "reasoning_effort")
+        if "reasoning_effort" not in (self.source or ""):
+            raise JaxinferError("this model's chat template takes no reasoning_effort", "reasoning_effort")
+        return {"reasoning_effort": effort}
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra

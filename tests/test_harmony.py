@@ -14,6 +14,7 @@ from tokenizers import models, pre_tokenizers
 from jaxinfer import harmony
 from jaxinfer.api import openai_body, openai_chunk
 from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.errors import JaxinferError
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tools import format_of, reply, template_messages, visible
 
@@ -114,6 +115,11 @@ def test_the_template_is_harmony_and_renders_as_transformers(tiny):
         assert rendered == expected
         assert f"Reasoning: {effort or 'medium'}" in rendered
     assert "type get_weather = " in rendered and rendered.endswith("<|start|>assistant")
+    assert ours.reasoning("low") == {"reasoning_effort": "low"} and ours.reasoning(None) == {}
+    qwen = ChatTemplate((TEMPLATES / "qwen2.5.jinja").read_text(), {})
+    for template, effort, said in ((ours, "max", "must be"), (qwen, "low", "takes no reasoning_effort")):
+        with pytest.raises(JaxinferError, match=said):
+            template.reasoning(effort)
 
 
 def test_the_tokenizer_keeps_the_markers_decoding_would_drop(tmp_path):
@@ -156,7 +162,6 @@ def test_a_request_to_a_harmony_model_is_read_as_one(tiny):
     """Every chat reply of such a model is read (tools offered or not); `reasoning_effort` goes to
     the template; what the format cannot do, or a value it does not know, is one clear refusal."""
     from jaxinfer.api import Parser
-    from jaxinfer.errors import JaxinferError
     from jaxinfer.loading import load_model
 
     model = load_model(tiny("llama"))
@@ -167,7 +172,7 @@ def test_a_request_to_a_harmony_model_is_read_as_one(tiny):
     low = parser.parse(1, {"messages": messages, "reasoning_effort": "low", "tools": [WEATHER]})
     assert low.tools == "harmony" and "Reasoning: low" in model.tokenizer.decode(low.prompt_ids)
     refused = [
-        ({"messages": messages, "reasoning_effort": "max"}, '"reasoning_effort" must be'),
+        ({"messages": messages, "reasoning_effort": "max"}, "reasoning_effort must be"),
         ({"messages": messages, "tools": [WEATHER], "tool_choice": "required"}, "a forced tool call"),
         ({"prompt": "Hi", "reasoning_effort": "low"}, '"reasoning_effort" goes with "messages"'),
     ]
