@@ -1,5 +1,6 @@
 """Attention over the cache on a GPU, where cuDNN's does not serve (`model.flash`): a prompt's later
-chunks, speculative checks, soft-capping, float32, int8 caches. A Pallas kernel, lowered through
+chunks, speculative checks, soft-capping, float32, int8 caches, attention sinks (gpt-oss's: a head's
+sink logit joins the merge of the shares as one more share). A Pallas kernel, lowered through
 Triton: flash attention reading the cache where it lies, each query up to its own position (not the
 whole kv bucket), split over the keys where the queries alone would not fill the GPU (flash-decoding's
 split-K).
@@ -65,10 +66,9 @@ TILES = Tiles()
 
 
 def here(cfg: ModelConfig, dtype) -> bool:
-    """Whether attention over this model's cache, computing in `dtype`, takes the kernel (not with
-    attention sinks, gpt-oss's, which it does not take yet)."""
+    """Whether attention over this model's cache, computing in `dtype`, takes the kernel."""
     name = jnp.dtype(dtype).name
-    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS) or cfg.attn_sinks:
+    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS):
         return False
     return gpu.MODE == "interpret" or _works(cfg.head_dim, name, cfg.kv_dtype == "int8", bool(cfg.attn_softcap))
 
@@ -117,12 +117,14 @@ def attend(
     window: int | None,
     scale: float,
     softcap: float | None,
+    sinks: jax.Array | None = None,
     tiles: Tiles | None = None,
 ) -> jax.Array:
     """Queries q [R, T, KV, G, hd] at positions [R, T] over `layer`'s keys and values k, v
     [L, B, S, KV, hd] of cache rows `rows` [R] (None: the first R), at most `kv_len` positions
     (static), each query over the keys at its position and before (within the window); int8 with
-    scales [L, B, S, KV]. Returns the attention float32 [R, T, KV, G, hd]."""
+    scales [L, B, S, KV]; `sinks` [KV·G]: each head's sink logit (gpt-oss's). Returns the attention
+    float32 [R, T, KV, G, hd]."""
     R, T, KV, G, hd = q.shape
     queries = T * G  # a kv head's query rows: position t's heads at t·G … t·G + G - 1
     block_rows = min(ROWS, max(MIN_ROWS, pl.next_power_of_2(queries)))
@@ -147,6 +149,7 @@ def attend(
         block=block,
         block_rows=block_rows,
         splits=splits,
+        normalize=splits == 1 and sinks is None,
         window=window,
         scale=scale,
         softcap=softcap,
@@ -154,8 +157,13 @@ def attend(
         stages=tiles.stages,
         interpret=gpu.MODE == "interpret",
     )
-    if splits == 1:  # normalised in the kernel
+    if splits == 1 and sinks is None:  # normalised in the kernel
         return jnp.moveaxis(out[:, :, 0].reshape(R, KV, T, G, hd), 1, 2)
+    if sinks is not None:  # a head's sink joins its softmax as one more share: max the sink, sum 1, no values
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(KV, G), (1, T))  # [KV, T·G], as the query rows
+        top = jnp.concatenate([top, jnp.broadcast_to(sink[None, :, None], (R, KV, 1, queries))], axis=2)
+        total = jnp.concatenate([total, jnp.ones((R, KV, 1, queries), jnp.float32)], axis=2)
+        out = jnp.concatenate([out, jnp.zeros((R, KV, 1, queries, hd), jnp.float32)], axis=2)
     # the shares merged: each weighted by how far its max lies below the query's (a share that saw
     # no key holds max MIN, sum 0: weight 0; a query that saw none at all, 0)
     weight = jnp.exp(top - top.max(2, keepdims=True))  # [R, KV, splits, queries]
@@ -171,6 +179,7 @@ def attend(
         "block",
         "block_rows",
         "splits",
+        "normalize",
         "window",
         "scale",
         "softcap",
@@ -191,6 +200,7 @@ def _attend(
     block,
     block_rows,
     splits,
+    normalize,
     window,
     scale,
     softcap,
@@ -213,6 +223,7 @@ def _attend(
         _program,
         queries=queries,
         splits=splits,
+        normalize=normalize,
         kv_len=kv_len,
         block=block,
         share=pl.cdiv(kv_len, block) // splits,  # blocks of keys a share
@@ -252,6 +263,7 @@ def _program(
     *refs,
     queries,
     splits,
+    normalize,
     kv_len,
     block,
     share,  # blocks of keys
@@ -259,9 +271,9 @@ def _program(
     scale,
     softcap,
 ):
-    """One cache row's, one kv head's, one block of query rows', one share's: the unnormalised
-    weighted values [rows, hd], the scores' max and the weights' sum [rows] over the share's keys
-    each query row sees."""
+    """One cache row's, one kv head's, one block of query rows', one share's: the weighted values
+    [rows, hd] (unnormalised unless `normalize`), the scores' max and the weights' sum [rows] over the
+    share's keys each query row sees."""
     *scale_refs, out_ref, top_ref, total_ref = refs
     b, h, ij = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i, j = ij // splits, ij % splits
@@ -304,7 +316,7 @@ def _program(
 
     start = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full(rows, MIN), jnp.zeros(rows, jnp.float32))
     out, top, total = jax.lax.fori_loop(first, last, step, start)
-    if splits == 1:  # the only share: normalised here (a query that saw no key: 0)
+    if normalize:  # the only share (and no sinks to join): normalised here (a query that saw no key: 0)
         out = out / jnp.where(total > 0, total, 1)[:, None]
     plgpu.store(out_ref, out, mask=live[:, None])
     plgpu.store(top_ref, top, mask=live)

@@ -161,11 +161,11 @@ class KVCache:
         heads interleaved), decode's attention took 10% longer (SmolLM-135M shape, B=16 over 128
         positions: 6.7 → 7.5 ms a step) and a B=4 decode step over 2048 positions 11% longer. The
         GPU's (`jaxinfer.gpu_attention`) reads it in XLA's layout, [L, B, S, KV, hd]. `sinks` [H]:
-        each head's sink logit (gpt-oss's; the CPU's only)."""
+        each head's sink logit (gpt-oss's)."""
         if self.kernel == "gpu":
             scales = (self.k_scale, self.v_scale)
             return gpu_attention.attend(
-                q, positions, self.k, self.v, *scales, self._at(layer), rows, kv_len, window, scale, softcap
+                q, positions, self.k, self.v, *scales, self._at(layer), rows, kv_len, window, scale, softcap, sinks
             )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
         at = self._at(layer)

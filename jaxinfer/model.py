@@ -211,7 +211,7 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
             kv = (keys, values, k_scale, v_scale)
         if T > 1 and gpu_attention.here(cfg, q.dtype):  # on a GPU its kernel, over them as a one-layer cache
             stored = [None if a is None else a[None] for a in kv]
-            return gpu_attention.attend(q, positions, *stored, 0, None, T, window, scale, softcap)
+            return gpu_attention.attend(q, positions, *stored, 0, None, T, window, scale, softcap, sinks)
         read = lambda start, size: [None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, 1) for a in kv]  # noqa: E731
     else:
         read = lambda start, size: cache.read(i, start, size, rows)  # noqa: E731

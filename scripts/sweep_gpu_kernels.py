@@ -256,7 +256,7 @@ def attention(budget: float, read: float) -> None:
             def ours(tiles):
                 return jax.jit(
                     lambda q, k, v, pos: [
-                        gpu_attention.attend(q[i], pos, k, v, None, None, i, None, S, None, hd**-0.5, None, tiles)
+                        gpu_attention.attend(q[i], pos, k, v, None, None, i, None, S, None, hd**-0.5, None, tiles=tiles)
                         for i in range(L)
                     ]
                 )

@@ -154,11 +154,13 @@ def test_off_a_gpu_the_kernel_is_not_asked():
 
 @pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 @pytest.mark.parametrize(
-    "arch, dtype, kv_dtype, chunk", [("gemma2", "float32", None, None), ("llama", "float32", "int8", 16)]
+    "arch, dtype, kv_dtype, chunk",
+    [("gemma2", "float32", None, None), ("llama", "float32", "int8", 16), ("gpt-oss", "float32", None, 16)],
 )
 def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, monkeypatch, arch, dtype, kv_dtype, chunk):
-    """Gemma 2's soft-capping and sliding window (24, passed); Llama over an int8 cache with its
-    prompt (40 tokens) in chunks of 16 over the cache: the prompt's chunks through the kernel.
+    """Gemma 2's soft-capping and sliding window (24, passed); Llama over an int8 cache, and gpt-oss
+    (attention sinks, every other layer sliding), each with its prompt (40 tokens) in chunks of 16
+    over the cache: the prompt's chunks through the kernel.
     In float32 (full-precision products on both paths): in bfloat16 the running softmax rounds its
     weights apart from XLA's, and a near tie flips (Llama's int8 case at token 11); the kernel's
     bfloat16 arithmetic is held to XLA's by the tests above."""
@@ -182,10 +184,11 @@ def test_a_model_generates_through_the_kernel_what_it_does_through_xla(tiny, mon
     assert got == expected
 
 
-@pytest.mark.parametrize("arch, kv_dtype", [("gemma2", None), ("llama", "int8")])
+@pytest.mark.parametrize("arch, kv_dtype", [("gemma2", None), ("llama", "int8"), ("gpt-oss", None)])
 def test_a_whole_sequence_without_a_cache_attends_through_the_kernel(tiny, monkeypatch, arch, kv_dtype):
     """Perplexity's forward pass (no cache: each sequence over its own 40 keys, no multiple of a
-    block; Gemma 2's window and soft-capping; the int8 a cache would hold) gives XLA's logits."""
+    block; Gemma 2's window and soft-capping; the int8 a cache would hold; gpt-oss's sinks) gives
+    XLA's logits."""
     loaded = load_model(tiny(arch, head_dim=64), dtype="float32", kv_dtype=kv_dtype)
     tokens = jax.random.randint(jax.random.key(0), (2, 40), 2, 300)
     positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
@@ -219,7 +222,7 @@ def test_the_kernel_lowers_to_triton(quantized, softcap, T, kv_len):
     splits = 4 if T == 1 else 1
     queries = (jnp.zeros((2, 4 * T), jnp.int32), jnp.zeros((2, 2, 4 * T, 128), jnp.bfloat16))
     args = (jnp.arange(2), jnp.ones(1, jnp.int32), *queries, k, k, *scales)
-    static = dict(kv_len=kv_len, block=64, block_rows=rows, splits=splits, window=100, scale=0.1)
+    static = dict(kv_len=kv_len, block=64, block_rows=rows, splits=splits, normalize=splits == 1, window=100, scale=0.1)
     call = lambda *a: gpu_attention._attend(*a, **static, softcap=softcap, warps=4, stages=2, interpret=False)  # noqa: E731
     assert "xla.gpu.triton" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
