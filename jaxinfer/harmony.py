@@ -99,11 +99,10 @@ def split(text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
     """(reasoning, content, calls as (name, arguments' text)) of a reply."""
     reasoning, content, calls = [], [], []
     for m in messages(text):
-        recipient = m.recipient
         if m.channel == "analysis":
             reasoning.append(m.body)
-        elif recipient and recipient.startswith("functions."):  # its end, <|call|>, is an EOS: not in the text
-            calls.append((recipient.removeprefix("functions."), m.body.strip()))
+        elif _called(m):  # its end, <|call|>, is an EOS: not in the text
+            calls.append((_called(m), m.body.strip()))
         else:  # the answer, a preamble; a message to a tool other than a function: as written
             content.append(m.body)
     return _joined(reasoning) or None, _joined(content) or None, calls
@@ -111,14 +110,20 @@ def split(text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
 
 def visible(text: str) -> tuple[str, str]:
     """(reasoning, content) of a reply so far, as `split` will end them: calls, headers and markers
-    left out (a stream's text to show as it comes)."""
+    left out (a stream's text to show as it comes; a header, recipient and all, ends before its body)."""
     reasoning, content = [], []
     for m in messages(_whole_markers(text)):  # a marker cut short at the end: not shown
         if m.channel == "analysis":
             reasoning.append(m.body)
-        elif not m.recipient:
+        elif not _called(m):
             content.append(m.body)
     return _joined(reasoning), _joined(content)
+
+
+def _called(m: Message) -> str | None:
+    """The function a message calls (its recipient `functions.NAME`), or None."""
+    recipient = m.recipient
+    return recipient.removeprefix("functions.") if recipient and recipient.startswith("functions.") else None
 
 
 def _joined(bodies: list[str]) -> str:

@@ -7,8 +7,7 @@ parsed out of its text in the format that template teaches:
 - "mistral": `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} (Mistral's v3 templates; the
   control token is not text, so a reply that is such a list alone counts too);
 - "llama3": the whole reply a JSON object {"name", "parameters"} (Llama 3.1–3.3's JSON calling),
-  after `<|python_tag|>` where the model writes one.
-
+  after `<|python_tag|>` where the model writes one;
 - "harmony": gpt-oss's messages on channels (`jaxinfer.harmony`), whose replies also hold the model's
   reasoning apart from its answer: every reply of such a template is read, tools or none.
 

@@ -47,6 +47,19 @@ REPLIES = [
     (THINK + CALL.removesuffix("<|call|>"), "The user asks the weather.", None, [("get_weather", {"city": "Paris"})]),
     (THINK + ANSWER.removesuffix("<|return|>"), "The user asks the weather.", "It is 18 °C in Paris.", []),
     ("Hello without a header.", None, "Hello without a header.", []),  # a model that skipped it
+    # a built-in tool's call (browser, python: not offered here) stays as written, in the content
+    (
+        THINK + '<|start|>assistant<|channel|>analysis to=browser.search<|message|>{"q": "x"}<|call|>' + ANSWER,
+        'The user asks the weather.\n\n{"q": "x"}',
+        "It is 18 °C in Paris.",
+        [],
+    ),
+    (
+        THINK + '<|start|>assistant<|channel|>commentary to=browser.search<|message|>{"q": "x"}<|call|>' + ANSWER,
+        "The user asks the weather.",
+        '{"q": "x"}\n\nIt is 18 °C in Paris.',
+        [],
+    ),
     (THINK + "<|start|>assistant<|channel|>final<|message|>cut short", "The user asks the weather.", "cut short", []),
     ("<|channel|>analysis<|message|>only thinking, cut", "only thinking, cut", None, []),
     # a call whose arguments are not JSON: kept as written, in the content
