@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -70,10 +72,14 @@ def serve(
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: now, without uvicorn's tracebacks
+                render.notice("stopped")
+                sys.stderr.flush()
+                os._exit(128 + sig)
             if not self.should_exit:
+                running = server.scheduler.busy + len(server.inbox)
                 if sig == signal.SIGINT:  # Ctrl-C: stop now, answering what was made; SIGTERM drains
                     server.cancel_all()
-                running = server.scheduler.busy + len(server.inbox)
                 render.notice(f"{'stopping' if sig == signal.SIGINT else 'draining'}: {running} requests to finish")
             super().handle_exit(sig, frame)
 

@@ -89,6 +89,7 @@ class Inbox:
         self._queue: deque[Request] = deque()
         self._ready = threading.Condition()
         self.closed = False
+        self.on_dropped: Callable[[Request], None] | None = None
 
     def put(self, request: Request) -> None:
         with self._ready:
@@ -111,13 +112,26 @@ class Inbox:
             self._queue.extendleft(reversed(requests))
 
     def take(self) -> Request | None:
-        """The next request not cancelled while it waited, or None if none is waiting."""
+        """The next request not cancelled while it waited, or None if none is waiting; those
+        cancelled go to `on_dropped`, where one is set (a server answers them)."""
         with self._ready:
             while self._queue:
                 request = self._queue.popleft()
                 if not request.cancelled:
                     return request
+                if self.on_dropped is not None:
+                    self.on_dropped(request)
         return None
+
+    def drop_waiting(self) -> None:
+        """Cancel every request still waiting and hand each to `on_dropped` now (Ctrl-C: a waiting
+        client is answered at once, not after the rows running before it)."""
+        with self._ready:
+            waiting, self._queue = list(self._queue), deque()
+        for request in waiting:
+            request.cancelled = True
+            if self.on_dropped is not None:
+                self.on_dropped(request)
 
     @property
     def done(self) -> bool:

@@ -65,7 +65,8 @@ class HTTPError(Exception):
 @dataclass
 class _Pending:
     """One HTTP request's choices on their way: the scheduler's thread posts ("text", index, piece,
-    tokens, entries) and ("done", index, record) events to `events`, in the handler's loop."""
+    entries), ("done", index, record) and ("failed", index, message, status) events to `events`, in
+    the handler's loop."""
 
     loop: asyncio.AbstractEventLoop
     requests: list[Request]
@@ -73,7 +74,10 @@ class _Pending:
     last_token: list[float] = field(default_factory=list)  # per choice, for the ITL histogram
 
     def post(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server stopped, and no one waits for it
+            pass
 
     def cancel(self) -> None:
         for request in self.requests:
@@ -97,6 +101,7 @@ class Server:
         self.parser, self.model_name, self.api_key = parser, model_name, api_key
         self.max_queue, self.max_body = max_queue, max_body
         self.inbox = Inbox()
+        self.inbox.on_dropped = self._dropped
         self.scheduler: Scheduler = make_scheduler()
         self._make_scheduler = make_scheduler
         self._pending: dict[str, _Pending] = {}  # request id → its handler's hand-over
@@ -119,8 +124,16 @@ class Server:
         return max(0, len(self.inbox) - (self.scheduler.batch_size - self.scheduler.busy))
 
     def cancel_all(self) -> None:
+        """Ctrl-C: running rows stop at the next step with what they made; waiting ones are refused now."""
         for pending in list(self._pending.values()):
             pending.cancel()
+        self.inbox.drop_waiting()
+
+    def _dropped(self, request: Request) -> None:
+        """A request cancelled before it started: its client (if still there) is told so."""
+        request_id, index = request.id
+        if (pending := self._pending.get(request_id)) is not None:
+            pending.post("failed", index, "the server is shutting down: this request was not started", 503)
 
     def _work(self) -> None:
         while not self.inbox.done:
@@ -130,7 +143,7 @@ class Server:
                 traceback.print_exc(file=sys.stderr)
                 for pending in list(self._pending.values()):
                     for i, request in enumerate(pending.requests):
-                        pending.post("failed", i, f"generation failed: {type(e).__name__}: {e}")
+                        pending.post("failed", i, f"generation failed: {type(e).__name__}: {e}", 500)
                 self.scheduler = self._make_scheduler()
 
     def _finished(self, record: dict) -> None:
@@ -286,8 +299,8 @@ class Server:
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 kind, index, *rest = got.result()
                 if kind == "failed":
-                    self.requests.labels(url, "500").inc()
-                    return HTTPError(500, rest[0], "server_error").response()
+                    self.requests.labels(url, str(rest[1])).inc()
+                    return HTTPError(rest[1], rest[0], "server_error").response()
                 if kind == "done":
                     records[index] = rest[0]
         finally:
@@ -322,8 +335,8 @@ class Server:
                 while len(records) < n:
                     kind, index, *rest = await pending.events.get()
                     if kind == "failed":
-                        status = "500"
-                        yield event(HTTPError(500, rest[0], "server_error").body())
+                        status = str(rest[1])
+                        yield event(HTTPError(rest[1], rest[0], "server_error").body())
                         break
                     if kind == "text":
                         piece, entries = rest

@@ -395,35 +395,73 @@ def test_the_queue_bound_answers_429(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_drains_and_ctrl_c_stops(sig):
-    """SIGTERM: the running request finishes whole, then the process exits; Ctrl-C: it is answered
-    at once with what it made."""
+    """SIGTERM: the running request and the two waiting finish whole, then the process exits;
+    Ctrl-C: the running one is answered at once with what it made, the waiting ones are refused
+    at once (they waited for clients' timeouts before)."""
+    served = Served("-b", "1", "-c", "512")
+    got = [[], [], []]
+    short = {"max_tokens": 6, "ignore_eos": True}
+
+    def stream(k, extra):
+        with httpx.stream(
+            "POST",
+            served.url + "/v1/completions",
+            json={"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **extra},
+            timeout=WAIT_S,
+        ) as answer:
+            got[k].extend(line for line in answer.iter_lines() if line)
+
+    readers = [threading.Thread(target=stream, args=(k, LONG if k == 0 else short)) for k in range(3)]
+    readers[0].start()
+    until(lambda: any(line.startswith("data: {") for line in got[0]))
+    for reader in readers[1:]:
+        reader.start()
+    until(
+        lambda: (
+            float(re.search(r"^jaxinfer_queue_length (\S+)$", httpx.get(served.url + "/metrics").text, re.M)[1]) == 2
+        )
+    )
+    code = served.stop(sig)
+    for reader in readers:
+        reader.join(WAIT_S)
+    assert code == 128 + sig
+    assert "Traceback" not in "".join(served.stderr)
+    assert got[0][-1] == "data: [DONE]"  # answered, whole or cut
+    *chunks, usage = [json.loads(line[6:]) for line in got[0] if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    made = usage["usage"]["completion_tokens"]
+    waited = [[json.loads(line[6:]) for line in lines if line.startswith("data: {")] for lines in got[1:]]
+    if sig == signal.SIGTERM:
+        assert "draining: 3 requests to finish" in "".join(served.stderr)
+        assert made == LONG["max_tokens"]
+        assert [w[-1]["usage"]["completion_tokens"] for w in waited] == [short["max_tokens"]] * 2
+    else:
+        assert "stopping: 3 requests to finish" in "".join(served.stderr)
+        assert 0 < made < LONG["max_tokens"]
+        for w in waited:
+            assert "shutting down" in w[-1]["error"]["message"] and not any("choices" in c for c in w)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(served.url + "/health")
+
+
+def test_a_second_ctrl_c_exits_at_once_without_traces():
     served = Served("-b", "1", "-c", "512")
     got = []
 
     def stream():
-        with httpx.stream(
-            "POST",
-            served.url + "/v1/completions",
-            json={"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **LONG},
-            timeout=WAIT_S,
-        ) as answer:
-            got.extend(line for line in answer.iter_lines() if line)
+        try:
+            with httpx.stream(
+                "POST", served.url + "/v1/completions", json={"prompt": PROMPT, "stream": True, **LONG}
+            ) as a:
+                got.extend(a.iter_lines())
+        except httpx.HTTPError:
+            pass  # cut: the server is gone
+        got.append("ended")
 
     reader = threading.Thread(target=stream)
     reader.start()
     until(lambda: any(line.startswith("data: {") for line in got))
-    code = served.stop(sig)
+    served.process.send_signal(signal.SIGINT)
+    assert served.stop(signal.SIGINT) == 130
     reader.join(WAIT_S)
-    assert code == 128 + sig
-    assert got[-1] == "data: [DONE]"  # answered, whole or cut
-    *chunks, usage = [json.loads(line[6:]) for line in got if line.startswith("data: {")]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    made = usage["usage"]["completion_tokens"]
-    if sig == signal.SIGTERM:
-        assert "draining: 1 requests to finish" in "".join(served.stderr)
-        assert made == LONG["max_tokens"]
-    else:
-        assert "stopping: 1 requests to finish" in "".join(served.stderr)
-        assert 0 < made < LONG["max_tokens"]
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(served.url + "/health")
+    assert got[-1] == "ended" and "Traceback" not in "".join(served.stderr), "".join(served.stderr)
