@@ -74,6 +74,7 @@ def chat(
     from jaxinfer.chat import ChatSession
     from jaxinfer.engine import Engine
     from jaxinfer.processes import share
+    from jaxinfer.text import check_stops
 
     options.check_positive(max_tokens=max_tokens)
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
@@ -92,7 +93,7 @@ def chat(
         system,
         on_full,
         seed,
-        tuple(map(options.unescape, stop)),
+        check_stops(map(options.unescape, stop)),
         ignore_eos,
         constraint,
         bias,

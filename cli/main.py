@@ -209,7 +209,7 @@ def run(
     from jaxinfer.processes import share
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
-    from jaxinfer.text import check_echo
+    from jaxinfer.text import check_echo, check_stops
     from jaxinfer.tools import reply
 
     def read() -> str:
@@ -247,7 +247,7 @@ def run(
     opened = options.open_model(model, mesh=mesh, ahead=ahead if plain else None, **options.model_flags(locals()))
     loaded, context = opened.model, opened.context
     sampling = options.sampling(loaded, locals())
-    stops = tuple(map(options.unescape, stop))
+    stops = check_stops(map(options.unescape, stop))
     special = system is None  # a chat turn's template writes the special tokens itself
     template = ChatTemplate.of(loaded)
     fmt = "harmony" if template.is_harmony else None  # gpt-oss: reasoning apart from the answer

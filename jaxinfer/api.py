@@ -31,6 +31,7 @@ from jaxinfer.processes import shared_seed
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.slots import penalized
+from jaxinfer.text import check_stops
 from jaxinfer.tools import check_tools, forced_grammar, format_of, reply, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
@@ -89,7 +90,9 @@ class Parser:
         return self._template
 
     def parse(self, request_id, item: dict) -> Request:
-        """The request `item` (our shape) asks for; a JaxinferError says what is wrong with it."""
+        """The request `item` (our shape) asks for; a JaxinferError says what is wrong with it. A
+        field given as null is not given (OpenAI's reading: wrappers forward unset options as None)."""
+        item = {k: v for k, v in item.items() if v is not None}
         refuse_unknown(item, FIELDS)
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
@@ -131,10 +134,10 @@ class Parser:
                 raise JaxinferError(f'"{name}" must be a number')
         sampling = replace(self.model.sampling, **given)
         stop = item.get("stop", [])
-        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise JaxinferError('"stop" must be a string or a list of strings')
-        stop = tuple(stop) + (self.template.stop if "messages" in item else ())
+        stop = check_stops(stop) + (self.template.stop if "messages" in item else ())
         ignore_eos = item.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise JaxinferError('"ignore_eos" must be true or false')
@@ -250,7 +253,7 @@ def from_openai(url: str, body: dict) -> dict:
     that change nothing here are accepted and dropped (`ACCEPTED`), the rest refused."""
     if not isinstance(body, dict):
         raise JaxinferError("the request body must be a JSON object")
-    body, item = dict(body), {}
+    body, item = {k: v for k, v in body.items() if v is not None}, {}  # null: not given
     if url == "/v1/chat/completions":  # logprobs: true, top_logprobs: N (the completions endpoint: logprobs: N)
         asked, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
         if asked not in (None, True, False):

@@ -7,6 +7,8 @@ controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII tex
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -40,10 +42,63 @@ def read_template(model_dir: Path, tokenizer_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# What rendering a conversation may take: a template comes with a model file from anywhere, and
+# one with nested range() loops ran until killed, `'x' * 10**9` for 24 s before the context check.
+RENDER_S = 5.0  # a template renders in milliseconds; a busy 2-core machine is still far inside this
+RENDER_CHARS = 1 << 24  # 16 M characters: more than any context holds with any tokenizer here
+_budget = threading.local()  # this thread's render deadline (the server renders in many threads)
+
+
+def _over(what: str):
+    return JaxinferError(f"the chat template {what}: it is not rendered (a template bug, or one made to hang)")
+
+
+def _check_time() -> None:
+    if time.perf_counter() > getattr(_budget, "deadline", float("inf")):
+        raise _over(f"ran over {RENDER_S:g} s")
+
+
+def _sized(value):
+    """`value`, where it is text or a list within RENDER_CHARS."""
+    if isinstance(value, (str, list, tuple)) and len(value) > RENDER_CHARS:
+        raise _over(f"made a value of over {RENDER_CHARS:,} characters or items")
+    return value
+
+
 def _environment():
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Budgeted(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, plus the render budget: the time is checked at every call a
+        template makes (range() in a loop, a macro, a method) and every attribute it reads; a
+        product, power or sum that would outgrow RENDER_CHARS is refused before it is made."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own spelling)
+            _check_time()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            _check_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _check_time()
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context, operator, left, right):
+            _check_time()
+            if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+                left, right = right, left
+            if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+                if len(left) * right > RENDER_CHARS:
+                    raise _over(f"made a value of over {RENDER_CHARS:,} characters or items")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+                raise _over("raised a number to a power over 64")
+            return _sized(super().call_binop(context, operator, left, right))
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -51,7 +106,7 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = Budgeted(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -101,14 +156,16 @@ class ChatTemplate:
 
         if self.is_harmony:  # gpt-oss's asks `"..." in message.content`: null (OpenAI's, beside calls) is no text
             messages = [{k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages]
+        messages = self._roles(messages)
+        variables = {"add_generation_prompt": add_generation_prompt, "tools": tools, **self._special_tokens, **extra}
+        _budget.deadline, text, size = time.perf_counter() + RENDER_S, [], 0
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **self._special_tokens,
-                **extra,
-            )
+            for piece in self._template.generate(messages=messages, **variables):
+                size += len(piece)
+                if size > RENDER_CHARS:
+                    raise _over(f"wrote over {RENDER_CHARS:,} characters")
+                text.append(piece)
+                _check_time()
         except jinja2.TemplateError as e:  # raise_exception() in the template
             raise JaxinferError(f"chat template: {e}") from None
         except (
@@ -117,5 +174,33 @@ class ChatTemplate:
             AttributeError,
             KeyError,
             IndexError,
+            RecursionError,
+            MemoryError,
+            OverflowError,
         ) as e:  # a template bug, or input it cannot take
             raise JaxinferError(f"chat template: {type(e).__name__}: {e}") from None
+        finally:
+            _budget.deadline = float("inf")
+        text = "".join(text)
+        for m in messages:  # a message the template left out would change the answer without a word
+            said = m.get("content")
+            if m["role"] not in ("assistant", "tool") and isinstance(said, str) and said.strip() not in text:
+                raise JaxinferError(
+                    f"this model's chat template leaves out a message of role {m['role']!r}", "messages"
+                )
+        return text
+
+    def _roles(self, messages: list[dict]) -> list[dict]:
+        """OpenAI's `developer` is the `system` of newer models: one for templates that know only
+        `system`. A role the template does not name (and the fallback's four) is refused."""
+        source = self.source or ""
+        known = ("system", "user", "assistant", "tool")
+        renamed = []
+        for m in messages:
+            role = m.get("role")
+            if role == "developer" and (self.is_fallback or "developer" not in source):
+                m = {**m, "role": "system"}
+            elif role not in known and (self.is_fallback or f"'{role}'" not in source and f'"{role}"' not in source):
+                raise JaxinferError(f"this model's chat template has no {role!r} role", "messages")
+            renamed.append(m)
+        return renamed

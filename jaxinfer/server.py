@@ -394,7 +394,8 @@ class Server:
 
 def _driver_fields(body: dict) -> tuple[bool, bool, int]:
     """The fields the server itself reads (removed from `body`): stream, stream_options' include_usage, n."""
-    stream = body.pop("stream", False)
+    stream = body.pop("stream", None)
+    stream = False if stream is None else stream  # null: not given
     if not isinstance(stream, bool):
         raise HTTPError(400, '"stream" must be true or false', param="stream")
     if stream and body.get("echo"):  # the echo comes with the record, at the end

@@ -11,24 +11,76 @@ from jaxinfer.loading import LoadedModel
 from jaxinfer.perplexity import prompt_logprobs
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
+# A request's stop strings at most (OpenAI allows 4; agents' fill-in-the-middle sends a dozen), and
+# characters in each: the matcher is built per request, its cost grows with their total length.
+MAX_STOPS, MAX_STOP_CHARS = 64, 256
+
+
+def check_stops(stops) -> tuple[str, ...]:
+    """Stop strings a request may give (within MAX_STOPS and MAX_STOP_CHARS), empty ones dropped."""
+    stops = tuple(s for s in stops if s)
+    if len(stops) > MAX_STOPS:
+        raise JaxinferError(f"{len(stops)} stop strings: at most {MAX_STOPS} are taken", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise JaxinferError(f"a stop string is over {MAX_STOP_CHARS} characters", "stop")
+    return stops
+
 
 class StopStrings:
     """Cuts the text stream at the first stop string. Text that could still become a stop string is
-    held back, so no stop string, nor a prefix of one split across tokens, ever reaches the output."""
+    held back, so no stop string, nor a prefix of one split across tokens, ever reaches the output.
+
+    One Aho-Corasick automaton over all the strings: each character of text moves it once, however
+    many strings there are (checking each string against the held text took 15.8 s for 200 tokens
+    with 5,000 strings of 100 characters, and slowed every row beside it). A state is a prefix of
+    some stop string: the longest that the text ends with, so its length is what is held back."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self._stops = tuple(s for s in stops if s)
-        self._held = ""
+        self._next: list[dict[str, int]] = [{}]  # the trie of the strings' prefixes; state 0 is ""
+        self._depth, ends = [0], [0]  # a state's length; a whole string's length where one ends there
+        for stop in (s for s in stops if s):
+            state = 0
+            for ch in stop:
+                if ch not in self._next[state]:
+                    self._next[state][ch] = len(self._next)
+                    self._next.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    ends.append(0)
+                state = self._next[state][ch]
+            ends[state] = len(stop)
+        # fail: the longest proper suffix of a state that is a state too; found, breadth first
+        self._fail, self._found = [0] * len(self._next), ends  # found: the longest string the state ends with
+        frontier = list(self._next[0].values())
+        while frontier:
+            deeper = []
+            for state in frontier:
+                for ch, child in self._next[state].items():
+                    fail = self._fail[state]
+                    while fail and ch not in self._next[fail]:
+                        fail = self._fail[fail]
+                    self._fail[child] = self._next[fail].get(ch, 0) if state else 0
+                    self._found[child] = self._found[child] or self._found[self._fail[child]]
+                    deeper.append(child)
+            frontier = deeper
+        self._state, self._held = 0, ""
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was found)."""
-        self._held += text
-        hits = [i for i in (self._held.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            out, self._held = self._held[: min(hits)], ""
-            return out, True
-        keep = max((n for s in self._stops for n in range(1, len(s)) if self._held.endswith(s[:n])), default=0)
-        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        """(text safe to emit, whether a stop string was found: the text is cut where the first
+        found in this piece begins)."""
+        held, state, first = len(self._held), self._state, None
+        for i, ch in enumerate(text):
+            while state and ch not in self._next[state]:
+                state = self._fail[state]
+            state = self._next[state].get(ch, 0)
+            if self._found[state]:
+                start = held + i + 1 - self._found[state]
+                first = start if first is None else min(first, start)
+        text, self._state = self._held + text, state
+        if first is not None:
+            self._held = ""
+            return text[:first], True
+        keep = self._depth[state]
+        out, self._held = text[: len(text) - keep], text[len(text) - keep :]
         return out, False
 
     def flush(self) -> str:

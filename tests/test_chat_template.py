@@ -79,3 +79,51 @@ def test_template_sources_and_the_fallback(tmp_path, tokenizers):
 def test_a_broken_template_is_a_one_line_error(tokenizers):
     with pytest.raises(JaxinferError, match="does not parse"):
         ChatTemplate("{% for %}", tokenizers[0].special_tokens)
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran over"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}", "ran over|wrote"),
+        ("{{ 'x' * 10**9 }}", "over 16,777,216"),
+        ("{{ ([0] * 10**9) | length }}", "over 16,777,216"),
+        ("{{ 7 ** 1000000000 }}", "power"),
+        ("{% set ns = namespace(s='xx') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "over"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError|ran over"),
+    ],
+)
+def test_a_template_made_to_hang_is_stopped_in_one_line(tokenizers, source, words):
+    """A template comes with a model file from anywhere: its time and size are bounded (the first
+    ran until killed, the third took 24 s)."""
+    import re
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(JaxinferError) as refused:
+        ChatTemplate(source, tokenizers[0].special_tokens).render(CONVERSATIONS["one turn"])
+    assert re.search(words, str(refused.value)) and "\n" not in str(refused.value)
+    assert time.perf_counter() - started < 60  # the budget is 5 s; the unbounded ran for hours
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2.5", "gpt-oss"])
+def test_the_developer_role_is_the_system_role_where_the_template_has_none(tokenizers, name):
+    template = ChatTemplate(TEMPLATES[name], tokenizers[0].special_tokens)
+    said = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    text = template.render(said)
+    assert "Answer in French." in text
+    if name != "gpt-oss":  # harmony has a developer message of its own
+        assert text == template.render([{**said[0], "role": "system"}, said[1]])
+
+
+def test_a_role_the_template_cannot_render_is_refused_naming_it(tokenizers):
+    special = tokenizers[0].special_tokens
+    with pytest.raises(JaxinferError, match="no 'critic' role"):
+        ChatTemplate(TEMPLATES["llama3"], special).render([{"role": "critic", "content": "x"}])
+    with pytest.raises(JaxinferError, match="no 'critic' role"):
+        ChatTemplate(None, special).render([{"role": "critic", "content": "x"}])
+    drops_system = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(JaxinferError, match="leaves out a message of role 'system'"):
+        ChatTemplate(drops_system, special).render(
+            [{"role": "system", "content": "Be brief."}, CONVERSATIONS["one turn"][0]]
+        )
