@@ -16,7 +16,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, TextIO
+from typing import Iterator, TextIO
 
 from jaxinfer.api import ENDPOINTS, Parser, from_openai, openai_body, refuse_unknown
 from jaxinfer.errors import JaxinferError
@@ -29,7 +29,7 @@ OPENAI_LINE = {"custom_id", "method", "url", "body"}
 def jsonl_lines(text: str) -> list[str]:
     """A JSONL text's lines: split at "\n" alone (a CRLF's "\r" dropped), never at the separators
     JSON leaves raw inside strings (U+2028, U+2029, U+0085, ...), where `str.splitlines` also breaks."""
-    lines = text.split("\n")
+    lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark (Windows editors) belongs to the file
     if lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
@@ -96,8 +96,14 @@ def _read_earlier(path: Path, raw, output: Output) -> None:
         request_id = record.get("custom_id", record["id"])  # an OpenAI-shaped record: the request's custom_id
         if request_id is not None:
             output.done.add(_key(request_id))
-        elif "error" in record and isinstance(record.get("line"), int):
-            output.bad_lines.add(record["line"])
+        elif isinstance(line := _error_line(record), int):
+            output.bad_lines.add(line)
+
+
+def _error_line(record: dict) -> int | None:
+    """The input line an error record without an id names (ours: "line"; OpenAI's: its error's)."""
+    error = record.get("error")
+    return (error.get("line") if isinstance(error, dict) else record.get("line")) if error else None
 
 
 def _record(path: Path, line: bytes) -> dict:
@@ -128,7 +134,7 @@ class Job:
         self.model, self.parser = model, Parser(model, context, max_tokens, speculating)
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
-        self._seen: set[str] = set()
+        self.openai = False  # every line that is a request is one of OpenAI's batch lines
         # key → endpoint, the model that ran and the tool-call format, for OpenAI lines
         self._openai: dict[str, tuple[str, str, str | None]] = {}
 
@@ -147,8 +153,11 @@ class Job:
         self.output.flush()
         self.written += 1
 
-    def requests(self, lines: Iterable[str]) -> Iterator[Request]:
-        """The valid requests not already done; each bad line is written as an error record."""
+    def requests(self, lines: list[str]) -> Iterator[Request]:
+        """The valid requests not already done; each bad line is written as an error record (in
+        OpenAI's shape where every line that is a request is one of OpenAI's). A job whose lines
+        repeat an id is refused before it starts: one id, one result."""
+        self.openai = _check_ids(lines)
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -178,9 +187,6 @@ class Job:
                 if key in self.earlier.done:
                     self.skipped += 1
                     continue
-                if key in self._seen:
-                    raise JaxinferError(f"duplicate id {request_id!r}")
-                self._seen.add(key)
                 if openai and not isinstance(request_id, str):
                     raise JaxinferError('"custom_id" must be a string, as OpenAI\'s batch input requires')
                 if openai:
@@ -199,7 +205,7 @@ class Job:
             self.skipped += 1
             return
         self.failed += 1
-        if openai and request_id is not None:
+        if openai or self.openai:
             self.write(
                 {
                     "id": _batch_id(),
@@ -210,6 +216,32 @@ class Job:
             )
         else:
             self.write({"id": request_id, "line": number, "error": message})
+
+
+def _check_ids(lines: list[str]) -> bool:
+    """Refuse a job whose lines repeat an id (naming it and the lines); whether it is OpenAI's:
+    lines that read as requests, all in OpenAI's batch shape."""
+    seen: dict[str, int] = {}
+    shapes = set()
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(item, dict):
+            continue
+        openai = "body" in item or "url" in item
+        shapes.add(openai)
+        request_id = item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
+        if request_id is None:
+            continue
+        key = _key(request_id)
+        if key in seen:
+            raise JaxinferError(
+                f"lines {seen[key]} and {number} have the same id {request_id!r}: each request needs its own"
+            )
+        seen[key] = number
+    return shapes == {True}
 
 
 def _from_openai(line: dict) -> tuple[str, dict]:

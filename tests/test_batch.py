@@ -176,7 +176,6 @@ def test_jsonl_through_stdin_and_stdout_with_bad_lines(tiny, tmp_path):
         {"id": "a", "prompt": "The capital of France is", "max_tokens": 6},
         {"custom_id": 7, "prompt": "Def fibonacci(n):", "temperature": 0.8, "seed": 1, "max_tokens": 5},
         "{broken json",
-        {"id": "a", "prompt": "duplicate"},
         {"id": "no prompt"},
         {"id": "long", "prompt": "x", "max_tokens": 10_000},
         {"id": "bad temp", "prompt": "x", "temperature": "hot"},
@@ -189,14 +188,42 @@ def test_jsonl_through_stdin_and_stdout_with_bad_lines(tiny, tmp_path):
         "2",
         stdin="".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines),
     )
-    assert proc.returncode == 5, proc.stderr  # five bad lines
+    assert proc.returncode == 4, proc.stderr  # four bad lines
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     results = {r["id"]: r for r in records if "error" in r} | {r["id"]: r for r in records if "text" in r}
     assert results["a"]["generated_tokens"] <= 6 and results[7]["seed"] == 1 and "text" in results[7]
     errors = [r for r in records if "error" in r]
-    assert [e["line"] for e in errors] == [3, 4, 5, 6, 7]
-    assert "duplicate id" in errors[1]["error"] and "exceeds the context" in errors[3]["error"]
+    assert [e["line"] for e in errors] == [3, 4, 5, 6]
+    assert "exceeds the context" in errors[2]["error"]
     assert "Traceback" not in proc.stderr
+
+
+def test_an_openai_job_is_all_in_openai_shape_and_a_repeated_id_refused_before_it_starts(tiny, tmp_path):
+    """Lines that are not JSON or have no custom_id come back in OpenAI's error shape too, with the
+    line; a file saved by a Windows editor (byte-order mark, CRLF) runs from its first line."""
+
+    def line(custom_id, prompt):
+        return json.dumps(
+            {"custom_id": custom_id, "url": "/v1/completions", "body": {"prompt": prompt, "max_tokens": 3}}
+        )
+
+    lines = [line("a", "The capital of"), "{broken", json.dumps({"url": "/v1/completions", "body": {}}), line("b", "x")]
+    (tmp_path / "in.jsonl").write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())
+    out = tmp_path / "out.jsonl"
+    proc = jaxinfer_batch(tmp_path / "in.jsonl", "-m", tiny("llama"), "-o", out, check=2)
+    records = [json.loads(r) for r in out.read_text().splitlines()]
+    assert all(set(r) == {"id", "custom_id", "response", "error"} for r in records), records
+    assert sorted(r["custom_id"] for r in records if r["response"]) == ["a", "b"], proc.stderr
+    assert sorted(r["error"]["line"] for r in records if r["error"]) == [2, 3]
+    jaxinfer_batch(tmp_path / "in.jsonl", "-m", tiny("llama"), "-o", out, "--resume", check=0)
+    assert len(out.read_text().splitlines()) == 4  # the id-less errors not written again
+
+    (tmp_path / "dup.jsonl").write_text("\n".join([line("a", "x"), line("b", "y"), line("a", "z")]) + "\n")
+    proc = jaxinfer_batch(tmp_path / "dup.jsonl", "-m", tiny("llama"), "-o", tmp_path / "dup.out", check=1)
+    assert (
+        proc.stderr.strip().splitlines()[-1] == "error: lines 1 and 3 have the same id 'a': each request needs its own"
+    )
+    assert (tmp_path / "dup.out").read_text() == ""
 
 
 def test_lines_split_at_newlines_only(tiny, tmp_path):
