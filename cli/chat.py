@@ -72,6 +72,7 @@ def chat(
 ) -> None:
     """Chat with the model in the terminal; each turn prefills only what is new since the last."""
     from jaxinfer.chat import ChatSession
+    from jaxinfer.chat_template import FALLBACK_NOTICE
     from jaxinfer.engine import Engine
     from jaxinfer.processes import share
     from jaxinfer.text import check_stops
@@ -100,7 +101,7 @@ def chat(
         reasoning_effort,
     )
     if session.template.is_fallback:
-        render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
+        render.notice(FALLBACK_NOTICE)
     render.notice(f"chatting with {loaded.path.name} (context {context} tokens); /help for commands, Ctrl-D to leave")
     last: dict | None = None
     while True:

@@ -202,7 +202,7 @@ def run(
     """Generate a continuation of PROMPT, streamed to stdout."""
     from jaxinfer.buckets import check_text_fits
     from jaxinfer.ceilings import check_peaks
-    from jaxinfer.chat_template import ChatTemplate
+    from jaxinfer.chat_template import FALLBACK_NOTICE, ChatTemplate
     from jaxinfer.engine import Engine, compile_ahead
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
@@ -253,7 +253,7 @@ def run(
     fmt = "harmony" if template.is_harmony else None  # gpt-oss: reasoning apart from the answer
     if system is not None:
         if template.is_fallback:
-            render.notice("this model has no chat template: using plain 'User:'/'Assistant:' turns")
+            render.notice(FALLBACK_NOTICE)
         turns = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         text = template.render(turns, **template.reasoning(reasoning_effort))
         stops += template.stop
@@ -426,9 +426,64 @@ def _pin_to_cores(threads: int) -> None:
     os.sched_setaffinity(0, cores[:threads])
 
 
+# llama.cpp's flags its users type out of habit (click would read "-fa" as "-f a"): (takes a value,
+# what it means here: a note where it is already so or does not apply, an error where we do not do it)
+LLAMA_CPP_FLAGS = {
+    ("-fa", "--flash-attn"): ("on|off|auto", "note: {flag} does not apply: attention always runs fused (our kernels)"),
+    ("--jinja",): (None, "note: --jinja does not apply: chat templates are always Jinja"),
+    ("--no-display-prompt",): (
+        None,
+        "note: --no-display-prompt does not apply: the prompt is printed only with --echo",
+    ),
+    ("-no-cnv", "--no-conversation"): (None, "note: {flag} does not apply: run is one prompt, chat a conversation"),
+    ("-cnv", "--conversation", "-i", "--interactive", "-if", "--interactive-first"): (None, "chat"),
+    ("--repeat-last-n",): ("N", "note: --repeat-last-n does not apply: --repeat-penalty counts the prompt and output"),
+    ("--mirostat", "--mirostat-lr", "--mirostat-ent"): (
+        "N",
+        "error: mirostat sampling is not offered: sample with --temp, --top-p, --min-p or --top-k",
+    ),
+}
+
+
+def _llama_cpp_flags(args: list[str]) -> list[str]:
+    """`args` without llama.cpp's flags (and their values), each answered: a note, or an error."""
+    from jaxinfer.errors import JaxinferError
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    kept, i = [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg == "--":
+            kept += args[i - 1 :]
+            break
+        flag, _, given = arg.partition("=")
+        said = next(((value, answer) for flags, (value, answer) in LLAMA_CPP_FLAGS.items() if flag in flags), None)
+        if said is None:
+            kept.append(arg)
+            continue
+        value, answer = said
+        if value and not given and i < len(args):
+            optional = value == "on|off|auto"  # -fa alone is llama.cpp's older spelling
+            if not optional or args[i] in ("on", "off", "auto", "1", "0"):
+                given, i = args[i], i + 1
+        if answer == "chat":
+            if command != "chat":
+                raise JaxinferError(
+                    f"{flag} is llama.cpp's conversation mode: here that is `jaxinfer chat` ({command} is not)"
+                )
+            continue  # chat is one already
+        if answer.startswith("error: ") and not (flag == "--mirostat" and given == "0"):
+            raise JaxinferError(answer.removeprefix("error: "))
+        if not answer.startswith("error: "):
+            render.notice(answer.format(flag=flag))
+    return kept
+
+
 def _global_flags_first(args: list[str]) -> list[str]:
     """`jaxinfer run ... --debug` as `jaxinfer --debug run ...` (the hint on an error says
-    "run with --debug" whatever the user typed before); the same for --compile-cache and -t."""
+    "run with --debug" whatever the user typed before); the same for --compile-cache and -t.
+    llama.cpp's flags are answered and left out first (`LLAMA_CPP_FLAGS`)."""
+    args = _llama_cpp_flags(args)
     front, rest, i = [], [], 0
     while i < len(args):
         arg = args[i]

@@ -49,19 +49,20 @@ def serve(
     import uvicorn
 
     from jaxinfer.api import Parser
-    from jaxinfer.errors import JaxinferError
+    from jaxinfer.chat_template import FALLBACK_NOTICE, ChatTemplate
     from jaxinfer.forms import layout_for_batch
     from jaxinfer.scheduler import Scheduler
     from jaxinfer.server import INTERVAL_S, Server
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue)
-    if not 0 <= port <= 65535:
-        raise JaxinferError("--port must be from 0 to 65535")
+    _check_port(host, port)  # before the model loads: a port in use is known in a moment
     mesh = options.mesh(devices)
     opened = options.open_model(
         model, layout=layout_for_batch(batch_size, mesh is not None), mesh=mesh, **options.model_flags(locals())
     )
     loaded, context = opened.model, opened.context
+    if ChatTemplate.of(loaded).is_fallback:  # what /v1/chat/completions renders
+        render.notice(FALLBACK_NOTICE)
     server = Server(
         lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),
         Parser(loaded, context, max_tokens, opened.decoding.speculating),
@@ -95,3 +96,23 @@ def serve(
         _Uvicorn(config).run()
     finally:
         server.stop()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port that cannot be listened on (in use, not ours to take), as uvicorn would after the load."""
+    import socket
+
+    from jaxinfer.errors import JaxinferError
+
+    if not 0 <= port <= 65535:
+        raise JaxinferError("--port must be from 0 to 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise JaxinferError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise JaxinferError(f"cannot listen on {host}:{port}: {e.strerror} (--port 0 takes any free one)") from None

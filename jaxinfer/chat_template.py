@@ -27,6 +27,7 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 FALLBACK_STOP = "\nUser:"
+FALLBACK_NOTICE = "this model has no chat template: using plain 'User:'/'Assistant:' turns"
 
 
 def read_template(model_dir: Path, tokenizer_config: dict) -> str | None:

@@ -125,6 +125,8 @@ def _open(path: Path, size: int, mtime: int) -> GGUFFile:
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, OSError) as e:
+        if isinstance(e, ValueError) and "reshape" in str(e):  # the reader's view of a tensor cut by the file's end
+            raise JaxinferError(f"{path}: the file is truncated: a tensor's data runs past its end ({size:,} bytes)")
         raise JaxinferError(
             f"{path}: the GGUF header cannot be read, is the file truncated or corrupt? ({e})"
         ) from None

@@ -138,6 +138,12 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
         method = gguf_model.quantized_by(file)
         config_json = {**gguf_model.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
         config_json[METHODS_KEY] = gguf_model.methods_by_path(file, config_from_hf(config_json))
+    elif model_dir.is_file():
+        holder = model_dir.parent if (model_dir.parent / "config.json").is_file() else None
+        raise JaxinferError(
+            f"{model_dir} is a file, and not a GGUF file: -m takes the model's directory (config.json and the weights)"
+            + (f": {holder}" if holder else "")
+        )
     elif not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
     else:

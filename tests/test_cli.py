@@ -4,6 +4,7 @@ test_bad_input.py; installing: test_install.py)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -164,6 +165,10 @@ def test_flags_people_bring_from_llama_cpp_and_mlx_lm(model, tmp_path):
     assert again["token_ids"] == result["token_ids"]
     noted = jaxinfer("run", "-m", model, "hi", "-n", "1", "-ngl", "99", "--no-color", "--no-stats")
     assert noted.returncode == 0 and "-ngl 99 does not apply" in noted.stderr and "\x1b[" not in noted.stderr
+    noted = jaxinfer("run", "-m", model, "hi", "-n", "1", "-fa", "--jinja", "--no-color", "--no-stats")
+    assert noted.returncode == 0 and "-fa does not apply" in noted.stderr and "--jinja does not apply" in noted.stderr
+    assert_one_line_error(jaxinfer("run", "-m", model, "hi", "-cnv"), "here that is `jaxinfer chat`")
+    assert_one_line_error(jaxinfer("run", "-m", model / "config.json", "hi"), "-m takes the model's directory")
     failing = jaxinfer("run", "-m", tmp_path / "missing", "hi", "--verbose")
     assert failing.returncode != 0 and "Traceback" in failing.stderr
     # --system-prompt: the prompt as one chat turn, the template's (here the fallback's) rendering
@@ -233,3 +238,31 @@ def test_ctrl_c_stops_generation_at_once_and_keeps_the_text(tiny, tmp_path):
     assert proc.returncode == 130, err
     assert first and "finish: interrupted" in err.decode() and "Traceback" not in err.decode()
     assert len(first + rest) > 1
+
+
+@pytest.mark.parametrize(
+    "args, kept, said",
+    [
+        (["run", "hi", "-fa"], ["run", "hi"], "-fa does not apply"),
+        (["run", "-fa", "on", "hi"], ["run", "hi"], "-fa does not apply"),
+        (["run", "--flash-attn=auto", "hi"], ["run", "hi"], "--flash-attn does not apply"),
+        (["chat", "-cnv", "--jinja"], ["chat"], "--jinja does not apply"),
+        (["run", "hi", "--repeat-last-n", "64", "--mirostat", "0"], ["run", "hi"], "--repeat-last-n does not apply"),
+        (["run", "hi", "--no-display-prompt"], ["run", "hi"], "printed only with --echo"),
+        (["run", "--", "-fa"], ["run", "--", "-fa"], ""),  # after --, a prompt
+        (["run", "hi", "-cnv"], None, "here that is `jaxinfer chat`"),
+        (["run", "hi", "-i"], None, "conversation mode"),
+        (["run", "hi", "--mirostat", "2"], None, "mirostat sampling is not offered"),
+    ],
+)
+def test_llama_cpp_flags_are_answered_not_misread(args, kept, said, capsys):
+    """click read -fa as -f a ("cannot read a") and -cnv as -c nv; each is answered as -ngl is."""
+    from jaxinfer.cli.main import _llama_cpp_flags
+    from jaxinfer.errors import JaxinferError
+
+    if kept is None:
+        with pytest.raises(JaxinferError, match=re.escape(said)):
+            _llama_cpp_flags(args)
+        return
+    assert _llama_cpp_flags(args) == kept
+    assert said in capsys.readouterr().err

@@ -316,7 +316,7 @@ def corrupted(tmp_path: Path, name: str, change) -> Path:
 def test_bad_files_are_one_line_each(tmp_path):
     q4_k = next(t for t in gguf.GGUFReader(DATA / "llama-sp-256.Q4_K_M.gguf").tensors if t.tensor_type.name == "Q4_K")
     cases = [
-        (corrupted(tmp_path, "llama-sp.Q4_0.gguf", lambda d: d[: len(d) // 2]), "truncated"),
+        (corrupted(tmp_path, "llama-sp.Q4_0.gguf", lambda d: d[: len(d) // 2]), "truncated: a tensor's data runs"),
         (corrupted(tmp_path, "llama-sp.Q4_0.gguf", lambda d: b"GGML" + d[4:]), "not a GGUF file"),
         (corrupted(tmp_path, "llama-sp.Q4_0.gguf", lambda d: d[:4] + struct.pack("<I", 99) + d[8:]), "GGUF version 99"),
         (corrupted(tmp_path, "llama-sp.Q4_0.gguf", lambda d: d[:100]), "cannot be read"),

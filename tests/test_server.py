@@ -465,3 +465,21 @@ def test_a_second_ctrl_c_exits_at_once_without_traces():
     assert served.stop(signal.SIGINT) == 130
     reader.join(WAIT_S)
     assert got[-1] == "ended" and "Traceback" not in "".join(served.stderr), "".join(served.stderr)
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(server):
+    """It failed in uvicorn's words (exit 3) once the model had loaded; the bundled model has no
+    chat template, and the server says what its chat endpoint renders instead."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            ["jaxinfer", "serve", "--port", str(port)], capture_output=True, text=True, timeout=WAIT_S
+        )
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use (--port 0 takes any free one)"
+    )
+    assert "no chat template: using plain 'User:'/'Assistant:' turns" in "".join(server.stderr)
