@@ -148,6 +148,7 @@ def _turn(session, text: str) -> dict | None:
     render.end_stream()
     session.record(gen)
     result = gen.result()
+    render.unfinished(result)
     render.turn_stats(result, session.context_used, session.engine.max_context)
     return result
 

@@ -289,6 +289,7 @@ def run(
         result["reasoning"], result["content"], result["tool_calls"] = reply(result["text"], fmt)
     if not json_output:
         render.end_stream()  # before any notice the roofline may print
+    render.unfinished(result)
     if result["finish_reason"] == "interrupted" and not result["generated_tokens"]:  # no phase to report
         if json_output:
             render.print_json(json.dumps(result, ensure_ascii=False))

@@ -53,6 +53,15 @@ def notice(message: str) -> None:
     err.print(message, style="dim", markup=False)
 
 
+def unfinished(result: dict) -> None:
+    """Say so where the token limit cut a constrained answer before it matched (it is not the answer)."""
+    if result["finish_reason"] == "unfinished":
+        notice(
+            f"warning: the token limit ({result['generated_tokens']}) cut the answer before it matched the "
+            "constraint: it is incomplete (raise -n)"
+        )
+
+
 def stream(pieces: Iterable[str], fmt: str | None = None) -> None:
     """Print text pieces as they come: through rich on a terminal, plain and flushed when piped.
     On a terminal a spinner fills the wait for the first piece (a first compile takes seconds).

@@ -26,6 +26,39 @@ FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "gu
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
+_SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf", "items")  # lists of schemas ("items": draft 7's tuples)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema, composed: bool = False):
+    """`schema` with its objects closed where they do not say: an object schema that names its
+    `properties` and says nothing of others gets `"additionalProperties": false`, as OpenAI's strict
+    mode and xgrammar (vLLM's default) read it. JSON Schema's own default admits any other key, and a
+    small model given it adds keys until its budget runs out (4 of 15 outputs of a two-property
+    schema, -n 200). A schema that wants other keys says `"additionalProperties": true` (or a schema
+    for them). Not closed: members of an `allOf` (each would refuse the others' properties), and
+    objects composed with `allOf`/`anyOf`/`oneOf`/`$ref` beside their properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            out[key] = closed(schema[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), list):
+            out[key] = [closed(s) for s in schema[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(s) for name, s in schema[key].items()}
+    if isinstance(schema.get("allOf"), list):
+        out["allOf"] = [closed(s, composed=True) for s in schema["allOf"]]
+    open_ended = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
+    if "properties" in schema and not composed and not any(key in schema for key in open_ended):
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What a row's output must match: `kind` one of KINDS; `value` a JSON schema (a dict, or its
@@ -42,7 +75,7 @@ class Constraint:
         match self.kind:
             case "json_schema":
                 schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
             case "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             case "regex":

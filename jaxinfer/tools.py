@@ -22,6 +22,7 @@ import re
 import secrets
 
 from jaxinfer import harmony
+from jaxinfer.constrain import closed
 from jaxinfer.errors import JaxinferError
 
 FORMATS = ("hermes", "mistral", "llama3", "harmony")
@@ -85,7 +86,7 @@ def forced_grammar(tools: list[dict], fmt: str) -> str:
                 "type": "object",
                 "properties": {
                     "name": {"const": t["function"]["name"]},
-                    key: t["function"].get("parameters") or {"type": "object"},
+                    key: closed(t["function"].get("parameters") or {"type": "object"}),
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
