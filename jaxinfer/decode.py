@@ -464,7 +464,12 @@ def decode(
     # of the bundled model: 2.7 → 6.4 ms per step).
     def drafting(carry) -> jax.Array:
         s = carry[1]
-        found = spec.draft if spec.model else lookup(s.tokens, s.length, spec, kv_len)[1]
+        if spec.model:
+            return jnp.any(draft_room(s, kv_len, cfg, spec.draft) > 0)
+        # the lookup only where some row may draft: a row backing off (text that does not repeat
+        # itself) would pay it every step (its token operands only: no cache in this cond)
+        may = jnp.any(draft_room(s, kv_len, cfg, spec.draft) > 0)
+        found = jax.lax.cond(may, lambda: lookup(s.tokens, s.length, spec, kv_len)[1], lambda: jnp.zeros_like(s.length))
         return jnp.any(draft_room(s, kv_len, cfg, found) > 0)
 
     def verify(carry):

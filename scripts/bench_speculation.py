@@ -46,6 +46,9 @@ def bundled_prompts(model) -> dict[str, tuple[list[int], Sampling]]:
         "copy-heavy": (encode(f"{source}\n\n# The same, once more:\n{head}\n"), Sampling()),
         "open-ended": (encode("import os\n\n\ndef walk_tree(root):\n"), Sampling()),
         "open, sampled": (encode("import os\n\n\ndef walk_tree(root):\n"), Sampling(temperature=0.8, top_p=0.95)),
+        # issue 60's: text that repeats little (×0.63 of plain decoding before the back-off)
+        "novel": (encode("def fibonacci(n):"), Sampling()),
+        "novel, sampled": (encode("def fibonacci(n):"), model.sampling),  # as `jaxinfer run` samples it
     }
 
 
