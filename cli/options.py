@@ -53,6 +53,7 @@ FLAGS = {
     "resume": "--resume",
     "reset": "/reset",  # chat's command
     "reasoning_effort": "--reasoning-effort",
+    "stop": "--stop",
     # request fields with no flag (batch lines, the server's bodies): said as they are
     "tools": "tools",
     "tool_choice": "tool_choice",

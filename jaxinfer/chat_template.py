@@ -186,9 +186,7 @@ class ChatTemplate:
         for m in messages:  # a message the template left out would change the answer without a word
             said = m.get("content")
             if m["role"] not in ("assistant", "tool") and isinstance(said, str) and said.strip() not in text:
-                raise JaxinferError(
-                    f"this model's chat template leaves out a message of role {m['role']!r}", "messages"
-                )
+                raise JaxinferError(f"this model's chat template leaves out a message of role {m['role']!r}")
         return text
 
     def _roles(self, messages: list[dict]) -> list[dict]:
@@ -202,6 +200,6 @@ class ChatTemplate:
             if role == "developer" and (self.is_fallback or "developer" not in source):
                 m = {**m, "role": "system"}
             elif role not in known and (self.is_fallback or f"'{role}'" not in source and f'"{role}"' not in source):
-                raise JaxinferError(f"this model's chat template has no {role!r} role", "messages")
+                raise JaxinferError(f"this model's chat template has no {role!r} role")
             renamed.append(m)
         return renamed
