@@ -9,6 +9,10 @@ llama.cpp's `convert_hf_to_gguf.py`, then Q8_0 by the converter and Q4_0, Q4_K_M
 `llama_model_quantize`. Both engines score the same token windows (`jaxinfer.perplexity.windows`:
 `--context` tokens, advancing by half of it) of the held-out text: this repository's own Python, which
 the model never saw. llama.cpp runs with a float32 KV cache, so only the weights' handling differs.
+"exact weights" is jaxinfer with its kernels off: the file's values dequantized into XLA's float32
+products, without the kernels' int8 activations (where the two engines part, if not in the weights).
+
+    python scripts/gguf_quality.py --model DIR --kinds Q4_K_M    # any Hugging Face directory
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ KINDS = ("F32", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 FTYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.h's LLAMA_FTYPE_MOSTLY_*
 
 
-def files(work: Path) -> dict[str, Path]:
-    """The bundled model as a GGUF file of each kind, made by llama.cpp (once, kept in `work`)."""
+def files(work: Path, model: Path | None = None, kinds=KINDS) -> dict[str, Path]:
+    """The model (None: the bundled one) as a GGUF file of each kind, made by llama.cpp (once, kept in `work`)."""
     import subprocess
 
     import llama_cpp
@@ -38,14 +42,15 @@ def files(work: Path) -> dict[str, Path]:
     from jaxinfer.modeldir import bundled_model_dir
 
     tree = llama_cpp_source(Path(tempfile.gettempdir()))
-    out = {kind: work / f"bundled.{kind}.gguf" for kind in KINDS}
+    model = model or bundled_model_dir()
+    out = {kind: work / f"{model.name}.{kind}.gguf" for kind in ("F32", *kinds)}
     for kind, outtype in (("F32", "f32"), ("Q8_0", "q8_0")):
-        if not out[kind].is_file():
-            command = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(bundled_model_dir())]
+        if kind in out and not out[kind].is_file():
+            command = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model)]
             command += ["--outtype", outtype, "--outfile", str(out[kind])]
             subprocess.run(command, check=True, env={"PYTHONPATH": str(tree / "gguf-py")})
     for kind, ftype in FTYPES.items():
-        if not out[kind].is_file():
+        if kind in out and not out[kind].is_file():
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = ftype
             if llama_cpp.llama_model_quantize(str(out["F32"]).encode(), str(out[kind]).encode(), params) != 0:
@@ -78,22 +83,38 @@ def log_probs_ours(model, window: list[int]) -> np.ndarray:
 
 
 def judge(path: Path, ids: list[int], context: int) -> dict:
+    """Both engines' perplexity on the file, and jaxinfer's with its kernels off ("exact weights": the
+    file's values dequantized, XLA's float32 products, no int8 activations)."""
+    import jax
+
+    from jaxinfer import kernel
     from jaxinfer.loading import load_model
     from jaxinfer.perplexity import windows
 
     model = load_model(path)
-    nll = {"jaxinfer": 0.0, "llama.cpp": 0.0}
+    kernel.enabled = False
+    jax.clear_caches()  # the programs compiled with the kernels
+    exact = load_model(path)
+    nll = {"jaxinfer": 0.0, "llama.cpp": 0.0, "exact weights": 0.0}
     agree = scored = 0
     for w in windows(len(ids), context, context // 2):
         window = ids[w.start : w.start + context]
         targets = np.asarray(window[1:])[w.scored_from - 1 :]
+        kernel.enabled = True
+        jax.clear_caches()
         ours = log_probs_ours(model, window)[w.scored_from - 1 :]
+        kernel.enabled = False
+        jax.clear_caches()
+        plain = log_probs_ours(exact, window)[w.scored_from - 1 :]
         theirs = log_probs_llama_cpp(path, window)[w.scored_from - 1 :]
         at = np.arange(len(targets))
         nll["jaxinfer"] -= ours[at, targets].sum()
+        nll["exact weights"] -= plain[at, targets].sum()
         nll["llama.cpp"] -= theirs[at, targets].sum()
         agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
         scored += len(targets)
+    kernel.enabled = True
+    jax.clear_caches()
     ppl = {engine: float(np.exp(total / scored)) for engine, total in nll.items()}
     return {
         "file": path.name,
@@ -110,24 +131,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "jaxinfer-gguf-quality")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a Hugging Face directory [default: the bundled model]"
+    )
+    parser.add_argument("--kinds", default=",".join(KINDS[1:]), help="the quantized kinds beside F32")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
     from jaxinfer.loading import load_model
 
+    made = files(args.work, args.model, tuple(args.kinds.split(",")))
     text = "\n".join(p.read_text() for p in sorted((ROOT / "jaxinfer").glob("*.py")))
-    ids = load_model(files(args.work)["F32"]).tokenizer.encode(text)[: args.tokens]
+    ids = load_model(made["F32"]).tokenizer.encode(text)[: args.tokens]
     rows = []
-    for kind, path in files(args.work).items():
+    for kind, path in made.items():
         rows.append(judge(path, ids, args.context))
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| file | jaxinfer runs it as | perplexity, jaxinfer | llama.cpp | ratio | top-1 agreement |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| file | jaxinfer runs it as | perplexity, jaxinfer | exact weights | llama.cpp | ratio | top-1 agreement |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         p = r["perplexity"]
         print(
-            f"| {r['file']} | {r['storage']} | {p['jaxinfer']:.4f} | {p['llama.cpp']:.4f} | {r['ratio']:.4f} "
-            f"| {r['top1_agreement']:.1%} |"
+            f"| {r['file']} | {r['storage']} | {p['jaxinfer']:.4f} | {p['exact weights']:.4f} | {p['llama.cpp']:.4f} "
+            f"| {r['ratio']:.4f} | {r['top1_agreement']:.1%} |"
         )
 
 
