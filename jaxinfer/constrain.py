@@ -33,7 +33,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def closed(schema, composed: bool = False):
     """`schema` with its objects closed where they do not say: an object schema that names its
-    `properties` and says nothing of others gets `"additionalProperties": false`, as OpenAI's strict
+    `properties` (or their `patternProperties`) and says nothing of others gets
+    `"additionalProperties": false`, as OpenAI's strict
     mode and xgrammar (vLLM's default) read it. JSON Schema's own default admits any other key, and a
     small model given it adds keys until its budget runs out (4 of 15 outputs of a two-property
     schema, -n 200). A schema that wants other keys says `"additionalProperties": true` (or a schema
@@ -54,7 +55,8 @@ def closed(schema, composed: bool = False):
     if isinstance(schema.get("allOf"), list):
         out["allOf"] = [closed(s, composed=True) for s in schema["allOf"]]
     open_ended = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
-    if "properties" in schema and not composed and not any(key in schema for key in open_ended):
+    named = "properties" in schema or "patternProperties" in schema
+    if named and not composed and not any(key in schema for key in open_ended):
         out["additionalProperties"] = False
     return out
 

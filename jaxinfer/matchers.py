@@ -123,9 +123,9 @@ def _libraries() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     kernels.jaxinfer_matchers_bind((p * len(step))(*step))
     i64 = ctypes.c_int64
     for name, restype, argtypes in (
-        ("jaxinfer_matchers_new", i64, (i64, i64, p)),
+        ("jaxinfer_matchers_new", i64, (i64, i64, p, i64, p, p)),
         ("jaxinfer_matchers_free", None, (i64,)),
-        ("jaxinfer_matchers_start", None, (i64, i64, p)),
+        ("jaxinfer_matchers_start", None, (i64, i64, p, ctypes.c_bool)),
         ("jaxinfer_matchers_complete", ctypes.c_bool, (i64, i64)),
         ("jaxinfer_matchers_steps", i64, (i64,)),
         ("jaxinfer_matchers_advance", None, (i64, p, i64, p)),
@@ -158,6 +158,7 @@ class _LlgTokenizer:
             return len(ids)
 
         self._keep = (lens, data, eos, _TOKENIZE(tokenize))  # llguidance reads them while the tokenizer lives
+        self.lens, self.data = lens, data
         init = _TokenizerInit(
             struct_size=ctypes.sizeof(_TokenizerInit),
             vocab_size=vocab,
@@ -303,13 +304,17 @@ class Matchers:
         self._vocabulary = _vocabulary(tokenizer, vocab, eos_ids)
         self.masks = np.full((batch, self.words), -1, np.int32)  # the kernels write each row's next mask here
         self._kernels = _libraries()[1]
-        self.id = self._kernels.jaxinfer_matchers_new(batch, self.words, self.masks.ctypes.data)
+        lens, data = self._vocabulary.lens, self._vocabulary.data  # each token's bytes: JSON rows' keys are guarded
+        self.id = self._kernels.jaxinfer_matchers_new(
+            batch, self.words, self.masks.ctypes.data, vocab, lens.ctypes.data, data.ctypes.data
+        )
         weakref.finalize(self, self._kernels.jaxinfer_matchers_free, self.id)
 
     def start(self, row: int, constraint: Constraint | None) -> None:
         """Constrain `row` from its next token on (None: free it)."""
         matcher, self.masks[row] = (None, -1) if constraint is None else _matcher(constraint, self._vocabulary)
-        self._kernels.jaxinfer_matchers_start(self.id, row, matcher)
+        json = constraint is not None and constraint.kind in ("json_schema", "json_object")  # no key twice
+        self._kernels.jaxinfer_matchers_start(self.id, row, matcher, json)
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:
         """Feed each constrained row the tokens [B, T] it made (the others -1); return the bitmasks

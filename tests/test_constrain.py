@@ -103,6 +103,27 @@ def test_objects_admit_no_keys_they_do_not_name_unless_they_say(bundled):
     assert closed({"type": "object"}) == {"type": "object"}  # any object: nothing named, nothing closed
 
 
+def test_no_key_twice_even_where_the_grammar_would_allow_it(bundled):
+    """Keys of one letter, two to four of them: llguidance's grammar wrote {"g":0,"g":0,"g":0,...}
+    (parsed, one key: the schema it was made under broken). The kernels refuse a key its object
+    holds, and look one token ahead where few tokens go on, so a row does not begin a key that can
+    only close as one it has ("g" then only '"'). Greedy and sampled, plain and speculating."""
+    letters = {"type": "object", "patternProperties": {"^[a-z]$": SMALL}, "minProperties": 2, "maxProperties": 4}
+
+    def no_repeats(pairs):
+        assert len({k for k, _ in pairs}) == len(pairs), pairs
+        return dict(pairs)
+
+    for spec in (0, 4):
+        decoding = Decoding(speculation=Speculation(draft=spec)) if spec else Decoding()
+        engine = Engine(bundled.config, bundled.params, 512, bundled.eos_ids, decoding)
+        for seed in range(4):
+            sampling = Sampling(temperature=1.0) if seed else Sampling()
+            gen = _generate(bundled, engine, Constraint("json_schema", letters), sampling, seed, 80)
+            assert gen.finish_reason in ("stop", "eos"), gen.text
+            jsonschema.validate(json.loads(gen.text, object_pairs_hook=no_repeats), closed(letters))
+
+
 @pytest.mark.slow  # a model's whole runs: CI's, not the inner loop's
 def test_the_schema_suite_in_one_mixed_batch(bundled):
     """All 20 schemas greedy and sampled, with free rows among them, through one batch of 8 slots:

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -37,16 +38,136 @@ struct Llg {
   void (*free_matcher)(LlgMatcher*);
 } llg;
 
+// The keys of a JSON row's open objects, read from its bytes as they are made: a grammar cannot say
+// "no key twice" (a context-free language cannot hold the keys written), and llguidance let
+// `patternProperties` with `minProperties: 2` write {"b":0,"b":0}, which parses to one key and breaks
+// the schema it was made under. Each mask then loses the tokens that would close a key its object
+// already holds. Keys compare as written (escapes and all); the writer is compact JSON, which writes
+// a key one way.
+struct Keys {
+  std::vector<std::vector<std::string>> objects;  // per open container (an array's: none), its keys
+  std::vector<uint8_t> is_object;
+  std::string key;  // the key being written
+  bool in_string = false, escape = false, in_key = false, expect_key = false;
+
+  void feed(const uint8_t* bytes, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint8_t c = bytes[i];
+      if (in_string) {
+        if (escape) {
+          escape = false;
+        } else if (c == '\\') {
+          escape = true;
+        } else if (c == '"') {
+          in_string = false;
+          if (in_key) objects.back().push_back(key);
+          in_key = false;
+          continue;
+        }
+        if (in_key) key.push_back(static_cast<char>(c));
+      } else if (c == '"') {
+        in_string = true;
+        in_key = expect_key && !is_object.empty() && is_object.back();
+        expect_key = false;
+        key.clear();
+      } else if (c == '{' || c == '[') {
+        objects.emplace_back();
+        is_object.push_back(c == '{');
+        expect_key = c == '{';
+      } else if (c == '}' || c == ']') {
+        if (!objects.empty()) {
+          objects.pop_back();
+          is_object.pop_back();
+        }
+        expect_key = false;
+      } else if (c == ',') {
+        expect_key = !is_object.empty() && is_object.back();
+      }
+    }
+  }
+
+  // Whether `bytes` would close a key its object holds already: `feed`'s reading on local state, the
+  // objects below read where they are (a token is a few bytes: nothing is copied but the key begun).
+  bool refuses(const uint8_t* bytes, size_t n) const {
+    bool in_s = in_string, esc = escape, in_k = in_key, expect = expect_key;
+    std::string name = in_key ? key : std::string();
+    size_t top = objects.size();                                   // the open containers below this token's
+    std::vector<std::pair<bool, std::vector<std::string>>> opened;  // containers the token opens
+    std::vector<std::pair<size_t, std::string>> added;             // keys it adds to those below
+    auto object = [&] { return opened.empty() ? top > 0 && is_object[top - 1] : opened.back().first; };
+    for (size_t i = 0; i < n; ++i) {
+      const uint8_t c = bytes[i];
+      if (in_s) {
+        if (esc) {
+          esc = false;
+        } else if (c == '\\') {
+          esc = true;
+        } else if (c == '"') {
+          in_s = false;
+          if (in_k) {
+            if (!opened.empty()) {
+              auto& held = opened.back().second;
+              if (std::find(held.begin(), held.end(), name) != held.end()) return true;
+              held.push_back(name);
+            } else {
+              const auto& held = objects[top - 1];
+              if (std::find(held.begin(), held.end(), name) != held.end()) return true;
+              for (const auto& [level, k] : added)
+                if (level == top - 1 && k == name) return true;
+              added.emplace_back(top - 1, name);
+            }
+          }
+          in_k = false;
+          continue;
+        }
+        if (in_k) name.push_back(static_cast<char>(c));
+      } else if (c == '"') {
+        in_s = true;
+        in_k = expect && object();
+        expect = false;
+        name.clear();
+      } else if (c == '{' || c == '[') {
+        opened.emplace_back(c == '{', std::vector<std::string>{});
+        expect = c == '{';
+      } else if (c == '}' || c == ']') {
+        if (!opened.empty()) {
+          opened.pop_back();
+        } else if (top > 0) {
+          --top;
+        }
+        expect = false;
+      } else if (c == ',') {
+        expect = object();
+      }
+    }
+    return false;
+  }
+};
+
+// Each token's bytes, and the tokens that hold a quote (only those can close a key).
+struct Vocabulary {
+  std::vector<uint32_t> start;  // token t's bytes are data[start[t], start[t + 1])
+  std::vector<uint8_t> data;
+  std::vector<int32_t> quoted;
+
+  const uint8_t* bytes(int32_t t) const { return data.data() + start[t]; }
+  size_t size(int32_t t) const { return start[t + 1] - start[t]; }
+};
+
 // One batch's matchers: a row's, or null where the row is free.
 struct Set {
   int64_t batch, words;
   int32_t* masks;  // [batch, words]: the Python side's array (`Matchers.masks`), each row's next mask
   std::vector<LlgMatcher*> rows;
   std::vector<uint8_t> ended;  // the row's grammar is complete, or can go no further
-  int64_t steps = 0;           // `advance` calls: one a decode step however many devices run it
+  std::vector<uint8_t> json;   // the row's output is JSON: its keys are guarded (`Keys`)
+  std::vector<Keys> keys;
+  Vocabulary vocabulary;
+  int64_t steps = 0;  // `advance` calls: one a decode step however many devices run it
 
-  Set(int64_t batch, int64_t words, int32_t* masks)
-      : batch(batch), words(words), masks(masks), rows(batch, nullptr), ended(batch, 0) {}
+  Set(int64_t batch, int64_t words, int32_t* masks, Vocabulary vocabulary)
+      : batch(batch), words(words), masks(masks), rows(batch, nullptr), ended(batch, 0), json(batch, 0), keys(batch),
+        vocabulary(std::move(vocabulary)) {}
   ~Set() {
     for (LlgMatcher* m : rows) llg.free_matcher(m);
   }
@@ -55,6 +176,54 @@ struct Set {
 
   bool fill(LlgMatcher* m, int32_t* dst) {
     return llg.compute_mask_into(m, reinterpret_cast<uint32_t*>(dst), words * sizeof(int32_t)) == 0;
+  }
+
+  // Clears from `dst` the tokens that would close a key `k`'s object holds already.
+  void refuse_keys(const Keys& k, int32_t* dst) const {
+    if (k.objects.empty()) return;  // no object open: no key to repeat
+    for (int32_t t : vocabulary.quoted) {
+      const int64_t w = t / 32;
+      if (w < words && (dst[w] >> (t % 32) & 1) && k.refuses(vocabulary.bytes(t), vocabulary.size(t))) {
+        dst[w] &= ~(int32_t{1} << (t % 32));
+      }
+    }
+  }
+
+  // refuse_keys, and where a key is being begun or written with few tokens to go on (the grammar's
+  // keys are a small set: `patternProperties` of one letter), also each token after which nothing
+  // would be left: {"g":0,"g could only close as "g" again, and the row would end there unfinished.
+  // Looked ahead one token (m consumes it and is rolled back); free-form keys have thousands of
+  // tokens to go on, and no dead end one token away to look for.
+  static constexpr int kLookahead = 64;
+  void guard(LlgMatcher* m, const Keys& k, int32_t* dst) {
+    refuse_keys(k, dst);
+    if (k.objects.empty() || !(k.in_key || (k.expect_key && k.is_object.back())) || k.objects.back().empty()) return;
+    std::vector<int32_t> next;
+    for (int64_t w = 0; w < words && static_cast<int>(next.size()) <= kLookahead; ++w)
+      for (uint32_t bits = static_cast<uint32_t>(dst[w]); bits; bits &= bits - 1) next.push_back(static_cast<int32_t>(w * 32 + __builtin_ctz(bits)));
+    if (static_cast<int>(next.size()) > kLookahead) return;
+    std::vector<int32_t> after(words);
+    for (int32_t t : next) {
+      if (t + 1 >= static_cast<int32_t>(vocabulary.start.size()) || llg.consume_token(m, static_cast<uint32_t>(t)) != 0) continue;
+      bool open = !llg.is_stopped(m) && !llg.is_error(m) && fill(m, after.data());
+      if (open) {
+        Keys ahead = k;
+        ahead.feed(vocabulary.bytes(t), vocabulary.size(t));
+        refuse_keys(ahead, after.data());
+        open = std::any_of(after.begin(), after.end(), [](int32_t word) { return word != 0; });
+      }
+      (void)llg.rollback(m, 1);
+      if (!open) dst[t / 32] &= ~(int32_t{1} << (t % 32));
+    }
+  }
+
+  // Feeds the row's token to its matcher (and keys); false where the grammar (or a key twice) refuses it.
+  bool consume(int64_t row, int32_t token, Keys& k) {
+    const bool known = token >= 0 && token + 1 < static_cast<int32_t>(vocabulary.start.size());
+    if (json[row] && known && k.refuses(vocabulary.bytes(token), vocabulary.size(token))) return false;
+    if (llg.consume_token(rows[row], static_cast<uint32_t>(token)) != 0) return false;
+    if (json[row] && known) k.feed(vocabulary.bytes(token), vocabulary.size(token));
+    return true;
   }
 
   // tokens [batch, t] (-1 where none) → out [batch, words + 1]
@@ -69,9 +238,10 @@ struct Set {
       LlgMatcher* m = any ? rows[row] : nullptr;
       if (m != nullptr && !ended[row]) {
         for (int64_t i = 0; i < t; ++i) {
-          if (made[i] >= 0 && llg.consume_token(m, static_cast<uint32_t>(made[i])) != 0) break;
+          if (made[i] >= 0 && !consume(row, made[i], keys[row])) break;
         }
         bool stop = llg.is_stopped(m) || llg.is_error(m) || !fill(m, mask(row));
+        if (!stop && json[row]) guard(m, keys[row], mask(row));
         bool none = true;
         for (int64_t w = 0; w < words && none; ++w) none = mask(row)[w] == 0;
         if (stop || none) {  // ended: its steps are discarded from now on; all bits set keeps their sampling finite
@@ -98,13 +268,15 @@ struct Set {
       std::vector<uint32_t> drafts(row_drafts, row_drafts + n);
       taken = 0;
       const int32_t valid = llg.validate_tokens(m, drafts.data(), drafts.size());
+      Keys k = json[row] ? keys[row] : Keys{};  // the drafts' keys, dropped with them
       for (int32_t i = 0; i < valid; ++i) {
-        if (llg.consume_token(m, drafts[i]) != 0) break;
+        if (!consume(row, static_cast<int32_t>(drafts[i]), k)) break;
         if (llg.is_stopped(m)) {  // completes the match: left for the row's own token
           (void)llg.rollback(m, 1);
           break;
         }
         fill(m, masks_after + taken * words);
+        if (json[row]) guard(m, k, masks_after + taken * words);
         ++taken;
       }
       (void)llg.rollback(m, taken);
@@ -153,10 +325,23 @@ extern "C" void jaxinfer_matchers_bind(void* const* functions) {
   std::memcpy(&llg, functions, sizeof(llg));
 }
 
-// A batch's matchers, all rows free; `masks` [batch, words] stays the caller's. Returns its id.
-extern "C" int64_t jaxinfer_matchers_new(int64_t batch, int64_t words, int32_t* masks) {
+// A batch's matchers, all rows free; `masks` [batch, words] stays the caller's; the vocabulary's
+// `vocab` tokens as llguidance's tokenizer takes them (`lens`, their bytes one after another in
+// `data`), copied. Returns its id.
+extern "C" int64_t jaxinfer_matchers_new(int64_t batch, int64_t words, int32_t* masks, int64_t vocab, const uint32_t* lens,
+                                         const uint8_t* data) {
+  jaxinfer::Vocabulary v;
+  v.start.resize(vocab + 1, 0);
+  for (int64_t t = 0; t < vocab; ++t) v.start[t + 1] = v.start[t] + lens[t];
+  v.data.assign(data, data + v.start[vocab]);
+  for (int64_t t = 0; t < vocab; ++t) {
+    const uint8_t* b = v.bytes(static_cast<int32_t>(t));
+    if (v.size(static_cast<int32_t>(t)) > 0 && b[0] != 0xFF && std::find(b, b + v.size(static_cast<int32_t>(t)), '"') != b + v.size(static_cast<int32_t>(t))) {
+      v.quoted.push_back(static_cast<int32_t>(t));
+    }
+  }
   std::lock_guard<std::mutex> hold(jaxinfer::registry_lock);
-  jaxinfer::registry.push_back(std::make_unique<jaxinfer::Set>(batch, words, masks));
+  jaxinfer::registry.push_back(std::make_unique<jaxinfer::Set>(batch, words, masks, std::move(v)));
   return static_cast<int64_t>(jaxinfer::registry.size());
 }
 
@@ -170,11 +355,14 @@ extern "C" void jaxinfer_matchers_free(int64_t id) {
 // mask already in the row of `masks`; a null matcher frees the row. A step in flight may run beside
 // it: a row being started makes no tokens there, so the step reads no matcher of it (and the mask
 // it copies out for it, the admission's prefill sets again).
-extern "C" void jaxinfer_matchers_start(int64_t id, int64_t row, void* matcher) {
+// `json`: the output is JSON, whose keys are guarded (`Keys`).
+extern "C" void jaxinfer_matchers_start(int64_t id, int64_t row, void* matcher, bool json) {
   jaxinfer::Set* set = find(id);
   llg.free_matcher(set->rows[row]);
   set->rows[row] = static_cast<jaxinfer::LlgMatcher*>(matcher);
   set->ended[row] = 0;
+  set->json[row] = json && matcher != nullptr;
+  set->keys[row] = jaxinfer::Keys{};
 }
 
 // Whether the row's text so far is a whole match (a free row's always is).
