@@ -38,6 +38,45 @@ struct Llg {
   void (*free_matcher)(LlgMatcher*);
 } llg;
 
+// JSON's lexical state, enough to know where a key begins and ends; `levels`, the open containers:
+// is_object() (the innermost), open(is_object), close(), add(key) (false: its object holds it).
+struct Lexer {
+  std::string key;  // the key being written
+  bool in_string = false, escape = false, in_key = false, expect_key = false;
+
+  // Reads byte c; false where it closes a key its object holds already.
+  template <class Levels>
+  bool read(uint8_t c, Levels& levels) {
+    if (in_string) {
+      if (escape) {
+        escape = false;
+      } else if (c == '\\') {
+        escape = true;
+      } else if (c == '"') {
+        in_string = false;
+        const bool closed = in_key;
+        in_key = false;
+        return !closed || levels.add(key);
+      }
+      if (in_key) key.push_back(static_cast<char>(c));
+    } else if (c == '"') {
+      in_string = true;
+      in_key = expect_key && levels.is_object();
+      expect_key = false;
+      key.clear();
+    } else if (c == '{' || c == '[') {
+      levels.open(c == '{');
+      expect_key = c == '{';
+    } else if (c == '}' || c == ']') {
+      levels.close();
+      expect_key = false;
+    } else if (c == ',') {
+      expect_key = levels.is_object();
+    }
+    return true;
+  }
+};
+
 // The keys of a JSON row's open objects, read from its bytes as they are made: a grammar cannot say
 // "no key twice" (a context-free language cannot hold the keys written), and llguidance let
 // `patternProperties` with `minProperties: 2` write {"b":0,"b":0}, which parses to one key and breaks
@@ -45,101 +84,67 @@ struct Llg {
 // already holds. Keys compare as written (escapes and all); the writer is compact JSON, which writes
 // a key one way.
 struct Keys {
+  Lexer lexer;
   std::vector<std::vector<std::string>> objects;  // per open container (an array's: none), its keys
   std::vector<uint8_t> is_object;
-  std::string key;  // the key being written
-  bool in_string = false, escape = false, in_key = false, expect_key = false;
 
-  void feed(const uint8_t* bytes, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-      const uint8_t c = bytes[i];
-      if (in_string) {
-        if (escape) {
-          escape = false;
-        } else if (c == '\\') {
-          escape = true;
-        } else if (c == '"') {
-          in_string = false;
-          if (in_key) objects.back().push_back(key);
-          in_key = false;
-          continue;
-        }
-        if (in_key) key.push_back(static_cast<char>(c));
-      } else if (c == '"') {
-        in_string = true;
-        in_key = expect_key && !is_object.empty() && is_object.back();
-        expect_key = false;
-        key.clear();
-      } else if (c == '{' || c == '[') {
-        objects.emplace_back();
-        is_object.push_back(c == '{');
-        expect_key = c == '{';
-      } else if (c == '}' || c == ']') {
-        if (!objects.empty()) {
-          objects.pop_back();
-          is_object.pop_back();
-        }
-        expect_key = false;
-      } else if (c == ',') {
-        expect_key = !is_object.empty() && is_object.back();
+  void feed(const uint8_t* bytes, size_t n) {  // bytes `refuses` did not refuse
+    struct Own {
+      Keys& k;
+      bool is_object() const { return !k.is_object.empty() && k.is_object.back(); }
+      void open(bool object) {
+        k.objects.emplace_back();
+        k.is_object.push_back(object);
       }
-    }
+      void close() {
+        if (!k.objects.empty()) {
+          k.objects.pop_back();
+          k.is_object.pop_back();
+        }
+      }
+      bool add(const std::string& key) {
+        k.objects.back().push_back(key);
+        return true;
+      }
+    } own{*this};
+    for (size_t i = 0; i < n; ++i) lexer.read(bytes[i], own);
   }
 
-  // Whether `bytes` would close a key its object holds already: `feed`'s reading on local state, the
-  // objects below read where they are (a token is a few bytes: nothing is copied but the key begun).
+  // Whether `bytes` would close a key its object holds already: the containers below read where
+  // they are, those the bytes open and the keys they add kept aside (a token is a few bytes).
   bool refuses(const uint8_t* bytes, size_t n) const {
-    bool in_s = in_string, esc = escape, in_k = in_key, expect = expect_key;
-    std::string name = in_key ? key : std::string();
-    size_t top = objects.size();                                   // the open containers below this token's
-    std::vector<std::pair<bool, std::vector<std::string>>> opened;  // containers the token opens
-    std::vector<std::pair<size_t, std::string>> added;             // keys it adds to those below
-    auto object = [&] { return opened.empty() ? top > 0 && is_object[top - 1] : opened.back().first; };
-    for (size_t i = 0; i < n; ++i) {
-      const uint8_t c = bytes[i];
-      if (in_s) {
-        if (esc) {
-          esc = false;
-        } else if (c == '\\') {
-          esc = true;
-        } else if (c == '"') {
-          in_s = false;
-          if (in_k) {
-            if (!opened.empty()) {
-              auto& held = opened.back().second;
-              if (std::find(held.begin(), held.end(), name) != held.end()) return true;
-              held.push_back(name);
-            } else {
-              const auto& held = objects[top - 1];
-              if (std::find(held.begin(), held.end(), name) != held.end()) return true;
-              for (const auto& [level, k] : added)
-                if (level == top - 1 && k == name) return true;
-              added.emplace_back(top - 1, name);
-            }
-          }
-          in_k = false;
-          continue;
-        }
-        if (in_k) name.push_back(static_cast<char>(c));
-      } else if (c == '"') {
-        in_s = true;
-        in_k = expect && object();
-        expect = false;
-        name.clear();
-      } else if (c == '{' || c == '[') {
-        opened.emplace_back(c == '{', std::vector<std::string>{});
-        expect = c == '{';
-      } else if (c == '}' || c == ']') {
+    struct View {
+      const Keys& k;
+      size_t top;                                                     // the open containers below
+      std::vector<std::pair<bool, std::vector<std::string>>> opened;  // containers the bytes open
+      std::vector<std::pair<size_t, std::string>> added;              // keys they add to those below
+      bool is_object() const { return opened.empty() ? top > 0 && k.is_object[top - 1] : opened.back().first; }
+      void open(bool object) { opened.emplace_back(object, std::vector<std::string>{}); }
+      void close() {
         if (!opened.empty()) {
           opened.pop_back();
         } else if (top > 0) {
           --top;
         }
-        expect = false;
-      } else if (c == ',') {
-        expect = object();
       }
-    }
+      bool add(const std::string& key) {
+        if (!opened.empty()) {
+          auto& held = opened.back().second;
+          if (std::find(held.begin(), held.end(), key) != held.end()) return false;
+          held.push_back(key);
+          return true;
+        }
+        const auto& held = k.objects[top - 1];
+        if (std::find(held.begin(), held.end(), key) != held.end()) return false;
+        for (const auto& [level, name] : added)
+          if (level == top - 1 && name == key) return false;
+        added.emplace_back(top - 1, key);
+        return true;
+      }
+    } view{*this, objects.size(), {}, {}};
+    Lexer lexer = this->lexer;
+    for (size_t i = 0; i < n; ++i)
+      if (!lexer.read(bytes[i], view)) return true;
     return false;
   }
 };
@@ -197,7 +202,7 @@ struct Set {
   static constexpr int kLookahead = 64;
   void guard(LlgMatcher* m, const Keys& k, int32_t* dst) {
     refuse_keys(k, dst);
-    if (k.objects.empty() || !(k.in_key || (k.expect_key && k.is_object.back())) || k.objects.back().empty()) return;
+    if (k.objects.empty() || !(k.lexer.in_key || (k.lexer.expect_key && k.is_object.back())) || k.objects.back().empty()) return;
     std::vector<int32_t> next;
     for (int64_t w = 0; w < words && static_cast<int>(next.size()) <= kLookahead; ++w)
       for (uint32_t bits = static_cast<uint32_t>(dst[w]); bits; bits &= bits - 1) next.push_back(static_cast<int32_t>(w * 32 + __builtin_ctz(bits)));
