@@ -22,6 +22,7 @@ from jaxinfer.api import ENDPOINTS, Parser, from_openai, openai_body, refuse_unk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.scheduler import Request
+from jaxinfer.tools import reply
 
 OPENAI_LINE = {"custom_id", "method", "url", "body"}
 
@@ -135,15 +136,18 @@ class Job:
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self.openai = False  # every line that is a request is one of OpenAI's batch lines
+        self._formats: dict[str, str] = {}  # key → the reply format of our own shape's chat lines (`tools.reply`)
         # key → endpoint, the model that ran and the tool-call format, for OpenAI lines
         self._openai: dict[str, tuple[str, str, str | None]] = {}
 
     def write(self, record: dict) -> None:
         """Write one record as it finishes: a result, or an error; in the OpenAI shape where the
         request came in it."""
-        shape = self._openai.get(_key(record["id"]))
+        shape, fmt = self._openai.get(_key(record["id"])), self._formats.get(_key(record["id"]))
         if shape:
             record = _openai_result(record, *shape)
+        elif fmt and "text" in record:  # as `run --json`: the text as made, and read
+            record = record | dict(zip(("reasoning", "content", "tool_calls"), reply(record["text"], fmt)))
         text = json.dumps(record, ensure_ascii=False)
         try:
             text.encode("utf-8")
@@ -194,6 +198,8 @@ class Job:
                 request = self.parser.parse(request_id, {k: v for k, v in item.items() if k not in ("id", "custom_id")})
                 if openai:  # the model that ran, not the one asked for
                     self._openai[key] = (url, self.model.path.name, request.tools)
+                elif request.tools:  # tools offered, or a harmony model's reasoning: read apart
+                    self._formats[key] = request.tools
                 yield request
             except JaxinferError as e:
                 self._fail(number, request_id, str(e), openai)

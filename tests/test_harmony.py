@@ -192,3 +192,29 @@ def test_a_request_to_a_harmony_model_is_read_as_one(tiny):
     for item, said in refused:
         with pytest.raises(JaxinferError, match=said):
             parser.parse(2, item)
+
+
+def test_a_batch_line_of_our_shape_gets_the_reply_read_as_run_json_does(tiny):
+    """A harmony model's answer in a batch record of our shape: the text as made, and beside it the
+    reasoning, the content and the calls (`run --json`'s fields); OpenAI's lines had them already."""
+    import io
+
+    from jaxinfer.jobs import Job
+    from jaxinfer.loading import load_model
+
+    model = load_model(tiny("llama"))
+    out = io.StringIO()
+    job = Job(model, 512, 8, out)
+    job.parser._template = ChatTemplate(TEMPLATE, model.tokenizer.special_tokens)
+    lines = [
+        json.dumps({"id": "h", "messages": [{"role": "user", "content": "Weather?"}]}),
+        '{"id": "p", "prompt": "x"}',
+    ]
+    assert [r.tools for r in job.requests(lines)] == ["harmony", None]
+    made = {"text": THINK + CALL, "finish_reason": "stop", "prompt_tokens": 5, "generated_tokens": 20, "seed": 0}
+    job.write({"id": "h", **made})
+    job.write({"id": "p", **made})
+    chat, plain = map(json.loads, out.getvalue().splitlines())
+    assert chat["text"] == THINK + CALL and chat["reasoning"] == "The user asks the weather."
+    assert chat["content"] is None and json.loads(chat["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert "reasoning" not in plain  # a prompt: text only
