@@ -179,8 +179,7 @@ class Job:
                     raise JaxinferError(f"not valid JSON ({e})") from None
                 if not isinstance(item, dict):
                     raise JaxinferError("a request must be a JSON object")
-                openai = "body" in item or "url" in item
-                request_id = item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
+                openai, request_id = _shape_and_id(item)
                 if request_id is None:
                     raise JaxinferError(
                         'an OpenAI batch line needs a "custom_id"'
@@ -224,6 +223,12 @@ class Job:
             self.write({"id": request_id, "line": number, "error": message})
 
 
+def _shape_and_id(item: dict) -> tuple[bool, object]:
+    """Whether a request line is one of OpenAI's batch lines, and its id (OpenAI's: custom_id)."""
+    openai = "body" in item or "url" in item
+    return openai, item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
+
+
 def _check_ids(lines: list[str]) -> bool:
     """Refuse a job whose lines repeat an id (naming it and the lines); whether it is OpenAI's:
     lines that read as requests, all in OpenAI's batch shape."""
@@ -236,9 +241,8 @@ def _check_ids(lines: list[str]) -> bool:
             continue
         if not isinstance(item, dict):
             continue
-        openai = "body" in item or "url" in item
+        openai, request_id = _shape_and_id(item)
         shapes.add(openai)
-        request_id = item.get("custom_id") if openai else item.get("id", item.get("custom_id"))
         if request_id is None:
             continue
         key = _key(request_id)
