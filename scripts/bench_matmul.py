@@ -6,6 +6,11 @@ switched off (the kernel takes it from 16 rows).
 
     python scripts/bench_matmul.py                      # SmolLM-135M's and TinyLlama's matrices
     python scripts/bench_matmul.py --rows 1,5 --repeat 50
+    python scripts/bench_matmul.py --rows 16 --cold 30  # float32 weights cold, as decode reads them
+
+`--cold N` cycles N copies of each SmolLM-135M matrix through the kernel inside one jitted loop, so
+every call's weights come from memory (as a decode step's, 30 layers apart) and no call pays a
+dispatch: the kernel's GFLOP/s, best of 40 loops. `taskset -c 1` in front measures one core.
 """
 
 from __future__ import annotations
@@ -74,9 +79,12 @@ def main() -> None:
     parser.add_argument(
         "--torch", action="store_true", help="also PyTorch's bfloat16 linear (oneDNN), as transformers runs it"
     )
+    parser.add_argument("--cold", type=int, default=0, help="copies of each matrix cycled (float32, the kernel only)")
     args = parser.parse_args()
     if not kernel.available():
         raise SystemExit("the kernels were not built for this machine (or the backend is not the CPU)")
+    if args.cold:
+        return cold(args.cold, [int(r) for r in args.rows.split(",")])
     print(f"kernel path: {kernel.isa()}; ms per call (weights' GB/s), median of {args.repeat}")
     xla = jax.jit(lambda x, w: jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32))
     xla_io = jax.jit(lambda x, w: jnp.einsum("mi,io->mo", x, w, preferred_element_type=jnp.float32))
@@ -107,6 +115,37 @@ def main() -> None:
                     t = ms(fn, x, weight, repeat=args.repeat)
                     cells.append(f"{form} {t:8.3f} ({gb / t * 1e3:5.1f})")
                 print(f"  {jnp.dtype(dtype).name:8} M={rows:<4} " + "  ".join(cells), flush=True)
+
+
+def cold(copies: int, rows: list[int], loops: int = 4) -> None:
+    """The kernel's GFLOP/s on SmolLM-135M's matrices with `copies` of each cycled in one jitted loop."""
+    rng = np.random.default_rng(0)
+    print(f"kernel path: {kernel.isa()}; GFLOP/s over {copies} copies of each matrix, best of 40")
+    for name, (n, k) in MATRICES.items():
+        if not name.startswith("smollm") or "head" in name:
+            continue
+        weights = [packed.pack(jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.05)) for _ in range(copies)]
+        cells = []
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+
+            @jax.jit
+            def chain(x, weights):
+                def body(_, acc):  # each product's input depends on the one before: no call is skipped
+                    for w in weights:
+                        acc = acc + packed.matmul(acc, w)[:, :1].sum() * 0
+                    return acc
+
+                return jax.lax.fori_loop(0, loops, body, x)
+
+            jax.block_until_ready(chain(x, weights))
+            best = float("inf")
+            for _ in range(40):
+                start = time.perf_counter()
+                jax.block_until_ready(chain(x, weights))
+                best = min(best, (time.perf_counter() - start) / loops / copies)
+            cells.append(f"M={m} {2 * m * n * k / best / 1e9:6.1f}")
+        print(f"  {name:24} " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
