@@ -52,34 +52,77 @@ inline void store_sums(const FProblem& p, int64_t g, int64_t row0, const typenam
     for (int c = 0; c < kVecs; ++c) V::store(y + r * p.groups * kGroup + c * V::L, acc[r][c]);
 }
 
+// What a tile fetches as it goes: inputs [k, k + n) of groups [g, g + kCols), spread evenly over its
+// own inputs, up to kFetchPer each (n = 0: nothing); into L1 (`l1`) or L2. A tile fetching the next
+// block into L1 ran no faster than the hardware's prefetch alone with the weights cold (AVX2's
+// one-group tiles at 16 rows, one core: SmolLM-135M's matrices 60-65 GFLOP/s cold, ~100 hot); into
+// L2, 65-85 (the Zen 4's L1 has few misses in flight for a stream of its own). The prefetches lie
+// inside the tile's loop, not in a function or loop of their own: GCC 12 takes one of nothing but
+// prefetches for one without effects and deletes it, prefetches and all.
+struct Fetch {
+  int64_t g = 0, k = 0, n = 0;
+  bool l1 = false;
+};
+constexpr int64_t kFetchPer = 4;
+
+template <bool kBf16, int kCols>
+struct Fetcher {
+  const FProblem& p;
+  Fetch f;
+  int64_t per;  // inputs fetched per input of the tile
+  Fetcher(const FProblem& p, const Fetch& f, int64_t count)
+      : p(p), f(f), per(count > 0 ? std::min(kFetchPer, (f.n + count - 1) / count) : 0) {}
+  template <int kLocality>  // __builtin_prefetch's: 3 for L1, 2 for L2
+  __attribute__((always_inline)) void at(int64_t i) const {  // for the tile's input i
+    const int64_t k = f.k + i * per, end = f.k + f.n;
+    for (int c = 0; c < kCols; ++c) {
+      if (k < end) __builtin_prefetch(group_at<kBf16>(p.w, f.g + c, k, p.k), 0, kLocality);
+      if (per > 1 && k + 1 < end) __builtin_prefetch(group_at<kBf16>(p.w, f.g + c, k + 1, p.k), 0, kLocality);
+      if (per > 2 && k + 2 < end) __builtin_prefetch(group_at<kBf16>(p.w, f.g + c, k + 2, p.k), 0, kLocality);
+      if (per > 3 && k + 3 < end) __builtin_prefetch(group_at<kBf16>(p.w, f.g + c, k + 3, p.k), 0, kLocality);
+    }
+  }
+  // f(std::integral_constant<int, locality>), 0 for none: the choice made once, outside a loop
+  template <class F>
+  void choose(F&& f_) const {
+    if (!f.n) return f_(std::integral_constant<int, 0>{});
+    if (f.l1) return f_(std::integral_constant<int, 3>{});
+    f_(std::integral_constant<int, 2>{});
+  }
+};
+
 // kRows rows by kCols groups over inputs [k0, k1): per k, the groups' weight vectors and kRows
 // broadcasts feed kRows * kCols * 16 / L independent sums. From k0 > 0 on, the sums go on from what
 // the block before stored in y (a float32 store and load: the same sums in the same order).
-// `ahead` > 0: also fetch into L1 the weights that many inputs on.
 template <class V, int kRows, int kCols, bool kBf16>
-void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, const Fetch& fetch) {
   constexpr int kPer = kGroup / V::L, kVecs = kCols * kPer;
   typename V::F acc[kRows][kVecs];
   load_sums<V>(p, g, row0, k0, acc);
   const float* x = p.x + row0 * p.k;
-  for (int64_t k = k0; k < k1; ++k) {
-    if (ahead)
-      for (int c = 0; c < kCols; ++c) __builtin_prefetch(group_at<kBf16>(p.w, g + c, k + ahead, p.k), 0, 3);
-    typename V::F w[kVecs];
-    for (int c = 0; c < kVecs; ++c) w[c] = load_group<V, kBf16>(p.w, g + c / kPer, k, p.k, c % kPer);
-    for (int r = 0; r < kRows; ++r) {
-      const typename V::F xv = V::set1(x[r * p.k + k]);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = V::fma(w[c], xv, acc[r][c]);
+  const Fetcher<kBf16, kCols> fetcher(p, fetch, k1 - k0);
+  fetcher.choose([&](auto locality) {
+    for (int64_t k = k0; k < k1; ++k) {
+      if constexpr (decltype(locality)::value > 0) fetcher.template at<decltype(locality)::value>(k - k0);
+      typename V::F w[kVecs];
+      for (int c = 0; c < kVecs; ++c) w[c] = load_group<V, kBf16>(p.w, g + c / kPer, k, p.k, c % kPer);
+      for (int r = 0; r < kRows; ++r) {
+        const typename V::F xv = V::set1(x[r * p.k + k]);
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = V::fma(w[c], xv, acc[r][c]);
+      }
     }
-  }
+  });
   store_sums<V>(p, g, row0, acc);
 }
 
-// `tile(rows, row0, k0, k1, ahead)` over all rows in tiles of kRows, for kCols groups. More rows
-// than a tile, up to 32 (batched decode, a checking pass), go over the inputs a block at a time, and the second tile
-// fetches the next block's weights while the others reuse this one's from L1, so the stream from
-// memory overlaps arithmetic instead of feeding the first tile alone. Measured on AVX-512 with the
-// weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
+// `tile(rows, row0, k0, k1, fetch)` over all rows in tiles of kRows, for the kCols groups from g.
+// More rows than a tile, up to 32 (batched decode, a checking pass), go over the inputs a block at a
+// time, and the second tile fetches the next block's weights while the others reuse this one's from
+// L1, so the stream from memory overlaps arithmetic instead of feeding the first tile alone; at the
+// last block, the next block is the first of the groups after these (`more`: this thread runs them),
+// which the hardware's prefetch alone left to be read cold: AVX2's one-group tiles at 16 rows, one
+// core, SmolLM-135M's matrices ~65 GFLOP/s with the weights cold against ~100 hot. Measured on
+// AVX-512 with the weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
 // B=16 6–8%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16 prefill
 // TTFT 739 → 912 ms), so whole K there. A block is 16 KiB of float32 weights, so that it and the next
 // one fetched beside it fit L1 together: blocks of 32 KiB evicted the block in use on the Xeon
@@ -89,27 +132,29 @@ constexpr int64_t kFBlockWeights = 4096;
 constexpr int64_t kFBlockMaxRows = 32;
 
 template <int kRows, int kCols, class Tile>
-void frows(const FProblem& p, Tile&& tile) {
-  const int64_t block = p.m > kRows && p.m <= kFBlockMaxRows ? kFBlockWeights / (kCols * kGroup) : p.k;
+void frows(const FProblem& p, int64_t g, bool more, Tile&& tile) {
+  const bool blocked = p.m > kRows && p.m <= kFBlockMaxRows;
+  const int64_t block = blocked ? kFBlockWeights / (kCols * kGroup) : p.k;
   for (int64_t k0 = 0; k0 < p.k; k0 += block) {
     const int64_t k1 = std::min(p.k, k0 + block);
-    const int64_t next = k1 < p.k ? std::min(block, p.k - k1) : 0;
+    const Fetch next = k1 < p.k ? Fetch{g, k1, std::min(block, p.k - k1)} : Fetch{g + kCols, 0, blocked && more ? block : 0};
     int64_t row = 0;
-    for (; row + kRows <= p.m; row += kRows) tile(std::integral_constant<int, kRows>{}, row, k0, k1, row == kRows ? next : 0);
+    for (; row + kRows <= p.m; row += kRows) tile(std::integral_constant<int, kRows>{}, row, k0, k1, row == kRows ? next : Fetch{});
     if constexpr (kRows > 1) {
-      if (row < p.m) with_rows<kRows - 1>(p.m - row, [&](auto rows) { tile(rows, row, k0, k1, row == kRows ? next : 0); });
+      if (row < p.m) with_rows<kRows - 1>(p.m - row, [&](auto rows) { tile(rows, row, k0, k1, row == kRows ? next : Fetch{}); });
     }
   }
 }
 
-// `tile(rows, cols, g, row0, k0, k1, ahead)` over groups [g0, g1): in tiles of kCols groups by kRows
+// `tile(rows, cols, g, row0, k0, k1, fetch)` over groups [g0, g1): in tiles of kCols groups by kRows
 // rows (`frows`), then the groups left over one at a time.
 template <int kRows, int kCols, class Tile>
 void fgroups_in_tiles(const FProblem& p, int64_t g0, int64_t g1, Tile&& tile) {
   int64_t g = g0;
   auto wide = [&](auto cols) {
     for (; g + decltype(cols)::value <= g1; g += decltype(cols)::value)
-      frows<kRows, decltype(cols)::value>(p, [&](auto rows, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) { tile(rows, cols, g, row0, k0, k1, ahead); });
+      frows<kRows, decltype(cols)::value>(p, g, g + decltype(cols)::value < g1,
+                                          [&](auto rows, int64_t row0, int64_t k0, int64_t k1, const Fetch& fetch) { tile(rows, cols, g, row0, k0, k1, fetch); });
   };
   wide(std::integral_constant<int, kCols>{});
   if constexpr (kCols > 1) wide(std::integral_constant<int, 1>{});
@@ -129,12 +174,12 @@ constexpr int64_t kOneRowAhead = 64;
 // FMAs' latency is covered without spilling.
 template <class V, bool kBf16>
 void fgroups_narrow(const FProblem& p, int64_t g0, int64_t g1) {
-  auto tile = [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
-    ftile<V, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, ahead);
+  auto tile = [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, const Fetch& fetch) {
+    ftile<V, decltype(rows)::value, decltype(cols)::value, kBf16>(p, g, row0, k0, k1, fetch);
   };
   if (p.m == 1) {
-    fgroups_in_tiles<1, 4>(p, g0, g1, [&tile](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t) {
-      tile(rows, cols, g, row0, k0, k1, kBf16 ? kOneRowAhead : 0);
+    fgroups_in_tiles<1, 4>(p, g0, g1, [&tile](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, const Fetch&) {
+      tile(rows, cols, g, row0, k0, k1, kBf16 ? Fetch{g, k0 + kOneRowAhead, k1 - k0, true} : Fetch{});
     });
   } else if (p.m <= 3) {
     fgroups_in_tiles<2, 2>(p, g0, g1, tile);
@@ -192,17 +237,27 @@ inline void scores(const float* const* q, const float* keys, int64_t hd, float* 
 // the transposed copy, into out[r][kKeys] (zero past n): a decode step's few rows (the query heads of
 // one kv head) cannot pay for the copy with their FMAs. kAt keys at once share each query load.
 // The sums of L (row, key) pairs are one transpose and L - 1 adds, not L horizontal reductions.
+// `next`: how many keys the block after this one has (fetched as these are scored).
 // Per layer over 8192 float32 keys (a 2-core Zen 4, three sittings against the transposed copy):
 // head dim 256 with 4 query heads a kv head 2.0-2.4 -> 1.7-1.9 ms, 128 with 2 1.7-2.1 -> 1.3-1.5,
 // 64 with 3 0.40-0.44 -> 0.22-0.27.
 template <class V, int kRows, int kVecs, bool kBf16>
 inline void scores_direct(const float* const* q, const Attention& p, int64_t b, int64_t h, int64_t s0, int64_t n,
-                          float* out) {
+                          int64_t next, float* out) {
   constexpr int L = V::L, kAt = V::kRegisters >= 32 ? 4 : 2;
+  constexpr int64_t kSize = kBf16 ? 2 : 4, kRowBytes = kVecs * L * kSize;
   for (int64_t j = 0; j < n; j += kAt) {
     typename V::F acc[kRows][kAt];
     int64_t at[kAt];
     for (int i = 0; i < kAt; ++i) at[i] = p.key_at(b, s0 + std::min<int64_t>(j + i, n - 1), h);
+    // into L2 as the scores go: these keys' values (read once the scores are weights) and the next
+    // block's keys, which one stream of the hardware's prefetch alone left to arrive late: SmolLM-135M's
+    // shape at B = 16 over 131 keys, the 30 layers cold, 12.8 GB/s on AVX2
+    for (int i = 0; i < kAt; ++i)
+      for (int64_t line = 0; line < kRowBytes; line += 64) {
+        if (j + i < n) __builtin_prefetch(static_cast<const char*>(p.v) + at[i] * kSize + line, 0, 2);
+        if (j + i < next) __builtin_prefetch(static_cast<const char*>(p.k) + (at[i] + kKeys * kVecs * L) * kSize + line, 0, 2);
+      }
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < kAt; ++i) acc[r][i] = V::zero();
     for (int c = 0; c < kVecs; ++c) {
@@ -313,7 +368,7 @@ void attend(const Attention& p, const Item& it, const Part& part) {
       }
     }
     if (direct)  // every row's scores at once
-      with_rows<kDirectRows>(rows, [&](auto count) { scores_direct<V, decltype(count)::value, kVecs, kBf16>(&query[0], p, b, h, s0, n, weights.data()); });
+      with_rows<kDirectRows>(rows, [&](auto count) { scores_direct<V, decltype(count)::value, kVecs, kBf16>(&query[0], p, b, h, s0, n, std::min(kKeys, hi - s0 - kKeys), weights.data()); });
     for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
       float* w0 = weights.data() + m0 * kKeys;  // the scores, then in their place the weights
       if (!direct)

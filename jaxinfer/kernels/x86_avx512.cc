@@ -294,13 +294,13 @@ void round_bits(const float* x, uint16_t* out, int64_t n) {
 // nor a second FMA.
 template <int kRows, int kCols>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dtile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1,
-                                                                           int64_t ahead) {
+                                                                           const simd::Fetch& fetch) {
   __m512 acc[kRows][kCols];
   simd::load_sums<Avx512>(p, g, row0, k0, acc);
   const uint16_t* x = p.x_bf16 + row0 * p.k;
+  const simd::Fetcher<true, kCols> fetcher(p, fetch, k1 - k0);
   for (int64_t k = k0; k < k1; k += 2) {
-    if (ahead)
-      for (int c = 0; c < kCols; ++c) _mm_prefetch(static_cast<const char*>(simd::group_at<true>(p.w, g + c, k + ahead, p.k)), _MM_HINT_T0);
+    if (fetch.n) fetcher.template at<2>(k - k0), fetcher.template at<2>(k - k0 + 1);  // the blocks' fetch (frows): into L2
     __m512bh w[kCols];
     for (int c = 0; c < kCols; ++c) w[c] = (__m512bh)_mm512_loadu_si512(simd::group_at<true>(p.w, g + c, k, p.k));
     for (int r = 0; r < kRows; ++r) {
@@ -317,12 +317,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dtile(const
 // Tiles of 6 rows by 4 groups: 24 sums in the 32 registers.
 template <bool kBf16, bool kDot>
 void fgroups(const FProblem& p, int64_t g0, int64_t g1) {
-  simd::fgroups_in_tiles<6, 4>(p, g0, g1, [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, int64_t ahead) {
+  simd::fgroups_in_tiles<6, 4>(p, g0, g1, [&p](auto rows, auto cols, int64_t g, int64_t row0, int64_t k0, int64_t k1, const simd::Fetch& fetch) {
     constexpr int kRows = decltype(rows)::value, kCols = decltype(cols)::value;
 #if defined(JAXINFER_AVX512_BF16)
-    if constexpr (kDot) return dtile<kRows, kCols>(p, g, row0, k0, k1, ahead);
+    if constexpr (kDot) return dtile<kRows, kCols>(p, g, row0, k0, k1, fetch);
 #endif
-    simd::ftile<Avx512, kRows, kCols, kBf16>(p, g, row0, k0, k1, ahead);
+    simd::ftile<Avx512, kRows, kCols, kBf16>(p, g, row0, k0, k1, fetch);
   });
 }
 
