@@ -137,7 +137,7 @@ void frows(const FProblem& p, int64_t g, bool more, Tile&& tile) {
   const int64_t block = blocked ? kFBlockWeights / (kCols * kGroup) : p.k;
   for (int64_t k0 = 0; k0 < p.k; k0 += block) {
     const int64_t k1 = std::min(p.k, k0 + block);
-    const Fetch next = k1 < p.k ? Fetch{g, k1, std::min(block, p.k - k1)} : Fetch{g + kCols, 0, blocked && more ? block : 0};
+    const Fetch next = k1 < p.k ? Fetch{g, k1, std::min(block, p.k - k1)} : Fetch{g + kCols, 0, blocked && more ? std::min(block, p.k) : 0};
     int64_t row = 0;
     for (; row + kRows <= p.m; row += kRows) tile(std::integral_constant<int, kRows>{}, row, k0, k1, row == kRows ? next : Fetch{});
     if constexpr (kRows > 1) {
