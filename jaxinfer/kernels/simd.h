@@ -56,7 +56,7 @@ inline void store_sums(const FProblem& p, int64_t g, int64_t row0, const typenam
 // own inputs, up to kFetchPer each (n = 0: nothing); into L1 (`l1`) or L2. A tile fetching the next
 // block into L1 ran no faster than the hardware's prefetch alone with the weights cold (AVX2's
 // one-group tiles at 16 rows, one core: SmolLM-135M's matrices 60-65 GFLOP/s cold, ~100 hot); into
-// L2, 65-85 (the Zen 4's L1 has few misses in flight for a stream of its own). The prefetches lie
+// L2, 65-85 (more misses in flight there, we take it). The prefetches lie
 // inside the tile's loop, not in a function or loop of their own: GCC 12 takes one of nothing but
 // prefetches for one without effects and deletes it, prefetches and all.
 struct Fetch {
@@ -119,10 +119,9 @@ void ftile(const FProblem& p, int64_t g, int64_t row0, int64_t k0, int64_t k1, c
 // More rows than a tile, up to 32 (batched decode, a checking pass), go over the inputs a block at a
 // time, and the second tile fetches the next block's weights while the others reuse this one's from
 // L1, so the stream from memory overlaps arithmetic instead of feeding the first tile alone; at the
-// last block, the next block is the first of the groups after these (`more`: this thread runs them),
-// which the hardware's prefetch alone left to be read cold: AVX2's one-group tiles at 16 rows, one
-// core, SmolLM-135M's matrices ~65 GFLOP/s with the weights cold against ~100 hot. Measured on
-// AVX-512 with the weights cold, as decode reads them: SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
+// last block, the next block is the first of the groups after these (`more`: this thread runs them;
+// into L2, see Fetch). Measured on AVX-512 with the weights cold, as decode reads them (the fetch
+// into L1 then): SmolLM-135M's matrices at 16 rows 5–15% faster, decode at
 // B=16 6–8%; from 48 rows (prefill chunks) no faster, and at 128 rows up to 20% slower (B=16 prefill
 // TTFT 739 → 912 ms), so whole K there. A block is 16 KiB of float32 weights, so that it and the next
 // one fetched beside it fit L1 together: blocks of 32 KiB evicted the block in use on the Xeon
@@ -251,8 +250,9 @@ inline void scores_direct(const float* const* q, const Attention& p, int64_t b, 
     int64_t at[kAt];
     for (int i = 0; i < kAt; ++i) at[i] = p.key_at(b, s0 + std::min<int64_t>(j + i, n - 1), h);
     // into L2 as the scores go: these keys' values (read once the scores are weights) and the next
-    // block's keys, which one stream of the hardware's prefetch alone left to arrive late: SmolLM-135M's
-    // shape at B = 16 over 131 keys, the 30 layers cold, 12.8 GB/s on AVX2
+    // block's keys, one stream at a time being all the hardware's prefetch saw before: SmolLM-135M's
+    // shape at B = 16 over 131 keys, the 30 layers cold (bench_attention.py --cold 16,131), AVX2
+    // 13.7 -> 19.7 GB/s, native 17.7 -> 23.8; over 1000 keys AVX2 16.2 -> 26.4
     for (int i = 0; i < kAt; ++i)
       for (int64_t line = 0; line < kRowBytes; line += 64) {
         if (j + i < n) __builtin_prefetch(static_cast<const char*>(p.v) + at[i] * kSize + line, 0, 2);
