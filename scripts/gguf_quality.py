@@ -82,39 +82,43 @@ def log_probs_ours(model, window: list[int]) -> np.ndarray:
     return np.asarray(_window_logprobs(model.params, jnp.asarray(window), model.config), np.float64)
 
 
+def score(log_probs, spans: list[tuple[list[int], int]]) -> tuple[float, list[np.ndarray]]:
+    """The negative log-likelihood of the spans' scored tokens (each a window and where its scored
+    part starts) under `log_probs(window)`, and each span's top-1 tokens."""
+    nll, top = 0.0, []
+    for window, start in spans:
+        lp = log_probs(window)[start:]
+        targets = np.asarray(window[1:])[start:]
+        nll -= lp[np.arange(len(targets)), targets].sum()
+        top.append(lp.argmax(-1))
+    return nll, top
+
+
 def judge(path: Path, ids: list[int], context: int) -> dict:
     """Both engines' perplexity on the file, and jaxinfer's with its kernels off ("exact weights": the
-    file's values dequantized, XLA's float32 products, no int8 activations)."""
+    file's values dequantized, XLA's float32 products, no int8 activations). Each of jaxinfer's two
+    runs scores every window in turn, so each compiles once."""
     import jax
 
     from jaxinfer import kernel
     from jaxinfer.loading import load_model
     from jaxinfer.perplexity import windows
 
+    spans = [(ids[w.start : w.start + context], w.scored_from - 1) for w in windows(len(ids), context, context // 2)]
     model = load_model(path)
+    nll, top = {}, {}
+    nll["jaxinfer"], top["jaxinfer"] = score(lambda window: log_probs_ours(model, window), spans)
     kernel.enabled = False
     jax.clear_caches()  # the programs compiled with the kernels
-    exact = load_model(path)
-    nll = {"jaxinfer": 0.0, "llama.cpp": 0.0, "exact weights": 0.0}
-    agree = scored = 0
-    for w in windows(len(ids), context, context // 2):
-        window = ids[w.start : w.start + context]
-        targets = np.asarray(window[1:])[w.scored_from - 1 :]
+    try:
+        exact = load_model(path)
+        nll["exact weights"], _ = score(lambda window: log_probs_ours(exact, window), spans)
+    finally:
         kernel.enabled = True
         jax.clear_caches()
-        ours = log_probs_ours(model, window)[w.scored_from - 1 :]
-        kernel.enabled = False
-        jax.clear_caches()
-        plain = log_probs_ours(exact, window)[w.scored_from - 1 :]
-        theirs = log_probs_llama_cpp(path, window)[w.scored_from - 1 :]
-        at = np.arange(len(targets))
-        nll["jaxinfer"] -= ours[at, targets].sum()
-        nll["exact weights"] -= plain[at, targets].sum()
-        nll["llama.cpp"] -= theirs[at, targets].sum()
-        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
-        scored += len(targets)
-    kernel.enabled = True
-    jax.clear_caches()
+    nll["llama.cpp"], top["llama.cpp"] = score(lambda window: log_probs_llama_cpp(path, window), spans)
+    scored = sum(len(t) for t in top["jaxinfer"])
+    agree = sum(int((a == b).sum()) for a, b in zip(top["jaxinfer"], top["llama.cpp"]))
     ppl = {engine: float(np.exp(total / scored)) for engine, total in nll.items()}
     return {
         "file": path.name,
