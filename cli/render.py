@@ -236,6 +236,11 @@ def perplexity(result: dict) -> None:
     out.print(line)
 
 
+def _text_of(facts: dict) -> str:
+    """How `info` names a multimodal checkpoint whose text model it runs."""
+    return f", the text model of a {tower}" if (tower := facts.get("text_model_of")) else ""
+
+
 def model_info(facts: dict) -> None:
     """`jaxinfer info`: a two-column table on stdout."""
     from rich.table import Table
@@ -243,7 +248,7 @@ def model_info(facts: dict) -> None:
     w = facts["weight_bytes"]
     state = f" + {_bytes(facts['state_bytes_per_row'] * facts['batch'])} state" if facts["state_bytes_per_row"] else ""
     rows = [
-        ("model", f"{facts['model']} ({facts['architecture']})"),
+        ("model", f"{facts['model']} ({facts['architecture']}{_text_of(facts)})"),
         (
             "parameters",
             f"{facts['parameters']:,}"

@@ -140,6 +140,7 @@ def info(
     facts = {
         "model": str(model_dir),
         "architecture": cfg.architecture,
+        **({"text_model_of": cfg.multimodal} if cfg.multimodal else {}),
         "dtype": chosen,
         "quantize": quantize,
         "kv_dtype": cfg.kv_dtype,

@@ -79,6 +79,10 @@ class ModelConfig:
     delta_qkvz: bool = False  # q, k, v, z interleaved per key head in one matrix (Qwen3-Next's in_proj_qkvz)
     delta_tiled: bool = False  # value heads tiled over the key heads (h uses key head h % Hk), not grouped
     attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj also gives each head a sigmoid gate on its output
+    # The multimodal checkpoint (`*ForConditionalGeneration`) this is the text model of: its tensors
+    # under model.language_model (or the older language_model.model), the vision tower's skipped
+    # (`jaxinfer.families.TOWERS`); "": a text model's checkpoint.
+    multimodal: str = ""
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0

@@ -143,6 +143,11 @@ def config_json(file: GGUFFile) -> dict:
     """The config.json the file's metadata stands for (`families.config_from_hf` reads it), with the
     dtype of its layers' float matrices."""
     arch, meta = file.architecture, file.meta
+    if arch == "clip":  # llama.cpp's multimodal projector file (`--mmproj`), made beside the text model's
+        raise JaxinferError(
+            f"{file.path}: a multimodal projector (mmproj) file: images are not supported yet; "
+            "-m takes the text model's GGUF file"
+        )
     if arch not in ARCHITECTURES:
         raise JaxinferError(
             f"{file.path}: architecture {arch!r} is not one jaxinfer runs from a GGUF file "

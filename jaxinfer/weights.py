@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig, leaves_of, stored_methods
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import ignored, weight_table
+from jaxinfer.families import ignored, tensor_name, weight_table
 from jaxinfer.forms import Experts, Plain, Quantized, is_matrix, matrix
 from jaxinfer.sharding import param_shardings, weight_sharding
 
@@ -208,10 +208,11 @@ def read_safetensors(
         handles = [safe_open(str(f), framework="np") for f in files]
     except (SafetensorError, OSError) as e:
         raise JaxinferError(f"cannot read safetensors file ({e}); is it truncated or corrupt?") from None
-    names = [(h, name) for h in handles for name in h.keys()]
-    for done, (handle, name) in enumerate(names, 1):
+    names = [(h, stored) for h in handles for stored in h.keys()]
+    for done, (handle, stored) in enumerate(names, 1):
+        name = tensor_name(cfg, stored)
         if name in seen:
-            raise JaxinferError(f"tensor {name} appears in more than one shard")
+            raise JaxinferError(f"tensor {name} appears twice in the checkpoint")
         seen.add(name)
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue  # tied head: the checkpoint repeats the embedding
@@ -224,7 +225,7 @@ def read_safetensors(
         weight = table[name]
         path, shape = weight.path, weight.shape
         try:
-            array = handle.get_tensor(name)
+            array = handle.get_tensor(stored)
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxinferError(f"cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
         if "mxfp4" in weight.stored:  # one of an MXFP4 matrix's two tensors: the leaf when both are read

@@ -24,8 +24,14 @@ DEFAULTS = {
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
     },
-    "Gemma3ForCausalLM": {
+    "Gemma3ForCausalLM": {  # with transformers' sizes, which the hub's multimodal text configs may leave out
         **_COMMON,
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
         "max_position_embeddings": 131072,
         "sliding_window": 4096,
         "query_pre_attn_scalar": 256,

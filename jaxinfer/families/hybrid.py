@@ -17,20 +17,8 @@ from jaxinfer.config import ModelConfig, Weight, common_fields, rotary_dim
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama, moe
 
-# the hub's Qwen3.5 checkpoints are multimodal: their text model, under model.language_model, is run
-TEXT = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
-ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *TEXT)
-IGNORED = ("mtp.", "model.visual.")  # checkpoint tensors the model does not use, as transformers skips them
-
-
-def note(cfg: ModelConfig) -> str | None:
-    """What a user should hear once about what of the checkpoint is not run."""
-    if cfg.architecture in TEXT:
-        return "the checkpoint's vision tower (model.visual.*) is not loaded: jaxinfer runs its text model"
-    return None
+ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+IGNORED = ("mtp.",)  # checkpoint tensors the model does not use, as transformers skips them
 
 
 # transformers' defaults for keys a config.json leaves out.
@@ -70,10 +58,7 @@ MIXERS = {"linear_attention": "delta", "full_attention": "attention"}
 
 
 def config(d: dict, arch: str) -> ModelConfig:
-    text = TEXT.get(arch, arch)
-    if arch in TEXT:  # the text model's keys, and the head's tie, which the outer config holds
-        d = {**d.get("text_config", {}), "tie_word_embeddings": d.get("tie_word_embeddings", False)}
-    d = {**DEFAULTS[text], **d}
+    d = {**DEFAULTS[arch], **d}
     llama.check_silu(d, arch)
     layers = int(d["num_hidden_layers"])
     types = d.get("layer_types") or [
@@ -87,7 +72,7 @@ def config(d: dict, arch: str) -> ModelConfig:
     if value_heads % key_heads:
         raise JaxinferError(f"config.json: {value_heads} DeltaNet value heads do not group over {key_heads} key heads")
     mixture = {}
-    if text in MIXTURES:
+    if arch in MIXTURES:
         experts, top = moe.routing(d)
         mixture = dict(
             feed_forwards=moe.sparse_layers(d, layers),
@@ -104,7 +89,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         o_bias=bool(d.get("attention_bias", False)),
         qk_norm="heads",
         norm_plus_one=True,
-        rotary_dim=rotary_dim(d, fields["head_dim"], DEFAULTS[text]["partial_rotary_factor"]),
+        rotary_dim=rotary_dim(d, fields["head_dim"], DEFAULTS[arch]["partial_rotary_factor"]),
         attn_output_gate=True,
         mixers=tuple(MIXERS[t] for t in types),
         delta_heads=key_heads,
@@ -153,6 +138,4 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         add("dt_bias", "dt_bias", (Hv,))
         add("norm.weight", "gate_norm", (dv,))
         add("out_proj.weight", "wo", (D, values))
-    if cfg.architecture in TEXT:
-        return {name.replace("model.", "model.language_model.", 1): weight for name, weight in table.items()}
     return table
