@@ -56,6 +56,15 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma 2/3: a norm on the attention's and the MLP's outputs too
     rope_local: tuple = ()  # Gemma 3: (theta, scaling) of the sliding layers; (): as the others
     rotary_dim: int = 0  # Phi-4-mini: rope over the first rotary_dim dims of each head; 0: all of them
+    nope_layers: tuple = ()  # SmolLM3: the layers whose attention takes no RoPE (its `no_rope_layers` zeros)
+    # Ministral 3 (llama 4's attention temperature): queries times 1 + beta · log(1 + ⌊position / length⌋)
+    # for (beta, length); (): none
+    query_temperature: tuple = ()
+    # Granite (µP): embeddings times `embed_multiplier`, each block's output times `residual_multiplier`
+    # before it joins the residual, logits divided by `logit_divisor` (its attention_multiplier is `attn_scale`)
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_divisor: float = 1.0
     # Each layer's feed-forward part (`jaxinfer.layers.feed_forward`): "dense" (the gated MLP) or
     # "mixture" (a router, `num_experts` experts of `expert_size` of which each token takes
     # `experts_per_token`, and a shared expert of `shared_expert_size` with a sigmoid gate where it is

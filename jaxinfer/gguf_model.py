@@ -45,7 +45,18 @@ ARCHITECTURES = {
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "mistral3": "Ministral3ForCausalLM",  # Ministral 3's, and Mistral Small 3.1+'s text model
 }
+# Those whose q/k rows llama.cpp's converter permuted (its LlamaModel's), put back as transformers holds them
+PERMUTED = (
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
+    "Ministral3ForCausalLM",
+)
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 MIXTRAL = "MixtralForCausalLM"
 # Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
@@ -193,6 +204,7 @@ def config_json(file: GGUFFile) -> dict:
         d.update(_phi3(file, key, d))
     else:
         d.update(_rope_scaling(file, key))
+    d.update(_twists(file, key, d))
     floats = [FILE_DTYPES[k] for k in _layer_types(file) if k in FILE_DTYPES]
     d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
     return d
@@ -262,9 +274,34 @@ def _rope_scaling(file: GGUFFile, key) -> dict:
             "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
             "truncate": True,
         }
+        if log_mul := float(key("rope.scaling.yarn_log_multiplier", 0.0)):  # llama.cpp takes mscale as 1
+            yarn.update(mscale=1.0, mscale_all_dim=log_mul)
         return {"rope_scaling": yarn}
     if scaling != "none":
         raise JaxinferError(f"{file.path}: rope scaling {scaling!r} is not supported (supported: none, linear, yarn)")
+    return {}
+
+
+def _twists(file: GGUFFile, key, d: dict) -> dict:
+    """The keys of Llama's layout with one twist, as llama.cpp reads them: SmolLM3's layers without
+    RoPE (every fourth: llama.cpp's fixed step), Granite's multipliers, Ministral 3's attention
+    temperature over the YaRN original context (Mistral Small's text model has neither)."""
+    arch = file.architecture
+    if arch == "smollm3":
+        return {"no_rope_layer_interval": 4}
+    if arch == "granite":
+        return {
+            "embedding_multiplier": float(key("embedding_scale", 1.0)),
+            "residual_multiplier": float(key("residual_scale", 1.0)),
+            "attention_multiplier": float(key("attention.scale", d["head_dim"] ** -0.5)),
+            "logits_scaling": float(key("logit_scale", 1.0)),
+        }
+    if arch == "mistral3":  # every rope key given: the family's defaults are Ministral 3's YaRN
+        rope = {"rope_type": "default", **d.pop("rope_scaling", {}), "rope_theta": d["rope_theta"]}
+        if beta := float(key("attention.temperature_scale", 0.0)):  # over YaRN's original context, else the trained
+            rope.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
+            rope["llama_4_scaling_beta"] = beta
+        return {"rope_parameters": rope, "sliding_window": None}
     return {}
 
 

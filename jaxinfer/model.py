@@ -84,6 +84,13 @@ def rope_factors(cfg: ModelConfig, sliding: bool, rope_len: jax.Array) -> tuple[
     return jnp.where((rope_len > original)[..., None], long, inv_freq), scale
 
 
+def temperature_scaled(q: jax.Array, positions: jax.Array, beta: float, length: int) -> jax.Array:
+    """Queries [B, T, H, hd] times 1 + beta · log(1 + ⌊position / length⌋) (Llama 4's attention
+    temperature, as Ministral 3 takes it after RoPE): 1 within the first `length` positions."""
+    scale = 1 + beta * jnp.log1p(jnp.floor(positions.astype(jnp.float32) / length))
+    return (q * scale[:, :, None, None].astype(q.dtype)).astype(q.dtype)
+
+
 FLASH: str | None = None  # jax.nn.dot_product_attention's implementation for `flash`; None: the backend's
 
 
@@ -165,8 +172,11 @@ def attention(
     for block in blocks:
         R, T = block.tokens.shape
         bq, bk, bv = [a[at : at + R * T].reshape(R, T, *a.shape[1:]) for a in (q, k, v)]
-        inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, block.rope_len)
-        bq, bk = apply_rope(bq, block.positions, inv_freq, scale), apply_rope(bk, block.positions, inv_freq, scale)
+        if i not in cfg.nope_layers:
+            inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, block.rope_len)
+            bq, bk = apply_rope(bq, block.positions, inv_freq, scale), apply_rope(bk, block.positions, inv_freq, scale)
+        if cfg.query_temperature:
+            bq = temperature_scaled(bq, block.positions, *cfg.query_temperature)
         if cache is not None:
             cache = cache.write(i, bk, bv, block.positions, block.rows)
         rotated.append((bq, bk, bv))
@@ -344,12 +354,15 @@ def forward_blocks(
     x = forms.take_rows(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    x = scaled(x, cfg.embed_multiplier)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
-            x = x + (rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h)
+            h = rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h
+            x = x + scaled(h, cfg.residual_multiplier)
             h = feed_forward(layer, rms_norm(x, layer["mlp_norm"], cfg), i, cfg)
-            x = x + (rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h)
+            h = rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h
+            x = x + scaled(h, cfg.residual_multiplier)
     x, hidden, at = rms_norm(x, params["norm"], cfg), [], 0
     for b in blocks:
         hidden.append(x[at : at + b.tokens.size].reshape(*b.tokens.shape, -1))
@@ -357,8 +370,16 @@ def forward_blocks(
     return hidden, cache
 
 
+def scaled(x: jax.Array, multiplier: float) -> jax.Array:
+    """x times a Python float as torch multiplies a tensor by one (Granite's multipliers): in float32,
+    rounded once to x's dtype; x itself where it is 1."""
+    return x if multiplier == 1.0 else (x.astype(jnp.float32) * multiplier).astype(x.dtype)
+
+
 def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """hidden [..., D] → float32 logits [..., V] (tied embeddings when there is no lm_head)."""
     head = params.get("lm_head", params["embed"])
     out = forms.matmul(hidden, head, cfg.matmul_inputs == "bfloat16", jnp.float32)
+    if cfg.logit_divisor != 1.0:
+        out = out / cfg.logit_divisor
     return soft_cap(out, cfg.final_softcap) if cfg.final_softcap else out

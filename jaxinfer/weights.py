@@ -129,7 +129,7 @@ def read_gguf(
         )
     leaves = {}
     permuted = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads, "bk": cfg.num_kv_heads}
-    llama = cfg.architecture in ("LlamaForCausalLM", gguf_model.MIXTRAL)  # the converter permuted q and k
+    llama = cfg.architecture in gguf_model.PERMUTED
 
     def blocks(arrays: tuple, how: str) -> Quantized:
         """A method's arrays, whole on every device (the kernel's custom call takes a whole matrix)."""

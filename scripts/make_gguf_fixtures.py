@@ -163,6 +163,16 @@ MODELS = {
         dict(bos_token_id=None, eos_token_id=2, linear_value_head_dim=16, decoder_sparse_step=1),
         ["F32"],
     ),
+    # one twist each on Llama's layers: SmolLM3's fourth layer without RoPE (llama.cpp's fixed step),
+    # Granite's multipliers, Ministral 3's YaRN and attention temperature (from an original context of 16)
+    "smollm3-bpe": (
+        "smollm3",
+        "llama3",
+        dict(bos_token_id=0, eos_token_id=4, num_hidden_layers=4, no_rope_layer_interval=4),
+        ["F32"],
+    ),
+    "granite-bpe": ("granite", "llama3", dict(bos_token_id=0, eos_token_id=4), ["F32"]),
+    "ministral3-bpe": ("ministral3", "llama3", dict(bos_token_id=0, eos_token_id=4), ["F32", "Q8_0"]),
     # gpt-oss: sinks, windows of 24 the prompt passes, YaRN, its experts split by the converter into
     # gate and up (a float checkpoint's), then MXFP4 by llama.cpp's quantizer
     "gpt-oss-bpe": ("gpt-oss", "qwen2", dict(bos_token_id=None, eos_token_id=2, init_std=0.1), ["F32", "MXFP4_MOE"]),

@@ -29,6 +29,17 @@ CONFIGS = {
     "mistral, defaults": dict(model_type="mistral", architectures=["MistralForCausalLM"], **SHAPE),
     "qwen2, defaults": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], **SHAPE),
     "qwen3, defaults": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], **SHAPE),
+    "smollm3, defaults": dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], **SHAPE),
+    # its layer types made from no_rope_layers: sliding only on the layers without RoPE
+    "smollm3, sliding": dict(
+        model_type="smollm3",
+        architectures=["SmolLM3ForCausalLM"],
+        **{**SHAPE, "num_hidden_layers": 8},
+        use_sliding_window=True,
+        sliding_window=64,
+    ),
+    "granite, defaults": dict(model_type="granite", architectures=["GraniteForCausalLM"], **SHAPE),
+    "ministral3, defaults": dict(model_type="ministral3", architectures=["Ministral3ForCausalLM"], **SHAPE),
     "gemma2, defaults": dict(
         model_type="gemma2", architectures=["Gemma2ForCausalLM"], **{**SHAPE, "num_hidden_layers": 4}
     ),

@@ -79,7 +79,7 @@ def test_every_tensor_is_the_files_own_values(name):
             up_values = gguf.quants.dequantize(np.asarray(up.data), up.tensor_type)
             values = np.concatenate([values, up_values], axis=-2 if values.ndim == 3 else -1)
         values = values.reshape(weight.leaf.shape)
-        if path[-1] in ("wq", "wk") and model.config.architecture in ("LlamaForCausalLM", "MixtralForCausalLM"):
+        if path[-1] in ("wq", "wk") and model.config.architecture in gguf_model.PERMUTED:
             values = gguf_model._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
         leaf = model.params
         for key in path:

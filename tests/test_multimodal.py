@@ -33,7 +33,9 @@ TEXT = dict(
     eos_token_id=1,
     max_position_embeddings=256,
 )
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+)
 # kind → (the multimodal class, its config, the text model's CausalLM class)
 TOWERS = {
     # a sliding window the prompt passes, one global layer
@@ -122,7 +124,10 @@ def test_a_multimodal_checkpoint_answers_as_its_text_twin(towers, tmp_path):
     tensors = load_file(path / "model.safetensors")
     assert any(name.startswith("language_model.model.") for name in tensors)
     new = {"model." + n if n.startswith(("vision_tower", "multi_modal")) else n: t for n, t in tensors.items()}
-    new = {n.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head"): t for n, t in new.items()}
+    new = {
+        n.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head"): t
+        for n, t in new.items()
+    }
     save_file(new, renamed / "model.safetensors")
 
     logits = []
@@ -150,7 +155,9 @@ def test_an_unknown_text_model_and_an_mmproj_file_are_one_line_each(towers, tmp_
     config = json.loads((path / "config.json").read_text())
     config["text_config"]["model_type"] = "falcon"
     (odd / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(jaxinfer_here("run", "-m", odd, "hi"), "the text model of LlavaForConditionalGeneration is a 'falcon'")
+    assert_one_line_error(
+        jaxinfer_here("run", "-m", odd, "hi"), "the text model of LlavaForConditionalGeneration is a 'falcon'"
+    )
 
     mmproj = tmp_path / "mmproj-model-f16.gguf"  # as llama.cpp's converter names its --mmproj output
     writer = gguf.GGUFWriter(mmproj, "clip")

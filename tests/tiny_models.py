@@ -157,6 +157,36 @@ ARCHITECTURES = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # one twist each on Llama's layers: SmolLM3's second layer without RoPE; Granite's µP
+    # multipliers, each away from 1; Ministral 3's YaRN and query temperature from an original
+    # context of 16, which the tests' prompts pass (2 at position 16, 3 at 48)
+    "smollm3": dict(
+        model_type="smollm3", architectures=["SmolLM3ForCausalLM"], no_rope_layer_interval=2, pad_token_id=None
+    ),
+    "granite": dict(
+        model_type="granite",
+        architectures=["GraniteForCausalLM"],
+        embedding_multiplier=6.0,
+        residual_multiplier=0.4,
+        attention_multiplier=0.05,
+        logits_scaling=3.0,
+    ),
+    "ministral3": dict(
+        model_type="ministral3",
+        architectures=["Ministral3ForCausalLM"],
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1_000_000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.5,
+        },
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",

@@ -32,6 +32,7 @@ TOWERS = {
 TEXT_MODELS = {  # a text_config's model_type → the architecture that runs it
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -39,7 +40,13 @@ TEXT_MODELS = {  # a text_config's model_type → the architecture that runs it
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # What a multimodal checkpoint holds beside its text model: skipped (the vision tower and its projector)
-VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+VISION = (
+    "model.visual.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "vision_tower.",
+    "multi_modal_projector.",
+)
 # The text model's tensors as transformers 5 names them, from the names of the checkpoints written
 # before it (which transformers 5 still writes on save): language_model.model.* and language_model.lm_head
 LEGACY = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))

@@ -1,12 +1,23 @@
 """Llama 2/3, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm): the Llama layout of tensors,
-and the flags each architecture sets."""
+and the flags each architecture sets. Three more keep the layout with one twist each: SmolLM3 (no
+RoPE on every fourth layer), Granite (µP multipliers on the embeddings, each block's output, the
+attention scores and the logits) and Ministral 3 (Mistral's layers, YaRN, and Llama 4's attention
+temperature on the queries past the original context)."""
 
 from __future__ import annotations
 
 from jaxinfer.config import ModelConfig, Weight, activation, common_fields
 from jaxinfer.errors import JaxinferError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
+    "Ministral3ForCausalLM",
+)
 
 # transformers' defaults for keys a config.json leaves out, where they differ between these.
 DEFAULTS = {
@@ -14,6 +25,29 @@ DEFAULTS = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
+    "SmolLM3ForCausalLM": {
+        "max_position_embeddings": 32768,
+        "rope_theta": 2_000_000.0,
+        "tie_word_embeddings": True,
+        "no_rope_layer_interval": 4,
+    },
+    "GraniteForCausalLM": {"max_position_embeddings": 2048},
+    "Ministral3ForCausalLM": {
+        "max_position_embeddings": 262144,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1_000_000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    },
 }
 
 
@@ -29,6 +63,22 @@ def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS[arch], **d}
     check_silu(d, arch)
     attention_bias = bool(d.get("attention_bias", False))
+    twists = {}
+    if arch == "SmolLM3ForCausalLM":
+        twists = _smollm3(d)
+    elif arch == "GraniteForCausalLM":
+        twists = dict(
+            embed_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            attn_scale=float(d.get("attention_multiplier", 1.0)),
+            logit_divisor=float(d.get("logits_scaling", 1.0)),
+        )
+    elif arch == "Ministral3ForCausalLM":
+        rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+        if rope.get("llama_4_scaling_beta"):
+            twists = dict(
+                query_temperature=(float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
+            )
     return ModelConfig(
         architecture=arch,
         **common_fields(d),
@@ -36,7 +86,24 @@ def config(d: dict, arch: str) -> ModelConfig:
         o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         qk_norm="heads" if arch == "Qwen3ForCausalLM" else "",
+        **twists,
     )
+
+
+def _smollm3(d: dict) -> dict:
+    """SmolLM3's layers without RoPE (`no_rope_layers`: 0 where a layer takes none; by default every
+    `no_rope_layer_interval`-th), and its `layer_types` where config.json leaves them out, as
+    transformers makes them: sliding only where `use_sliding_window` is on, on the layers without RoPE.
+    Updates `d`'s layer types in place."""
+    layers = int(d["num_hidden_layers"])
+    every = int(d["no_rope_layer_interval"])
+    rope = d.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
+    if len(rope) != layers:
+        raise JaxinferError(f"config.json: no_rope_layers has {len(rope)} entries for {layers} layers")
+    if d.get("layer_types") is None:
+        sliding = d.get("use_sliding_window") and d.get("sliding_window") is not None
+        d["layer_types"] = ["sliding_attention" if sliding and not r else "full_attention" for r in rope]
+    return dict(nope_layers=tuple(i for i, r in enumerate(rope) if not r))
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
