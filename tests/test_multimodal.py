@@ -66,6 +66,16 @@ TOWERS = {
         ),
         transformers.LlamaForCausalLM,
     ),
+    # its image_newline beside the tower
+    "llava-next": (
+        transformers.LlavaNextForConditionalGeneration,
+        lambda: transformers.LlavaNextConfig(
+            text_config=dict(TEXT, model_type="qwen2"),
+            vision_config=dict(VISION, model_type="clip_vision_model", projection_dim=32),
+            image_grid_pinpoints=[[32, 32]],
+        ),
+        transformers.Qwen2ForCausalLM,
+    ),
 }
 
 

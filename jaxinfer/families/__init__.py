@@ -39,13 +39,12 @@ TEXT_MODELS = {  # a text_config's model_type → the architecture that runs it
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-# What a multimodal checkpoint holds beside its text model: skipped (the vision tower and its projector)
-VISION = (
-    "model.visual.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-    "vision_tower.",
-    "multi_modal_projector.",
+# What a multimodal checkpoint holds beside its text model: skipped (the vision tower, its projector,
+# LLaVA-NeXT's image-row separator)
+VISION = tuple(
+    prefix + part
+    for prefix in ("", "model.")
+    for part in ("visual.", "vision_tower.", "multi_modal_projector.", "image_newline")
 )
 # The text model's tensors as transformers 5 names them, from the names of the checkpoints written
 # before it (which transformers 5 still writes on save): language_model.model.* and language_model.lm_head
