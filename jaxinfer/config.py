@@ -88,6 +88,19 @@ class ModelConfig:
     delta_qkvz: bool = False  # q, k, v, z interleaved per key head in one matrix (Qwen3-Next's in_proj_qkvz)
     delta_tiled: bool = False  # value heads tiled over the key heads (h uses key head h % Hk), not grouped
     attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj also gives each head a sigmoid gate on its output
+    # Gemma 4: per layer, its attention's head dim and kv heads (its full layers' heads are wider), and
+    # the layer whose K/V it attends over: its own, or (its last `num_kv_shared_layers`) an earlier
+    # layer's, which it then neither computes nor stores; (): head_dim, num_kv_heads, its own on every layer
+    head_dims: tuple = ()
+    kv_head_counts: tuple = ()
+    kv_sources: tuple = ()
+    v_norm: bool = False  # Gemma 4: values RMS-normalised (no weight) before they are stored
+    layer_scalar: bool = False  # Gemma 4: each layer's output times a scalar the checkpoint holds
+    # Gemma 4's per-layer embeddings: a second table of `per_layer_vocab` rows of `per_layer_input`
+    # per layer, mixed with a projection of the embeddings, gating a residual in every layer; 0: none
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    intermediate_sizes: tuple = ()  # per layer MLP width (Gemma 4's double-wide shared layers); (): intermediate_size
     # The multimodal checkpoint (`*ForConditionalGeneration`) this is the text model of: its tensors
     # under model.language_model (or the older language_model.model), the vision tower's skipped
     # (`jaxinfer.families.TOWERS`); "": a text model's checkpoint.
@@ -108,6 +121,24 @@ class ModelConfig:
     def mixer(self, i: int) -> str:
         """Layer i's mixer: "attention" or "delta"."""
         return self.mixers[i] if self.mixers else "attention"
+
+    def head_dim_of(self, i: int) -> int:
+        return self.head_dims[i] if self.head_dims else self.head_dim
+
+    def kv_heads_of(self, i: int) -> int:
+        return self.kv_head_counts[i] if self.kv_head_counts else self.num_kv_heads
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose K/V layer i attends over: itself, or the earlier layer it shares them with."""
+        return self.kv_sources[i] if self.kv_sources else i
+
+    def mlp_size(self, i: int) -> int:
+        return self.intermediate_sizes[i] if self.intermediate_sizes else self.intermediate_size
+
+    @property
+    def cached_layers(self) -> tuple[int, ...]:
+        """The attention layers that keep K/V of their own: those the KV cache holds, in order."""
+        return tuple(i for i in self.attention_layers if self.kv_source(i) == i)
 
     @property
     def recurrent(self) -> bool:
@@ -223,6 +254,12 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short, long = (tuple(float(f) for f in params[key]) for key in ("short_factor", "long_factor"))
         return theta, ("longrope", short, long, original, float(attention))
+    if kind == "proportional":  # Gemma 4's full layers: the first share of the frequencies rotate, over the whole head
+        return theta, (
+            "proportional",
+            float(params.get("factor", 1.0)),
+            float(params.get("partial_rotary_factor", 1.0)),
+        )
     if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_model`)
         return theta, ("freq_factors", tuple(float(f) for f in params["factors"]))
     if kind == "yarn":  # as transformers' _compute_yarn_parameters (and its standardize_rope_params)
@@ -317,15 +354,23 @@ def longrope_switch(cfg: ModelConfig) -> int:
     return cfg.rope_scaling[3] if cfg.rope_scaling[0] == "longrope" else 0
 
 
-def rope_inv_freq(cfg: ModelConfig, sliding: bool = False, long: bool = False) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False, long: bool = False, head_dim: int = 0) -> np.ndarray:
     """Inverse RoPE frequencies [rotary dims // 2], with the checkpoint's scaling applied (as
     transformers does); `sliding`: for a sliding-window layer, which Gemma 3 rotates with a base of
-    its own; `long`: longrope's long factors (else its short ones)."""
+    its own; `long`: longrope's long factors (else its short ones); `head_dim`: the layer's (Gemma 4's
+    differ), else the model's. "proportional" (Gemma 4's full layers): the first share of the
+    frequencies over the whole head, the rest 0 (those dims not rotated)."""
     theta, scaling = cfg.rope_local if sliding and cfg.rope_local else (cfg.rope_theta, cfg.rope_scaling)
-    dim = cfg.rotary_dim or cfg.head_dim
+    dim = cfg.rotary_dim or head_dim or cfg.head_dim
     powers = theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
     inv_freq = 1.0 / powers
     kind = scaling[0]
+    if kind == "proportional":
+        factor, share = scaling[1:]
+        angles = int(share * dim // 2)
+        return (np.concatenate([inv_freq[:angles], np.zeros(dim // 2 - angles, np.float32)]) / factor).astype(
+            np.float32
+        )
     if kind == "longrope":
         return 1.0 / (np.asarray(scaling[2] if long else scaling[1], np.float32) * powers)
     if kind == "linear":

@@ -68,7 +68,8 @@ TILES = Tiles()
 def here(cfg: ModelConfig, dtype) -> bool:
     """Whether attention over this model's cache, computing in `dtype`, takes the kernel."""
     name = jnp.dtype(dtype).name
-    if not (gpu.kernels_run() and name in DTYPES and cfg.head_dim in HEAD_DIMS):
+    dims = {cfg.head_dim_of(i) for i in cfg.cached_layers}
+    if not (gpu.kernels_run() and name in DTYPES and dims <= set(HEAD_DIMS)):
         return False
     return gpu.MODE == "interpret" or _works(cfg.head_dim, name, cfg.kv_dtype == "int8", bool(cfg.attn_softcap))
 

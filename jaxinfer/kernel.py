@@ -129,7 +129,7 @@ def call(
     return y.reshape(*x.shape[:-1], out)
 
 
-ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's vectorised paths
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256, 512)  # the kernel's vectorised paths (512: Gemma 4's)
 
 
 def attention(

@@ -48,17 +48,22 @@ def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """A model's memory of each row's past: K/V of its attention layers (`layers`, whose
-    indices the methods take) and, for a hybrid, the fixed-size state of its recurrent layers
-    (`delta`: `jaxinfer.layers.delta_net.DeltaState`)."""
+    """A model's memory of each row's past: K/V of its attention layers and, for a hybrid, the
+    fixed-size state of its recurrent layers (`delta`: `jaxinfer.layers.delta_net.DeltaState`).
 
-    k: jax.Array  # [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`); L: the attention layers
-    v: jax.Array  # as k
-    k_scale: jax.Array | None = None  # [L, B, S, KV] when k and v are int8
-    v_scale: jax.Array | None = None
+    K/V are held in groups, one stacked array each for the layers of one shape (kv heads, head
+    dim): one group for most models, two for Gemma 4 (its full layers' heads are wider). A layer
+    that shares an earlier layer's K/V (Gemma 4's last layers) has none of its own: `where` sends it
+    to the earlier layer's."""
+
+    k: tuple  # per group [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`); L: the group's layers
+    v: tuple  # as k
+    k_scale: tuple | None = None  # per group [L, B, S, KV] when k and v are int8
+    v_scale: tuple | None = None
     delta: DeltaState | None = None  # a hybrid's DeltaNet layers' state
     kernel: str | None = field(default=None, metadata=dict(static=True))  # who attends: "cpu", "gpu" (`attend`)
-    layers: tuple = field(default=(), metadata=dict(static=True))  # the model's layers K/V are kept for; (): all
+    # per model layer: (group, index in it) of the K/V it attends over; None: a layer without attention
+    where: tuple = field(default=(), metadata=dict(static=True))
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype, whole: bool = True) -> KVCache:
@@ -66,33 +71,29 @@ class KVCache:
         device (`whole`: not spread over a mesh, whose shards a kernel's custom call would gather
         every layer) a float cache is attended by the CPU kernel where it is built, and any cache
         by the GPU's where that runs (`gpu_attention.here`)."""
-        layers = cfg.attention_layers
-        shape = (len(layers), batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shapes = sorted({(cfg.kv_heads_of(i), cfg.head_dim_of(i)) for i in cfg.cached_layers}, reverse=True)
+        groups = [[i for i in cfg.cached_layers if (cfg.kv_heads_of(i), cfg.head_dim_of(i)) == s] for s in shapes]
+        held = {i: (g, group.index(i)) for g, group in enumerate(groups) for i in group}
+        where = tuple(held.get(cfg.kv_source(i)) for i in range(cfg.num_layers))
         gpu = "gpu" if whole and gpu_attention.here(cfg, dtype) else None
-        rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), layers=() if len(layers) == cfg.num_layers else layers)
+        cpu = whole and kernel.vectorised() and all(hd in kernel.ATTENTION_HEAD_DIMS for _, hd in shapes)
+        rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), where=where)
         if cfg.kv_dtype == "int8":
-            scales = jnp.zeros(shape[:-1], jnp.float32)
-            return cls(
-                k=jnp.zeros(shape, jnp.int8),
-                v=jnp.zeros(shape, jnp.int8),
-                k_scale=scales,
-                v_scale=scales.copy(),
-                kernel=gpu,
-                **rest,
-            )
-        if whole and kernel.vectorised() and cfg.head_dim in kernel.ATTENTION_HEAD_DIMS:
-            shape = (len(layers), batch, cfg.num_kv_heads, length, cfg.head_dim)  # the kernel's: see `attend`
-            return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel="cpu", **rest)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), kernel=gpu, **rest)
+            shaped = [(len(group), batch, length, heads, hd) for group, (heads, hd) in zip(groups, shapes)]
+            int8 = tuple(jnp.zeros(shape, jnp.int8) for shape in shaped)
+            scales = tuple(jnp.zeros(shape[:-1], jnp.float32) for shape in shaped)
+            return cls(int8, tuple(a.copy() for a in int8), scales, tuple(a.copy() for a in scales), kernel=gpu, **rest)
+        if cpu:  # the kernel's layout: see `attend`
+            shaped = [(len(group), batch, heads, length, hd) for group, (heads, hd) in zip(groups, shapes)]
+        else:
+            shaped = [(len(group), batch, length, heads, hd) for group, (heads, hd) in zip(groups, shapes)]
+        k = tuple(jnp.zeros(shape, dtype) for shape in shaped)
+        return cls(k, tuple(jnp.zeros(shape, dtype) for shape in shaped), kernel="cpu" if cpu else gpu, **rest)
 
     @property
     def length(self) -> int:
         """Positions a row holds: S."""
-        return self.k.shape[3 if self.kernel == "cpu" else 2]
-
-    def _at(self, layer: int) -> int:
-        """Model layer `layer`'s index in the K/V arrays."""
-        return self.layers.index(layer) if self.layers else layer
+        return self.k[0].shape[3 if self.kernel == "cpu" else 2]
 
     def positions_read(self, cfg: ModelConfig, kv_len: int, first: float, last: float) -> float:
         """Cache positions (the mean over layers) a decode pass reads, over passes of a row whose lengths
@@ -103,7 +104,7 @@ class KVCache:
         if not self.attends(1):
             return kv_len
         length = (first + last) / 2
-        windows = [cfg.sliding_windows[i] for i in cfg.attention_layers] if cfg.sliding_windows else [None]
+        windows = [cfg.sliding_windows[i] for i in cfg.cached_layers] if cfg.sliding_windows else [None]
         return sum(min(length, window or length) for window in windows) / len(windows)
 
     def attends(self, queries: int) -> bool:
@@ -118,15 +119,9 @@ class KVCache:
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""
-        move = lambda a: None if a is None else a.at[:, dst].set(a[:, src])  # noqa: E731
-        return replace(
-            self,
-            k=move(self.k),
-            v=move(self.v),
-            k_scale=move(self.k_scale),
-            v_scale=move(self.v_scale),
-            delta=self.delta and self.delta.copy_rows(src, dst),
-        )
+        move = lambda a: a.at[:, dst].set(a[:, src])  # noqa: E731
+        moved = jax.tree.map(move, replace(self, delta=None))
+        return replace(moved, delta=self.delta and self.delta.copy_rows(src, dst))
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for
@@ -134,8 +129,10 @@ class KVCache:
         Some rows (a batch slot's prefill): a gather of just those. XLA's attention only: the
         kernel reads its own cache (`attend`)."""
 
+        g, j = self.where[layer]
+
         def pick(a):
-            block = jax.lax.dynamic_slice_in_dim(a[self._at(layer)], start, size, 1)
+            block = jax.lax.dynamic_slice_in_dim(a[g][j], start, size, 1)
             return block if rows is None else block[rows]
 
         scales = (None, None) if self.k_scale is None else (pick(self.k_scale), pick(self.v_scale))
@@ -162,14 +159,14 @@ class KVCache:
         positions: 6.7 → 7.5 ms a step) and a B=4 decode step over 2048 positions 11% longer. The
         GPU's (`jaxinfer.gpu_attention`) reads it in XLA's layout, [L, B, S, KV, hd]. `sinks` [H]:
         each head's sink logit (gpt-oss's)."""
+        g, j = self.where[layer]
         if self.kernel == "gpu":
-            scales = (self.k_scale, self.v_scale)
+            scales = (None, None) if self.k_scale is None else (self.k_scale[g], self.v_scale[g])
             return gpu_attention.attend(
-                q, positions, self.k, self.v, *scales, self._at(layer), rows, kv_len, window, scale, softcap, sinks
+                q, positions, self.k[g], self.v[g], *scales, j, rows, kv_len, window, scale, softcap, sinks
             )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
-        at = self._at(layer)
-        return kernel.attention(q, positions, self.k, self.v, rows, at, kv_len, window, scale, softcap, sinks)
+        return kernel.attention(q, positions, self.k[g], self.v[g], rows, j, kv_len, window, scale, softcap, sinks)
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None
@@ -181,20 +178,17 @@ class KVCache:
         keeps the update in place.
         """
         rows = (jnp.arange(k.shape[0]) if rows is None else rows)[:, None]  # [R, 1]
-        layer = self._at(layer)
+        g, j = self.where[layer]
         # either way [R, T, KV, hd]
-        at = (layer, rows, slice(None), positions) if self.kernel == "cpu" else (layer, rows, positions)
+        at = (j, rows, slice(None), positions) if self.kernel == "cpu" else (j, rows, positions)
+
+        def put(arrays: tuple, x: jax.Array) -> tuple:
+            """The groups, group g's array with x scattered in."""
+            return (*arrays[:g], arrays[g].at[at].set(x.astype(arrays[g].dtype), mode="drop"), *arrays[g + 1 :])
+
         if self.k_scale is None:
-            return replace(
-                self,
-                k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
-                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"),
-            )
+            return replace(self, k=put(self.k, k), v=put(self.v, v))
         (kq, ks), (vq, vs) = quantize_heads(k), quantize_heads(v)
         return replace(
-            self,
-            k=self.k.at[at].set(kq, mode="drop"),
-            v=self.v.at[at].set(vq, mode="drop"),
-            k_scale=self.k_scale.at[at].set(ks, mode="drop"),
-            v_scale=self.v_scale.at[at].set(vs, mode="drop"),
+            self, k=put(self.k, kq), v=put(self.v, vq), k_scale=put(self.k_scale, ks), v_scale=put(self.v_scale, vs)
         )

@@ -30,7 +30,7 @@ from jaxinfer import forms, gpu_attention
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
 from jaxinfer.layers import delta_net
-from jaxinfer.layers.feed_forward import feed_forward, linear
+from jaxinfer.layers.feed_forward import ACTIVATIONS, feed_forward, linear
 
 Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
 
@@ -46,6 +46,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     (1 + weight) in float32 before the cast."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if weight is None:  # a norm without a scale (Gemma 4's of the values)
+        return x32.astype(x.dtype)
     if cfg.norm_plus_one:
         return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
@@ -66,21 +68,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
-def rope_factors(cfg: ModelConfig, sliding: bool, rope_len: jax.Array) -> tuple[jax.Array, float]:
-    """A layer's inverse frequencies ([hd/2], or per token [B, T, hd/2] under longrope) and the
+def rope_factors(cfg: ModelConfig, i: int, rope_len: jax.Array) -> tuple[jax.Array, float]:
+    """Layer i's inverse frequencies ([hd/2], or per token [B, T, hd/2] under longrope) and the
     factor on cos and sin (longrope's and YaRN's attention factor). longrope takes its long factors
     where the sequence is longer than the original context, as transformers decides per forward
     pass by its last position: `rope_len` [B, T] (or [B, 1]) is that length for each token: the
     whole prompt's for a prompt (chunked or not), each decoded token's own (a speculative check
     computes its tokens as plain decoding would)."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding))
+    sliding, hd = cfg.sliding_windows[i] is not None, cfg.head_dim_of(i)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, sliding, head_dim=hd))
     scaling = cfg.rope_local[1] if sliding and cfg.rope_local else cfg.rope_scaling
     if scaling[0] == "yarn":
         return inv_freq, scaling[-1]
     if scaling[0] != "longrope":
         return inv_freq, 1.0
     _, _, _, original, scale = scaling
-    long = jnp.asarray(rope_inv_freq(cfg, sliding, long=True))
+    long = jnp.asarray(rope_inv_freq(cfg, sliding, long=True, head_dim=hd))
     return jnp.where((rope_len > original)[..., None], long, inv_freq), scale
 
 
@@ -104,7 +107,7 @@ def flash(cfg: ModelConfig, dtype, i: int) -> str | None:
     if implementation is None or cfg.attn_softcap or cfg.kv_dtype == "int8" or cfg.attn_sinks:
         return None
     sixteen_bit = dtype in (jnp.bfloat16, jnp.float16)
-    if implementation == "cudnn" and (not sixteen_bit or cfg.head_dim % 8 or cfg.head_dim > 128):
+    if implementation == "cudnn" and (not sixteen_bit or cfg.head_dim_of(i) % 8 or cfg.head_dim_of(i) > 128):
         return None
     return implementation
 
@@ -149,10 +152,13 @@ def attention(
 ) -> tuple[jax.Array, KVCache | None]:
     """Layer i's attention for the blocks' tokens x [N, D] (in the blocks' order, each flattened):
     the projections over all N at once, each block's attention over its own rows."""
-    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H, KV, hd = cfg.num_heads, cfg.kv_heads_of(i), cfg.head_dim_of(i)
+    shared = cfg.kv_source(i) != i  # Gemma 4: attends over an earlier layer's K/V, computes none
     q_out = 2 * H * hd if cfg.attn_output_gate else H * hd
     if "wqkv" in layer:  # Phi-3's, or stacked on a GPU (`forms.FUSED`)
         q, k, v = jnp.split(linear(x, layer, "qkv", cfg), [q_out, q_out + KV * hd], axis=-1)
+    elif shared:
+        q, k, v = linear(x, layer, "q", cfg), None, None
     else:
         q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
     if cfg.attn_output_gate:  # each head's query, then its gate
@@ -162,22 +168,26 @@ def attention(
         q, k = rms_norm(q, layer["q_norm"], cfg), rms_norm(k, layer["k_norm"], cfg)
     if cfg.clip_qkv:
         q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
-    q, k, v = q.reshape(-1, H, hd), k.reshape(-1, KV, hd), v.reshape(-1, KV, hd)
+    q = q.reshape(-1, H, hd)
     if cfg.qk_norm == "heads":
         q = rms_norm(q, layer["q_norm"], cfg)
-        k = rms_norm(k, layer["k_norm"], cfg)
+    if not shared:
+        k, v = k.reshape(-1, KV, hd), v.reshape(-1, KV, hd)
+        k = rms_norm(k, layer["k_norm"], cfg) if cfg.qk_norm == "heads" else k
+        v = rms_norm(v, None, cfg) if cfg.v_norm else v
     # Every block's K/V written before any block attends: a scatter into the cache after a read of
     # it made XLA copy the whole cache (two blocks, a 4096-position cache: 34 → 940 ms a call).
     rotated, at = [], 0
     for block in blocks:
         R, T = block.tokens.shape
-        bq, bk, bv = [a[at : at + R * T].reshape(R, T, *a.shape[1:]) for a in (q, k, v)]
+        bq, bk, bv = [None if a is None else a[at : at + R * T].reshape(R, T, *a.shape[1:]) for a in (q, k, v)]
         if i not in cfg.nope_layers:
-            inv_freq, scale = rope_factors(cfg, cfg.sliding_windows[i] is not None, block.rope_len)
-            bq, bk = apply_rope(bq, block.positions, inv_freq, scale), apply_rope(bk, block.positions, inv_freq, scale)
+            inv_freq, scale = rope_factors(cfg, i, block.rope_len)
+            bq = apply_rope(bq, block.positions, inv_freq, scale)
+            bk = None if shared else apply_rope(bk, block.positions, inv_freq, scale)
         if cfg.query_temperature:
             bq = temperature_scaled(bq, block.positions, *cfg.query_temperature)
-        if cache is not None:
+        if cache is not None and not shared:
             cache = cache.write(i, bk, bv, block.positions, block.rows)
         rotated.append((bq, bk, bv))
         at += R * T
@@ -198,10 +208,11 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
     a cache, over its own keys and values [R, T, KV, hd]. `sinks` [H]: each head's sink logit
     (gpt-oss), which joins the softmax's denominator and weighs no value."""
     B, T, H, hd = q.shape
-    KV = k.shape[2]
+    KV = cfg.kv_heads_of(i)
     positions, rows, kv_len = block.positions, block.rows, block.kv_len
     window, scale, softcap = cfg.sliding_windows[i], cfg.attn_scale or hd**-0.5, cfg.attn_softcap
-    if T > 1 and (block.fresh or cache is None) and (implementation := flash(cfg, q.dtype, i)):
+    own = k is not None  # else an earlier layer's K/V, in the cache (Gemma 4's shared layers)
+    if T > 1 and own and (block.fresh or cache is None) and (implementation := flash(cfg, q.dtype, i)):
         out = jax.nn.dot_product_attention(
             q,
             k,
@@ -350,11 +361,17 @@ def forward_blocks(
     own_length = lambda b: b.positions + 1 if cache is not None else jnp.max(b.positions, axis=1, keepdims=True) + 1  # noqa: E731
     # once, not per layer
     blocks = [b if b.rope_len is not None else replace(b, rope_len=own_length(b)) for b in blocks]
-    # [N, D]
-    x = forms.take_rows(params["embed"], jnp.concatenate([b.tokens.reshape(-1) for b in blocks]), compute_dtype(params))
+    held = cache
+    if cache is None and cfg.cached_layers != cfg.attention_layers:  # shared K/V need a place: the sequence's
+        (block,) = blocks
+        cache = KVCache.zeros(cfg, *block.tokens.shape, compute_dtype(params), whole=False)
+        blocks = [replace(block, kv_len=block.tokens.shape[1])]
+    tokens = jnp.concatenate([b.tokens.reshape(-1) for b in blocks])
+    x = forms.take_rows(params["embed"], tokens, compute_dtype(params))  # [N, D]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     x = scaled(x, cfg.embed_multiplier)
+    per_layer = per_layer_inputs(params, tokens, x, cfg) if cfg.per_layer_input else None
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
@@ -363,11 +380,28 @@ def forward_blocks(
             h = feed_forward(layer, rms_norm(x, layer["mlp_norm"], cfg), i, cfg)
             h = rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h
             x = x + scaled(h, cfg.residual_multiplier)
+            if per_layer is not None:  # Gemma 4: the layer's own input gates a residual of its own
+                h = ACTIVATIONS[cfg.activation](linear(x, layer, "ple_gate", cfg)) * per_layer[:, i]
+                x = x + rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
+            if cfg.layer_scalar:
+                x = x * layer["scalar"].astype(x.dtype)
+    cache = cache if held is not None else None
     x, hidden, at = rms_norm(x, params["norm"], cfg), [], 0
     for b in blocks:
         hidden.append(x[at : at + b.tokens.size].reshape(*b.tokens.shape, -1))
         at += b.tokens.size
     return hidden, cache
+
+
+def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 4's per-layer embeddings of tokens [N] with embeddings x [N, D]: [N, L, P], each layer's
+    row of the second table (times √P) and a projection of x (times D^-½, RMS-normalised), averaged
+    (times 2^-½), as transformers' `project_per_layer_inputs`."""
+    L, P = cfg.num_layers, cfg.per_layer_input
+    own = jnp.take(params["ple_embed"], tokens, axis=0).astype(x.dtype) * jnp.asarray(P**0.5, x.dtype)
+    projected = scaled(forms.matmul(x, params["wple_proj"], cfg.matmul_inputs == "bfloat16"), cfg.hidden_size**-0.5)
+    projected = rms_norm(projected.reshape(-1, L, P), params["ple_norm"], cfg)
+    return scaled(projected + own.reshape(-1, L, P), 2**-0.5)
 
 
 def scaled(x: jax.Array, multiplier: float) -> jax.Array:

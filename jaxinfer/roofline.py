@@ -146,11 +146,14 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     """K and V of one position: in the compute dtype, or int8 with a float32 scale per head; over a
     mesh of `devices`, what each device holds (split by kv heads where they divide)."""
-    per_head = (
-        cfg.head_dim + 4 if cfg.kv_dtype == "int8" else cfg.head_dim * (storage.cache_itemsize or storage.itemsize)
-    )
-    heads = cfg.num_kv_heads // devices if splits(cfg, "kv_heads", devices) else cfg.num_kv_heads
-    return 2 * len(cfg.attention_layers) * heads * per_head
+    itemsize = storage.cache_itemsize or storage.itemsize
+    split = splits(cfg, "kv_heads", devices)
+
+    def layer(i: int) -> int:
+        hd, heads = cfg.head_dim_of(i), cfg.kv_heads_of(i)
+        return 2 * (heads // devices if split else heads) * (hd + 4 if cfg.kv_dtype == "int8" else hd * itemsize)
+
+    return sum(layer(i) for i in cfg.cached_layers)  # a layer sharing another's K/V holds none
 
 
 def state_bytes_per_row(cfg: ModelConfig, storage: Storage) -> int:
@@ -163,7 +166,7 @@ def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
     """Attention's scores and weighted values, and a DeltaNet layer's work per token: within its
     chunk (`delta_net.CHUNK`, about as attention over that many keys) and against its state (read,
     updated, read again: 3 products of [dk, dv] per value head)."""
-    attention = 4.0 * queries * keys * cfg.num_heads * cfg.head_dim * len(cfg.attention_layers)
+    attention = 4.0 * queries * keys * cfg.num_heads * sum(cfg.head_dim_of(i) for i in cfg.attention_layers)
     within = min(queries, delta_net.CHUNK) * (cfg.delta_key_dim + cfg.delta_value_dim)
     per_head = 2.0 * within + 6.0 * cfg.delta_key_dim * cfg.delta_value_dim
     return attention + queries * per_head * cfg.delta_value_heads * len(delta_net.delta_layers(cfg))
@@ -171,12 +174,17 @@ def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
 
 def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float:
     """Every matrix once (of a mixture's experts, those the tokens route to: `expert_share`); of the
-    embedding only the rows looked up (unless it is also the head)."""
+    embedding only the rows looked up (unless it is also the head), of Gemma 4's per-layer
+    embeddings likewise."""
     layer_matrices, head, other = _sizes(cfg, storage, expert_share(cfg, tokens))
     embed_shape = (cfg.vocab_size, cfg.hidden_size)
     row = cfg.hidden_size * storage.bytes_per_value(("embed",), embed_shape)
     rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * row
     norms = other - cfg.vocab_size * row
+    if cfg.per_layer_input:
+        ple_shape = (cfg.per_layer_vocab, cfg.num_layers * cfg.per_layer_input)
+        ple_row = ple_shape[1] * storage.bytes_per_value(("ple_embed",), ple_shape)
+        norms -= (cfg.per_layer_vocab - min(tokens, cfg.per_layer_vocab)) * ple_row  # the rows not looked up
     return layer_matrices + head + norms + rows
 
 

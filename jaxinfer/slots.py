@@ -265,7 +265,7 @@ class Slots:
     @property
     def lost(self) -> bool:
         """The state was donated to a call that never returned (interrupted): `reset` before use."""
-        return self.state.cache.k.is_deleted()
+        return self.state.cache.k[0].is_deleted()
 
     @property
     def prefilling(self) -> np.ndarray:

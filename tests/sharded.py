@@ -119,7 +119,7 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
         "again": again,
         "batch": {r["id"]: r["text"] for r in records},
         "bytes": bytes_per_device(model.params),
-        "cache": str(engine.slots.state.cache.k.sharding.spec) if devices > 1 else "",
+        "cache": str(engine.slots.state.cache.k[0].sharding.spec) if devices > 1 else "",
         "converted": devices == 4 and converted(path, model),
         "int8": int8(path, devices) if quantized and devices < 4 else None,  # 2 is where its blocks split
         "constrained": constrained(model) if quantized and devices != 2 else None,

@@ -1,7 +1,7 @@
 """The CPU attention kernel (`kernels/attention.cc`) against XLA's attention (`model._attend`) on
 the same cache: decode rows (one finished), prompt chunks read from other cache rows, sliding
 windows, soft-capping, attention sinks (gpt-oss's: one a head, below and above its scores),
-bfloat16 caches, 3 and 4 query heads a kv head (Qwen3.5's 4 of 256: a decode step's scores summed
+bfloat16 caches, 2, 3 and 4 query heads a kv head (Qwen3.5's 4 of 256, Gemma 4's 2 of 512: a decode step's scores summed
 four keys by four rows at once), on each code path this CPU has. End to end, every test that
 compares with transformers runs on it where it is built."""
 
@@ -43,7 +43,7 @@ CASES = {  # positions [B, T], cache rows, kv_len, window, softcap, sinks (their
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("G, HD", [(3, 64), (4, 256)])  # a decode step's rows: scores read where the keys lie
+@pytest.mark.parametrize("G, HD", [(3, 64), (4, 256), (2, 512)])  # decode rows: scores read where keys lie
 def test_attention_kernel_matches_xla(isa, dtype, case, G, HD):
     positions, rows, kv_len, window, softcap, spread = CASES[case]
     positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)

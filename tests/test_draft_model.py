@@ -77,7 +77,7 @@ def test_greedy_is_transformers_greedy_whatever_the_draft(models, tiny):
     held = len(ids) + len(gen.token_ids) - 2
     state = engine.slots.state
     axis = 3 if state.cache.kernel == "cpu" else 2  # positions: [L, R, KV, S, hd] on the CPU kernel
-    for ours, drafts in ((state.cache.k, state.draft_cache.k), (state.cache.v, state.draft_cache.v)):
+    for ours, drafts in ((state.cache.k[0], state.draft_cache.k[0]), (state.cache.v[0], state.draft_cache.v[0])):
         np.testing.assert_allclose(np.take(drafts, range(held), axis), np.take(ours, range(held), axis), atol=1e-5)
 
 

@@ -48,6 +48,28 @@ TOWERS = {
         ),
         transformers.Gemma3ForCausalLM,
     ),
+    # Gemma 4's text (per-layer embeddings, shared K/V, wider full layers) beside its vision tower
+    # and the vision embedder
+    "gemma4": (
+        transformers.Gemma4ForConditionalGeneration,
+        lambda: transformers.Gemma4Config(
+            text_config=dict(
+                TEXT,
+                head_dim=32,
+                global_head_dim=64,
+                num_hidden_layers=4,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                sliding_window=8,
+                num_kv_shared_layers=2,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=384,
+                pad_token_id=2,  # the multimodal model swaps image tokens for it
+            ),
+            vision_config=dict(VISION, num_key_value_heads=2, head_dim=16),
+            audio_config=None,
+        ),
+        transformers.Gemma4ForCausalLM,
+    ),
     # an untied head
     "mistral3": (
         transformers.Mistral3ForConditionalGeneration,

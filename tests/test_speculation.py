@@ -42,9 +42,9 @@ def check_counts(gen) -> None:
 # one of each variant the verifying pass takes apart (it is the shared forward; test_parity holds
 # every architecture to transformers): sliding windows, soft-capping, a rope base per layer type,
 # longrope's factors, a mixture's draft tokens routed each to its own experts in one pass, a hybrid's
-# DeltaNet state settled on the drafts it kept, attention sinks
+# DeltaNet state settled on the drafts it kept, attention sinks, K/V shared between layers
 @pytest.mark.parametrize(
-    "arch", ["llama", "mistral", "gemma2", "gemma3", "phi3-longrope", "qwen2-moe", "qwen3.5", "gpt-oss"]
+    "arch", ["llama", "mistral", "gemma2", "gemma3", "gemma4", "phi3-longrope", "qwen2-moe", "qwen3.5", "gpt-oss"]
 )
 def test_greedy_is_transformers_greedy_on_every_architecture(tiny, arch):
     path = tiny(arch, init_std=0.05)  # a model whose greedy text soon cycles: drafts are accepted

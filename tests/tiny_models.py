@@ -187,6 +187,24 @@ ARCHITECTURES = {
             "llama_4_scaling_beta": 0.5,
         },
     ),
+    # Gemma 4: sliding and full layers alternating, the full ones' heads twice as wide, the last two
+    # layers (one of each type) sharing earlier layers' K/V with double-wide MLPs, per-layer
+    # embeddings, each layer's scalar drawn at random (`make_model`), a window the tests' sequences pass
+    "gemma4": dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        num_hidden_layers=6,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=24,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=384,
+        final_logit_softcapping=30.0,
+        pad_token_id=None,
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",
@@ -289,6 +307,9 @@ def make_model(
                 p.normal_(0.0, init_std)
             elif ARCHITECTURES[arch]["model_type"] == "gpt_oss" and "norm" not in name:  # its biases and sinks
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                b.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory

@@ -13,16 +13,17 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, gpt_oss, hybrid, llama, moe, phi3
+from jaxinfer.families import gemma, gemma4, gpt_oss, hybrid, llama, moe, phi3
 
 FAMILIES: dict[str, ModuleType] = {
-    arch: module for module in (llama, gemma, phi3, moe, hybrid, gpt_oss) for arch in module.ARCHITECTURES
+    arch: module for module in (llama, gemma, gemma4, phi3, moe, hybrid, gpt_oss) for arch in module.ARCHITECTURES
 }
 # Multimodal checkpoints (a language model beside a vision tower) whose text model jaxinfer runs, as
 # mlx-lm does: each → the text architecture its text_config stands for when it names no model_type
 # of `TEXT_MODELS`, and transformers' default for its `tie_word_embeddings`.
 TOWERS = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", True),
+    "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", True),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", True),
     "LlavaForConditionalGeneration": ("LlamaForCausalLM", False),
     "LlavaNextForConditionalGeneration": ("LlamaForCausalLM", False),
@@ -36,15 +37,24 @@ TEXT_MODELS = {  # a text_config's model_type → the architecture that runs it
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # What a multimodal checkpoint holds beside its text model: skipped (the vision tower, its projector,
-# LLaVA-NeXT's image-row separator)
+# LLaVA-NeXT's image-row separator, Gemma 4's audio tower and both towers' embedders)
 VISION = tuple(
     prefix + part
     for prefix in ("", "model.")
-    for part in ("visual.", "vision_tower.", "multi_modal_projector.", "image_newline")
+    for part in (
+        "visual.",
+        "vision_tower.",
+        "multi_modal_projector.",
+        "image_newline",
+        "embed_vision.",
+        "audio_tower.",
+        "embed_audio.",
+    )
 )
 # The text model's tensors as transformers 5 names them, from the names of the checkpoints written
 # before it (which transformers 5 still writes on save): language_model.model.* and language_model.lm_head

@@ -55,7 +55,7 @@ def config(d: dict, arch: str) -> ModelConfig:
     fields = common_fields(d)
     rope_local = ()
     if arch == "Gemma3ForCausalLM":
-        full, local = _gemma3_rope(d)
+        full, local = rope_per_type(d)
         fields.update(rope_theta=full[0], rope_scaling=full[1])
         rope_local = local
     attention_bias = bool(d.get("attention_bias", False))
@@ -85,8 +85,8 @@ def _activation(d: dict, arch: str) -> str:
     return activation(d["hidden_activation"])
 
 
-def _gemma3_rope(d: dict) -> tuple[tuple, tuple]:
-    """((theta, scaling) of the full layers, of the sliding ones), from transformers 5's
+def rope_per_type(d: dict) -> tuple[tuple, tuple]:
+    """((theta, scaling) of the full layers, of the sliding ones) (Gemma 3, 4), from transformers 5's
     `rope_parameters` per layer type or from the keys hub checkpoints still write: `rope_theta` and
     `rope_scaling` for the full layers, `rope_local_base_freq` for the sliding ones."""
     per_type = d.get("rope_parameters") or {}

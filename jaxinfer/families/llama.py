@@ -110,8 +110,7 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """HF tensor name → (path in our tree, expected shape, logical axes). Gemma's layers share these
     names. Axes as Megatron splits a layer: q/k/v and gate/up by their outputs, o and down by their
     inputs, so a layer needs one sum across devices after each block."""
-    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    D, V = cfg.hidden_size, cfg.vocab_size
     table = {
         "model.embed_tokens.weight": Weight(("embed",), (V, D), ("vocab", "embed")),
         "model.norm.weight": Weight(("norm",), (D,), ("embed",)),
@@ -119,6 +118,9 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = Weight(("lm_head",), (V, D), ("vocab", "embed"))
     for i in range(cfg.num_layers):
+        F, hd = cfg.mlp_size(i), cfg.head_dim_of(i)
+        q_out, kv_out = cfg.num_heads * hd, cfg.kv_heads_of(i) * hd
+        own = cfg.kv_source(i) == i  # else the layer reads an earlier layer's K/V (Gemma 4), and has no k/v
 
         def add(hf_name: str, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
             table[f"model.layers.{i}.{hf_name}"] = Weight(("layers", i, name), shape, axes)
@@ -128,7 +130,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         if cfg.mixer(i) == "attention":  # else the family adds its mixer's
             # with an output gate, q_proj gives each head its query, then its gate
             queries = (2 if cfg.attn_output_gate else 1) * q_out
-            for proj, out, heads in (("q", queries, "heads"), ("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")):
+            kv = (("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")) if own else ()
+            for proj, out, heads in (("q", queries, "heads"), *kv):
                 add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D), (heads, "embed"))
                 if cfg.qkv_bias:
                     add(f"self_attn.{proj}_proj.bias", f"b{proj}", (out,), (heads,))
@@ -139,7 +142,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
                 add("self_attn.sinks", "sinks", (cfg.num_heads,), ("heads",))
             if cfg.qk_norm == "heads":
                 add("self_attn.q_norm.weight", "q_norm", (hd,), (None,))
-                add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
+                if own:
+                    add("self_attn.k_norm.weight", "k_norm", (hd,), (None,))
             elif cfg.qk_norm == "whole":
                 add("self_attn.q_norm.weight", "q_norm", (q_out,), (None,))
                 add("self_attn.k_norm.weight", "k_norm", (kv_out,), (None,))

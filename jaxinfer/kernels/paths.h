@@ -146,17 +146,17 @@ struct Paths {
   FGroups bf16_dot = nullptr;
   RoundBits round_bits = nullptr;
   AmxMatmul amx = nullptr;  // bfloat16 weights from kAmxMinRows rows on
-  AttendItem attend[2][6] = {};  // [bfloat16 cache][attend_slot(head size)]
+  AttendItem attend[2][7] = {};  // [bfloat16 cache][attend_slot(head size)]
   AttendItem attend_any = nullptr;  // any head size: the portable path
 };
 
 constexpr int64_t kAmxMinRows = 16;  // from 12–16 rows on, the tiles are ahead of FMAs (SmolLM and TinyLlama matrices)
 
 // The head sizes the vectorised attention has paths for (`jaxinfer.kernel.ATTENTION_HEAD_DIMS`).
-constexpr int64_t kAttendHeadDims[6] = {32, 64, 80, 96, 128, 256};
+constexpr int64_t kAttendHeadDims[7] = {32, 64, 80, 96, 128, 256, 512};  // 512: Gemma 4's full layers
 
 inline int attend_slot(int64_t hd) {  // where hd's path is in Paths::attend, or -1
-  for (int i = 0; i < 6; ++i)
+  for (int i = 0; i < 7; ++i)
     if (kAttendHeadDims[i] == hd) return i;
   return -1;
 }

@@ -430,6 +430,7 @@ void add_attention(Paths& t) {
   t.attend[0][3] = attend<V, 96 / V::L, false>, t.attend[1][3] = attend<V, 96 / V::L, true>;
   t.attend[0][4] = attend<V, 128 / V::L, false>, t.attend[1][4] = attend<V, 128 / V::L, true>;
   t.attend[0][5] = attend<V, 256 / V::L, false>, t.attend[1][5] = attend<V, 256 / V::L, true>;
+  t.attend[0][6] = attend<V, 512 / V::L, false>, t.attend[1][6] = attend<V, 512 / V::L, true>;
 }
 
 }  // namespace simd

@@ -1,0 +1,109 @@
+"""Gemma 4 (text): what its layers add to the house, composed with every driver. Logits and greedy
+text against transformers are test_parity's ("gemma4": per-layer attention shapes, shared K/V,
+double-wide MLPs, per-layer embeddings, each layer's scalar)."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, jaxinfer_here
+from reference import alone, greedy_reference, our_prompt_logits, reference
+
+from jaxinfer import roofline
+from jaxinfer.engine import Engine
+from jaxinfer.generate import Generation
+from jaxinfer.kvcache import KVCache
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import Sampling
+from jaxinfer.scheduler import Request, Scheduler
+from jaxinfer.slots import Decoding
+from jaxinfer.state import Speculation
+
+PROMPT = "The capital of France is Paris. 東京 🙂 def fibonacci(n): " * 3
+
+
+def test_the_cache_holds_the_layers_that_keep_their_own(tiny):
+    """Two groups of K/V (the sliding layers' heads of 32, the full layers' of 64), the two shared
+    layers holding none and reading the last earlier layer of their type; `info` and the roofline
+    count K/V once, for those layers only."""
+    path = tiny("gemma4")
+    cfg = load_model(path).config
+    assert cfg.kv_sources == (0, 1, 2, 3, 2, 3) and cfg.cached_layers == (0, 1, 2, 3)
+    cache = KVCache.zeros(cfg, 2, 64, jnp.float32)
+    assert sorted(a.shape[-1] for a in cache.k) == [32, 64] and all(a.shape[0] == 2 for a in cache.k)
+    assert cache.where[4] == cache.where[2] and cache.where[5] == cache.where[3]
+    per_token = 2 * 2 * (2 * 32 + 2 * 64) * 4  # K and V, 2 kv heads, two layers of each width, float32
+    assert roofline.kv_bytes_per_token(cfg, roofline.Storage(4)) == per_token
+    # a decode step reads one row of the per-layer embeddings a token (6 layers of 8), not the table
+    one, two = (roofline.decode_step_cost(cfg, roofline.Storage(4), 0, batch=b).bytes for b in (1, 2))
+    assert two - one == 6 * 8 * 4 + per_token
+    facts = json.loads(jaxinfer_here("info", "-m", path, "-c", "256", "--json").stdout)
+    assert facts["kv_bytes_per_token"] == per_token
+    assert facts["total_bytes"] == facts["stored_weight_bytes"] + 256 * per_token
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_chunks_and_a_second_turn_are_transformers_greedy(tiny, chunk):
+    """A prompt past the sliding window, in one call or in chunks of 16, then a chat's second turn
+    reusing the first's K/V: transformers' greedy tokens each time (the shared layers reading the
+    cache the earlier layers wrote)."""
+    path = tiny("gemma4")
+    hf, model = reference(path), load_model(path)
+    engine = Engine(model.config, model.params, 256, eos_ids=(), decoding=Decoding(prefill_chunk=chunk))
+    ids = model.tokenizer.encode(PROMPT)
+    first = Generation(model, engine, ids, Sampling(), max_tokens=10)
+    list(first)
+    assert first.token_ids == greedy_reference(hf, ids, 10)
+    follow = ids + first.token_ids + model.tokenizer.encode(" Rome is", add_special_tokens=False)
+    second = Generation(model, engine, follow, Sampling(), max_tokens=8)
+    list(second)
+    assert second.token_ids == greedy_reference(hf, follow, 8)
+    assert second.timings.cached_tokens >= len(ids)
+
+
+def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny):
+    """Continuous batching with chunked prompts beside running rows, and prompt-lookup speculation
+    (greedy and sampled rows): each row's text as alone, drafts having been kept."""
+    model = dataclasses.replace(load_model(tiny("gemma4", init_std=0.05)), eos_ids=())
+    copy = model.tokenizer.encode(
+        "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"
+    )
+    prompts = [copy, model.tokenizer.encode(PROMPT), model.tokenizer.encode("Def fibonacci(n):")]
+    reqs = [Request(i, p, Sampling(temperature=0.7 * (i % 2)), 64, i, speculate=True) for i, p in enumerate(prompts)]
+    out = []
+    Scheduler(model, 2, 256, Decoding(16, Speculation(draft=4))).run(reqs, out.append, True)
+    records = {r["id"]: r for r in out}
+    assert {i: r["text"] for i, r in records.items()} == {r.id: alone(model, r, 256).text for r in reqs}
+    assert records[0]["timings"]["speculation"]["accepted"] > 0, records[0]
+
+
+def test_perplexity_is_transformers_loss_and_int8_stays_close(tiny):
+    """A whole sequence without a cache (the shared layers' K/V then held for the pass) scores as
+    transformers' loss; int8 matrices and an int8 cache keep the next token at ≥ 85% of positions."""
+    from jaxinfer.perplexity import perplexity
+
+    path = tiny("gemma4")
+    model, hf = load_model(path), reference(path)
+    ids = model.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    assert perplexity(model.config, model.params, ids, context=len(ids))["nll"] == pytest.approx(loss, rel=1e-5)
+    exact = our_prompt_logits(model, ids, 128)[0]
+    for quantized in (load_model(path, quantize="int8"), load_model(path, kv_dtype="int8")):
+        assert np.mean(exact.argmax(-1) == our_prompt_logits(quantized, ids, 128)[0].argmax(-1)) >= 0.85
+
+
+def test_what_is_not_run_yet_is_one_line(tiny, tmp_path):
+    """The 26B-A4B's mixture block beside the MLP and keys equal to values are refused by name."""
+    path = tiny("gemma4")
+    for key in ("enable_moe_block", "attention_k_eq_v"):
+        odd = tmp_path / key
+        odd.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+            (odd / name).write_bytes((path / name).read_bytes())
+        config = json.loads((path / "config.json").read_text())
+        (odd / "config.json").write_text(json.dumps({**config, key: True}))
+        assert_one_line_error(jaxinfer_here("run", "-m", odd, "hi"), key)
