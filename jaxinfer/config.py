@@ -260,7 +260,7 @@ def rope_settings(params: dict, theta: float) -> tuple[float, tuple]:
             float(params.get("factor", 1.0)),
             float(params.get("partial_rotary_factor", 1.0)),
         )
-    if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_model`)
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor, as llama.cpp applies it (`jaxinfer.gguf_config`)
         return theta, ("freq_factors", tuple(float(f) for f in params["factors"]))
     if kind == "yarn":  # as transformers' _compute_yarn_parameters (and its standardize_rope_params)
         original = int(params.get("original_max_position_embeddings") or params["max_position_embeddings"])

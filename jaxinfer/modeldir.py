@@ -129,14 +129,14 @@ def ollama_blob(name: str, tag: str) -> Path:
 def load_config(path: str | Path | None = None, gguf_file: str | None = None) -> tuple[Path, ModelConfig, dict]:
     """(directory, config, config.json as read) of a model directory or hub id (`gguf_file`: its GGUF file
     of that name); no path: the bundled model. A GGUF file stands for a directory: the config.json its
-    metadata describes (`jaxinfer.gguf_model`)."""
-    from jaxinfer import gguf_model
+    metadata describes (`jaxinfer.gguf_config`)."""
+    from jaxinfer import gguf_config, gguf_model
 
     model_dir = model_directory(path, gguf_file)
     if gguf_model.is_gguf(model_dir):
         file = gguf_model.open_gguf(model_dir)
         method = gguf_model.quantized_by(file)
-        config_json = {**gguf_model.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
+        config_json = {**gguf_config.config_json(file), **({QUANTIZED_KEY: method} if method else {})}
         config_json[METHODS_KEY] = gguf_model.methods_by_path(file, config_from_hf(config_json))
     elif model_dir.is_file():
         holder = model_dir.parent if (model_dir.parent / "config.json").is_file() else None

@@ -117,7 +117,7 @@ def read_gguf(
     the `quant` methods of their names, its float matrices quantized only by `quantize`; Llama's q/k
     rows, Gemma's and the Qwen hybrids' norms (and their DeltaNets' A) put back as Hugging Face holds
     them."""
-    from jaxinfer import gguf_model
+    from jaxinfer import gguf_config, gguf_model
 
     table = weight_table(cfg)
     names = gguf_model.gguf_names(cfg, table)
@@ -129,7 +129,7 @@ def read_gguf(
         )
     leaves = {}
     permuted = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads, "bq": cfg.num_heads, "bk": cfg.num_kv_heads}
-    llama = cfg.architecture in gguf_model.PERMUTED
+    llama = cfg.architecture in gguf_config.PERMUTED
 
     def blocks(arrays: tuple, how: str) -> Quantized:
         """A method's arrays, whole on every device (the kernel's custom call takes a whole matrix)."""

@@ -146,7 +146,7 @@ MODELS = {
         ),
         ["Q4_K_M", "MXFP4_MOE"],
     ),
-    # hybrids: Qwen3.5 (two value heads a key head: the converter reorders them, `gguf_model`'s
+    # hybrids: Qwen3.5 (two value heads a key head: the converter reorders them, `gguf_config`'s
     # "tiled"), its mixture, Qwen3-Next (its interleaved projections split by the converter; every
     # layer a mixture, as llama.cpp takes it); value heads as wide as key heads, as llama.cpp
     # requires (and the released models have)

@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import assert_one_line_error, jaxinfer, jaxinfer_here
 from reference import our_prompt_logits
 
-from jaxinfer import forms, gguf_model, weights
+from jaxinfer import forms, gguf_config, gguf_model, weights
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.loading import load_model
@@ -79,7 +79,7 @@ def test_every_tensor_is_the_files_own_values(name):
             up_values = gguf.quants.dequantize(np.asarray(up.data), up.tensor_type)
             values = np.concatenate([values, up_values], axis=-2 if values.ndim == 3 else -1)
         values = values.reshape(weight.leaf.shape)
-        if path[-1] in ("wq", "wk") and model.config.architecture in gguf_model.PERMUTED:
+        if path[-1] in ("wq", "wk") and model.config.architecture in gguf_config.PERMUTED:
             values = gguf_model._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
         leaf = model.params
         for key in path:

@@ -97,7 +97,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         delta_key_dim=int(d["linear_key_head_dim"]),
         delta_value_dim=int(d["linear_value_head_dim"]),
         delta_conv=int(d["linear_conv_kernel_dim"]),
-        # a GGUF file's (`jaxinfer.gguf_model`): llama.cpp's converter splits Qwen3-Next's in_proj_qkvz,
+        # a GGUF file's (`jaxinfer.gguf_config`): llama.cpp's converter splits Qwen3-Next's in_proj_qkvz,
         # and orders Qwen3.5's value heads tiled over the key heads
         delta_qkvz=arch == "Qwen3NextForCausalLM" and not d.get("gguf_split_qkvz", False),
         delta_tiled=bool(d.get("gguf_value_heads_tiled", False)),
