@@ -257,9 +257,3 @@ def _phi3(file: GGUFFile, key, d: dict) -> dict:
             "attention_factor": float(key("rope.scaling.attn_factor", 1.0)),
         }
     return phi3
-
-
-def file_architecture(cfg) -> str:
-    if cfg.architecture == MIXTRAL:
-        return "llama"
-    return next(arch for arch, hf in ARCHITECTURES.items() if hf == cfg.architecture)

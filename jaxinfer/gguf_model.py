@@ -121,15 +121,14 @@ def tensor_named(file: GGUFFile, name: str):
     return file.tensors[name]
 
 
-def gguf_names(cfg, table: dict) -> dict[str, str | tuple[str, str]]:
-    """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map); every
-    expert's tensor of a stack → the file's one merged tensor (`ffn_gate_exps`, ...); gpt-oss's gate
-    and up, fused in its checkpoints, → the two the converter splits them into (gate's, up's)."""
+def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, str]]:
+    """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map for the
+    file's architecture); every expert's tensor of a stack → the file's one merged tensor
+    (`ffn_gate_exps`, ...); gpt-oss's gate and up, fused in its checkpoints, → the two the converter
+    splits them into (gate's, up's)."""
     import gguf
 
-    from jaxinfer.gguf_config import file_architecture
-
-    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == file_architecture(cfg))
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == file.architecture)
     names = gguf.get_tensor_name_map(arch, cfg.num_layers)
 
     def merged(hf: str) -> str:
@@ -167,7 +166,7 @@ def methods_by_path(file: GGUFFile, cfg) -> dict[str, str]:
 
     table = weight_table(cfg)
     methods = {}
-    for hf, name in gguf_names(cfg, table).items():
+    for hf, name in gguf_names(file, cfg, table).items():
         leaf = table[hf].leaf
         kind = tensor_named(file, name[0] if isinstance(name, tuple) else name).tensor_type.name
         if how := held_method(kind, leaf.shape, is_matrix(leaf.path, leaf.shape)):

@@ -120,7 +120,7 @@ def read_gguf(
     from jaxinfer import gguf_config, gguf_model
 
     table = weight_table(cfg)
-    names = gguf_model.gguf_names(cfg, table)
+    names = gguf_model.gguf_names(file, cfg, table)
     read = {part for name in names.values() for part in (name if isinstance(name, tuple) else (name,))}
     extra = gguf_model.unmapped(file, read)
     if extra:

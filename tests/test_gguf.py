@@ -69,7 +69,7 @@ def test_every_tensor_is_the_files_own_values(name):
     model = load_model(DATA / name, layout="out_in")
     file = gguf_model.open_gguf(DATA / name)
     table = weights.weight_table(model.config)
-    names = gguf_model.gguf_names(model.config, table)
+    names = gguf_model.gguf_names(file, model.config, table)
     for hf_name, weight in table.items():
         path, name = weight.path, names[hf_name]
         tensor = file.tensors[name[0] if isinstance(name, tuple) else name]
