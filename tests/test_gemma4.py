@@ -95,6 +95,21 @@ def test_perplexity_is_transformers_loss_and_int8_stays_close(tiny):
         assert np.mean(exact.argmax(-1) == our_prompt_logits(quantized, ids, 128)[0].argmax(-1)) >= 0.85
 
 
+def test_the_layers_shapes_are_read_as_transformers_writes_them():
+    """transformers 5's per_layer_config (keys "05", "11" past nine layers) and the hub's
+    global_head_dim give the full layers their wider heads."""
+    import transformers
+
+    from jaxinfer.families import config_from_hf
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4)
+    theirs = transformers.Gemma4TextConfig(**shape, head_dim=16, global_head_dim=32).to_dict()
+    assert "05" in theirs["per_layer_config"]
+    for d in (theirs, {**shape, "model_type": "gemma4_text", "head_dim": 16, "global_head_dim": 32}):
+        cfg = config_from_hf({**d, "architectures": ["Gemma4ForCausalLM"]})
+        assert cfg.head_dims == (16,) * 5 + (32,) + (16,) * 5 + (32,)
+
+
 def test_what_is_not_run_yet_is_one_line(tiny, tmp_path):
     """The 26B-A4B's mixture block beside the MLP and keys equal to values are refused by name."""
     path = tiny("gemma4")

@@ -99,7 +99,8 @@ def _per_layer(d: dict, types: list[str]) -> tuple[tuple, tuple]:
     given = d.get("per_layer_config")
     if given is None:
         given = {str(i): {"head_dim": int(d["global_head_dim"])} for i, t in enumerate(types) if t == "full_attention"}
-    own = [given.get(str(i)) or given.get(i) or {} for i in range(len(types))]
+    given = {int(layer): part for layer, part in given.items()}  # transformers writes "05" past 9 layers
+    own = [given.get(i) or {} for i in range(len(types))]
     return (
         tuple(int(o.get("head_dim", head_dim)) for o in own),
         tuple(int(o.get("num_key_value_heads", kv)) for o in own),
