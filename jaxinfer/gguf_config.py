@@ -30,16 +30,10 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "mistral3": "Ministral3ForCausalLM",  # Ministral 3's, and Mistral Small 3.1+'s text model
 }
+MIXTRAL = "MixtralForCausalLM"  # a "llama" file with experts (`hf_architecture`)
 # Those whose q/k rows llama.cpp's converter permuted (its LlamaModel's), put back as transformers holds them
-PERMUTED = (
-    "LlamaForCausalLM",
-    "MixtralForCausalLM",
-    "SmolLM3ForCausalLM",
-    "GraniteForCausalLM",
-    "Ministral3ForCausalLM",
-)
+PERMUTED = (MIXTRAL, *(ARCHITECTURES[arch] for arch in ("llama", "smollm3", "granite", "mistral3")))
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
-MIXTRAL = "MixtralForCausalLM"
 # Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
 # architecture: the file does not say)
 NORM_TOPK = {
