@@ -65,10 +65,10 @@ class ModelConfig:
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_divisor: float = 1.0
-    # Each layer's feed-forward part (`jaxinfer.layers.feed_forward`): "dense" (the gated MLP) or
+    # Each layer's feed-forward part (`jaxinfer.layers.feed_forward`): "dense" (the gated MLP),
     # "mixture" (a router, `num_experts` experts of `expert_size` of which each token takes
     # `experts_per_token`, and a shared expert of `shared_expert_size` with a sigmoid gate where it is
-    # not 0); (): every layer dense.
+    # not 0) or "dense and mixture" (Gemma 4's 26B-A4B: the two side by side, summed); (): every layer dense.
     feed_forwards: tuple = ()
     num_experts: int = 0
     experts_per_token: int = 0
@@ -95,6 +95,7 @@ class ModelConfig:
     kv_head_counts: tuple = ()
     kv_sources: tuple = ()
     v_norm: bool = False  # Gemma 4: values RMS-normalised (no weight) before they are stored
+    keys_as_values: tuple = ()  # Gemma 4's attention_k_eq_v: the layers whose values are their keys' projection
     layer_scalar: bool = False  # Gemma 4: each layer's output times a scalar the checkpoint holds
     # Gemma 4's per-layer embeddings: a second table of `per_layer_vocab` rows of `per_layer_input`
     # per layer, mixed with a projection of the embeddings, gating a residual in every layer; 0: none
@@ -115,7 +116,7 @@ class ModelConfig:
         return self.sampled_vocab or self.vocab_size
 
     def feed_forward(self, i: int) -> str:
-        """Layer i's feed-forward part: "dense" or "mixture"."""
+        """Layer i's feed-forward part: "dense", "mixture" or "dense and mixture"."""
         return self.feed_forwards[i] if self.feed_forwards else "dense"
 
     def mixer(self, i: int) -> str:

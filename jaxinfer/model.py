@@ -31,6 +31,7 @@ from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
 from jaxinfer.layers import delta_net
 from jaxinfer.layers.feed_forward import ACTIVATIONS, feed_forward, linear
+from jaxinfer.layers.norm import rms_norm
 
 Params = dict  # {"embed", "layers": [ {...} per layer ], "norm", optional "lm_head"}
 
@@ -39,18 +40,6 @@ def compute_dtype(params: Params):
     """The dtype activations (and the KV cache) are computed in: the weights' float dtype, which
     the final norm always has (quantized matrices are integers)."""
     return params["norm"].dtype
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """As transformers: normalise in float32, cast back, then scale (Llama); Gemma scales by
-    (1 + weight) in float32 before the cast."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    if weight is None:  # a norm without a scale (Gemma 4's of the values)
-        return x32.astype(x.dtype)
-    if cfg.norm_plus_one:
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * x32.astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -160,7 +149,8 @@ def attention(
     elif shared:
         q, k, v = linear(x, layer, "q", cfg), None, None
     else:
-        q, k, v = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg), linear(x, layer, "v", cfg)
+        q, k = linear(x, layer, "q", cfg), linear(x, layer, "k", cfg)
+        v = k if i in cfg.keys_as_values else linear(x, layer, "v", cfg)  # Gemma 4's full layers: one projection
     if cfg.attn_output_gate:  # each head's query, then its gate
         q, gate = jnp.split(q.reshape(-1, H, 2 * hd), 2, axis=-1)
         q, gate = q.reshape(-1, H * hd), gate.reshape(-1, H * hd)
@@ -377,9 +367,7 @@ def forward_blocks(
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             h = rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h
             x = x + scaled(h, cfg.residual_multiplier)
-            h = feed_forward(layer, rms_norm(x, layer["mlp_norm"], cfg), i, cfg)
-            h = rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h
-            x = x + scaled(h, cfg.residual_multiplier)
+            x = x + scaled(feed_forward(layer, x, i, cfg), cfg.residual_multiplier)
             if per_layer is not None:  # Gemma 4: the layer's own input gates a residual of its own
                 h = ACTIVATIONS[cfg.activation](linear(x, layer, "ple_gate", cfg)) * per_layer[:, i]
                 x = x + rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)

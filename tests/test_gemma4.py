@@ -1,6 +1,7 @@
 """Gemma 4 (text): what its layers add to the house, composed with every driver. Logits and greedy
 text against transformers are test_parity's ("gemma4": per-layer attention shapes, shared K/V,
-double-wide MLPs, per-layer embeddings, each layer's scalar)."""
+double-wide MLPs, per-layer embeddings, each layer's scalar; "gemma4-moe": the 26B-A4B's mixture
+beside each MLP, its full layers' values their keys' projection)."""
 
 import dataclasses
 import json
@@ -63,10 +64,11 @@ def test_chunks_and_a_second_turn_are_transformers_greedy(tiny):
     assert second.timings.cached_tokens >= len(ids)
 
 
-def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny):
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny, arch):
     """Continuous batching with chunked prompts beside running rows, and prompt-lookup speculation
     (greedy and sampled rows): each row's text as alone, drafts having been kept."""
-    model = dataclasses.replace(load_model(tiny("gemma4", init_std=0.05)), eos_ids=())
+    model = dataclasses.replace(load_model(tiny(arch, init_std=0.05)), eos_ids=())
     copy = model.tokenizer.encode(
         "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"
     )
@@ -79,12 +81,14 @@ def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny):
     assert records[0]["timings"]["speculation"]["accepted"] > 0, records[0]
 
 
-def test_perplexity_is_transformers_loss_and_int8_stays_close(tiny):
-    """A whole sequence without a cache (the shared layers' K/V then held for the pass) scores as
-    transformers' loss; int8 matrices and an int8 cache keep the next token at ≥ 85% of positions."""
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+def test_perplexity_is_transformers_loss_and_int8_stays_close(tiny, arch):
+    """A whole sequence without a cache (the shared layers' K/V then held for the pass, a mixture's
+    tokens routed at once) scores as transformers' loss; int8 matrices (experts too) and an int8
+    cache keep the next token at ≥ 85% of positions."""
     from jaxinfer.perplexity import perplexity
 
-    path = tiny("gemma4")
+    path = tiny(arch)
     model, hf = load_model(path), reference(path)
     ids = model.tokenizer.encode(PROMPT)
     with torch.no_grad():
@@ -110,14 +114,13 @@ def test_the_layers_shapes_are_read_as_transformers_writes_them():
         assert cfg.head_dims == (16,) * 5 + (32,) + (16,) * 5 + (32,)
 
 
-def test_what_is_not_run_yet_is_one_line(tiny, tmp_path):
-    """The 26B-A4B's mixture block beside the MLP and keys equal to values are refused by name."""
-    path = tiny("gemma4")
-    for key in ("enable_moe_block", "attention_k_eq_v"):
-        odd = tmp_path / key
-        odd.mkdir()
-        for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
-            (odd / name).write_bytes((path / name).read_bytes())
-        config = json.loads((path / "config.json").read_text())
-        (odd / "config.json").write_text(json.dumps({**config, key: True}))
-        assert_one_line_error(jaxinfer_here("run", "-m", odd, "hi"), key)
+def test_a_mixture_without_its_sizes_is_one_line(tiny, tmp_path):
+    """enable_moe_block with no expert count is refused by name, not a KeyError."""
+    path = tiny("gemma4-moe")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (odd / name).write_bytes((path / name).read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "num_experts": None}))
+    assert_one_line_error(jaxinfer_here("run", "-m", odd, "hi"), "num_experts")

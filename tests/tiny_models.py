@@ -205,6 +205,25 @@ ARCHITECTURES = {
         final_logit_softcapping=30.0,
         pad_token_id=None,
     ),
+    # the 26B-A4B's layers: a mixture (8 experts, top 2) beside each MLP, the full layers' values
+    # their keys' projection with a kv head of their own, no per-layer embeddings
+    "gemma4-moe": dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        num_hidden_layers=4,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=24,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=48,
+        pad_token_id=None,
+    ),
     # one sliding layer (local base 10000) and one global (base 1e6, linear scaling ×8)
     "gemma3": dict(
         model_type="gemma3_text",
@@ -310,6 +329,9 @@ def make_model(
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 b.uniform_(0.5, 1.5)
+        for name, p in model.named_parameters():
+            if name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router: ones at init
+                p.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory

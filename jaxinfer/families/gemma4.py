@@ -10,10 +10,10 @@ with a rope base of its own) with what makes the small ones fast on a phone:
   projection of the embeddings, gating a residual of its own in every layer (`model.per_layer_inputs`);
 - values RMS-normalised without a weight, attention unscaled (the q/k norms do it), norms scaling
   by their weight (not 1 + weight), and a scalar on each layer's output;
-- the full layers' "proportional" RoPE: a quarter of the frequencies over the whole head.
-
-Not yet run: the mixture block beside the dense MLP (26B-A4B: `enable_moe_block`) and keys equal to
-values (`attention_k_eq_v`), refused in one line."""
+- the full layers' "proportional" RoPE: a quarter of the frequencies over the whole head;
+- the 26B-A4B's mixture beside the MLP (`enable_moe_block`: `jaxinfer.layers.feed_forward`'s "dense
+  and mixture"), and the large ones' full layers taking their values from the keys' projection
+  (`attention_k_eq_v`), with kv heads of their own (`num_global_key_value_heads`)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,6 @@ DEFAULTS = {
 
 def config(d: dict, arch: str) -> ModelConfig:
     d = {**DEFAULTS, **d}
-    for key, what in (("enable_moe_block", "its mixture block"), ("attention_k_eq_v", "keys equal to values")):
-        if d.get(key):
-            raise JaxinferError(f"config.json: {arch} with {key} ({what}) is not supported yet")
     if d.get("use_bidirectional_attention"):
         raise JaxinferError(f"config.json: use_bidirectional_attention is not supported for {arch}")
     layers = int(d["num_hidden_layers"])
@@ -69,6 +66,7 @@ def config(d: dict, arch: str) -> ModelConfig:
     sources = _kv_sources(types, int(d["num_kv_shared_layers"]))
     wide = [2 if d.get("use_double_wide_mlp") and sources[i] != i else 1 for i in range(layers)]
     ple = int(d.get("hidden_size_per_layer_input") or 0)
+    full_own = tuple(i for i, t in enumerate(types) if t == "full_attention" and sources[i] == i)
     return ModelConfig(
         architecture=arch,
         **fields,
@@ -89,16 +87,40 @@ def config(d: dict, arch: str) -> ModelConfig:
         per_layer_input=ple,
         per_layer_vocab=int(d["vocab_size_per_layer_input"]) if ple else 0,
         intermediate_sizes=tuple(int(d["intermediate_size"]) * w for w in wide),
+        keys_as_values=full_own if d.get("attention_k_eq_v") else (),
+        **(_mixture(d, layers) if d.get("enable_moe_block") else {}),
+    )
+
+
+def _mixture(d: dict, layers: int) -> dict:
+    """The mixture beside every layer's MLP: its experts, how many a token takes (its k chosen
+    weights renormalised, then each times its expert's scale), each expert's width."""
+    sizes = {key: d.get(key) for key in ("num_experts", "top_k_experts", "moe_intermediate_size")}
+    if missing := [key for key, size in sizes.items() if not size]:
+        raise JaxinferError(f"config.json: enable_moe_block without {', '.join(missing)}")
+    experts, top = int(sizes["num_experts"]), int(sizes["top_k_experts"])
+    if not 0 < top <= experts:
+        raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
+    return dict(
+        feed_forwards=("dense and mixture",) * layers,
+        num_experts=experts,
+        experts_per_token=top,
+        expert_size=int(sizes["moe_intermediate_size"]),
+        norm_topk=True,
     )
 
 
 def _per_layer(d: dict, types: list[str]) -> tuple[tuple, tuple]:
     """Each layer's (head dims, kv heads): from transformers 5's `per_layer_config` where config.json
-    holds it, else the full layers' `global_head_dim` as transformers makes it."""
+    holds it, else as transformers makes it: the full layers' `global_head_dim`, and with keys as
+    values their `num_global_key_value_heads`."""
     head_dim, kv = int(d["head_dim"]), int(d["num_key_value_heads"])
     given = d.get("per_layer_config")
     if given is None:
-        given = {str(i): {"head_dim": int(d["global_head_dim"])} for i, t in enumerate(types) if t == "full_attention"}
+        full = {"head_dim": int(d["global_head_dim"])}
+        if d.get("attention_k_eq_v") and d.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = int(d["num_global_key_value_heads"])
+        given = {str(i): full for i, t in enumerate(types) if t == "full_attention"}
     given = {int(layer): part for layer, part in given.items()}  # transformers writes "05" past 9 layers
     own = [given.get(i) or {} for i in range(len(types))]
     return (
@@ -124,6 +146,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     D, L, P = cfg.hidden_size, cfg.num_layers, cfg.per_layer_input
     for i in range(L):
         table[f"model.layers.{i}.layer_scalar"] = Weight(("layers", i, "scalar"), (1,), (None,))
+        if cfg.feed_forward(i) == "dense and mixture":
+            table.update(_mixture_table(cfg, i))
     if not P:
         return table
     table["model.embed_tokens_per_layer.weight"] = Weight(("ple_embed",), (cfg.per_layer_vocab, L * P), (None, None))
@@ -136,4 +160,26 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
             ("post_per_layer_input_norm.weight", "ple_norm", (D,), ("embed",)),
         ):
             table[f"model.layers.{i}.{hf_name}"] = Weight(("layers", i, name), shape, axes)
+    return table
+
+
+def _mixture_table(cfg: ModelConfig, i: int) -> dict[str, Weight]:
+    """Layer i's mixture: the router (its matrix, scale and each expert's scale), the experts' stacks
+    as transformers holds them ([E, 2F, D]: all the gates, then all the ups; [E, D, F]) and the three
+    norms around the mixture and the MLP beside it."""
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    pre = f"model.layers.{i}"
+    table = {
+        f"{pre}.router.proj.weight": Weight(("layers", i, "router"), (E, D), (None, "embed")),
+        f"{pre}.router.scale": Weight(("layers", i, "router_scale"), (D,), ("embed",)),
+        f"{pre}.router.per_expert_scale": Weight(("layers", i, "expert_scale"), (E,), (None,)),
+        f"{pre}.experts.gate_up_proj": Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), ("experts", None, None)),
+        f"{pre}.experts.down_proj": Weight(("layers", i, "we_down"), (E, D, F), ("experts", None, None)),
+    }
+    for hf_name, name in (
+        ("pre_feedforward_layernorm_2", "mlp_norm_2"),
+        ("post_feedforward_layernorm_1", "post_mlp_norm_1"),
+        ("post_feedforward_layernorm_2", "post_mlp_norm_2"),
+    ):
+        table[f"{pre}.{hf_name}.weight"] = Weight(("layers", i, name), (D,), ("embed",))
     return table

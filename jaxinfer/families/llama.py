@@ -131,6 +131,7 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
             # with an output gate, q_proj gives each head its query, then its gate
             queries = (2 if cfg.attn_output_gate else 1) * q_out
             kv = (("k", kv_out, "kv_heads"), ("v", kv_out, "kv_heads")) if own else ()
+            kv = kv[:1] if i in cfg.keys_as_values else kv  # Gemma 4: the values k_proj's too
             for proj, out, heads in (("q", queries, "heads"), *kv):
                 add(f"self_attn.{proj}_proj.weight", f"w{proj}", (out, D), (heads, "embed"))
                 if cfg.qkv_bias:
@@ -147,8 +148,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
             elif cfg.qk_norm == "whole":
                 add("self_attn.q_norm.weight", "q_norm", (q_out,), (None,))
                 add("self_attn.k_norm.weight", "k_norm", (kv_out,), (None,))
-        if cfg.feed_forward(i) != "dense":
-            continue  # the family adds its part's
+        if cfg.feed_forward(i) == "mixture":
+            continue  # the family adds its part's (beside a dense MLP: Gemma 4's, and this MLP)
         for proj, shape, axes in (
             ("gate", (F, D), ("mlp", "embed")),
             ("up", (F, D), ("mlp", "embed")),

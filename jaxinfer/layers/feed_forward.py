@@ -1,12 +1,15 @@
-"""A layer's feed-forward part: the dense gated MLP, or a mixture of experts (a router, E experts of
-which each token takes k, and an optional shared expert with a sigmoid gate).
+"""A layer's feed-forward part, with the norms around it: the dense gated MLP, a mixture of experts (a
+router, E experts of which each token takes k, and an optional shared expert with a sigmoid gate), or
+Gemma 4's two side by side.
 
 A mixture's leaves (`jaxinfer.families.moe`): "router" [E, D] (a plain array: never quantized or
 packed, so the choice of experts is the checkpoint's to float32 rounding), the experts' stacks
 "we_gate", "we_up" [E, F, D] and "we_down" [E, D, F] (`forms.Experts`), and for a shared expert the
 dense MLP's "wgate"/"wup"/"wdown" and "shared_gate" [1, D]. gpt-oss's (`jaxinfer.families.gpt_oss`):
 the router's bias "router_bias" [E], gate and up fused, "we_gate_up" [E, 2F, D], and each stack's
-biases "be_gate_up" [E, 2F], "be_down" [E, D].
+biases "be_gate_up" [E, 2F], "be_down" [E, D]. Gemma 4's (`jaxinfer.families.gemma4`): gate and up
+fused, the router's own scale "router_scale" [D] and each expert's "expert_scale" [E], and norms
+around the mixture ("mlp_norm_2", "post_mlp_norm_2") and the MLP beside it ("post_mlp_norm_1").
 
 The experts' products read only the experts the tokens were routed to (`routed_mlp`), by one of
 three plans chosen by shape (first measured on XLA CPU, a 2-core Zen 4, 64 experts of 384 × 1024
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxinfer import forms
 from jaxinfer.config import ModelConfig
+from jaxinfer.layers.norm import rms_norm
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
@@ -63,20 +67,28 @@ def route(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.A
     """The router's choice for tokens x [N, D]: expert ids [N, k] (int32) and their weights [N, k]
     (float32), as transformers picks them: a softmax over all experts' logits (plus the router's
     bias, gpt-oss's), the k largest, and renormalised to sum to 1 where the family does
-    (`ModelConfig.norm_topk`; gpt-oss's softmax over the k largest logits is that)."""
-    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), layer["router"].astype(jnp.float32))
+    (`ModelConfig.norm_topk`; gpt-oss's softmax over the k largest logits is that). Gemma 4's router
+    RMS-normalises x and scales it by its own scale and D^-½ first, and weighs each chosen expert by
+    its scale after."""
+    x = x.astype(jnp.float32)
+    if "router_scale" in layer:
+        x = rms_norm(x, None, cfg) * layer["router_scale"].astype(jnp.float32) * x.shape[-1] ** -0.5
+    logits = jnp.einsum("nd,ed->ne", x, layer["router"].astype(jnp.float32))
     if "router_bias" in layer:
         logits = logits + layer["router_bias"].astype(jnp.float32)
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
     if cfg.norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
+    if "expert_scale" in layer:
+        weights = weights * layer["expert_scale"].astype(jnp.float32)[ids]
     return ids.astype(jnp.int32), weights
 
 
-def mixture(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def mixture(layer: dict, x: jax.Array, cfg: ModelConfig, routed_by: jax.Array | None = None) -> jax.Array:
     """The mixture for tokens x [N, D] → [N, D]: each token's k experts, weighted, plus the shared
-    expert where the family has one, gated by sigmoid(shared_gate · x)."""
-    ids, weights = route(layer, x, cfg)
+    expert where the family has one, gated by sigmoid(shared_gate · x). `routed_by`: what the router
+    reads where it is not x (Gemma 4's: the residual stream, before the mixture's norm)."""
+    ids, weights = route(layer, x if routed_by is None else routed_by, cfg)
     out = routed_mlp(layer, x, ids, weights, cfg)
     if cfg.shared_expert_size:
         gate = jax.nn.sigmoid(jnp.einsum("nd,od->no", x.astype(jnp.float32), layer["shared_gate"].astype(jnp.float32)))
@@ -84,12 +96,21 @@ def mixture(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return out.astype(x.dtype)
 
 
-FEED_FORWARDS = {"dense": dense, "mixture": mixture}
-
-
 def feed_forward(layer: dict, x: jax.Array, i: int, cfg: ModelConfig) -> jax.Array:
-    """Layer i's feed-forward part on x [N, D]."""
-    return FEED_FORWARDS[cfg.feed_forward(i)](layer, x, cfg)
+    """Layer i's feed-forward part on the residual stream x [N, D]: what it adds to it. Its input
+    normed ("mlp_norm"), and its output too in Gemma's sandwich ("post_mlp_norm"); Gemma 4's MLP and
+    mixture beside it each with norms of their own, the mixture routed by the residual itself."""
+    normed = rms_norm(x, layer["mlp_norm"], cfg)
+    part = cfg.feed_forward(i)
+    if part == "dense":
+        h = dense(layer, normed, cfg)
+    elif part == "mixture":
+        h = mixture(layer, normed, cfg)
+    else:  # "dense and mixture"
+        routed = mixture(layer, rms_norm(x, layer["mlp_norm_2"], cfg), cfg, routed_by=x)
+        h = rms_norm(dense(layer, normed, cfg), layer["post_mlp_norm_1"], cfg)
+        h = h + rms_norm(routed, layer["post_mlp_norm_2"], cfg)
+    return rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h
 
 
 # (row, expert) pairs up to which each pair runs on its own (decode at batch 1 and 2 with top 8).
