@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
@@ -79,10 +80,10 @@ def config_json(file: GGUFFile) -> dict:
         "model_type": arch,
         "vocab_size": int(embed.shape[1]),  # ne = [in, out]
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": first(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "num_key_value_heads": first(key("attention.head_count_kv", heads)),
         "head_dim": int(key("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(key("context_length")),
@@ -95,20 +96,27 @@ def config_json(file: GGUFFile) -> dict:
     ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
-    if int(meta.get(f"{arch}.expert_count", 0)):
+    if arch == "gemma4":  # its own keys for all it adds (its mixture's too)
+        d.update(_gemma4(file, key, d))
+    elif int(meta.get(f"{arch}.expert_count", 0)):
         d.update(_experts(file, key, d))
     if arch in HYBRIDS:
         d.update(_hybrid(file, key, d))
-    if arch.startswith("gemma"):
+    if arch in ("gemma", "gemma2", "gemma3"):
         d.update(_gemma(file, key, d))
     if arch == "phi3":
         d.update(_phi3(file, key, d))
-    else:
+    elif arch != "gemma4":
         d.update(_rope_scaling(file, key))
     d.update(_twists(file, key, d))
     floats = [FILE_DTYPES[k] for k in layer_types(file) if k in FILE_DTYPES]
     d["torch_dtype"] = max(set(floats), key=floats.count) if floats else "float32"
     return d
+
+
+def first(value) -> int:
+    """A key llama.cpp takes as one number or one a layer (Gemma 4's): the number, or the first layer's."""
+    return int(value[0] if isinstance(value, list) else value)
 
 
 def hf_architecture(file: GGUFFile) -> str:
@@ -233,6 +241,61 @@ def _gemma(file: GGUFFile, key, d: dict) -> dict:
     if arch == "gemma3":
         gemma["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
     return gemma
+
+
+def _gemma4(file: GGUFFile, key, d: dict) -> dict:
+    """Gemma 4's keys, as its converter writes them: one sliding flag a layer, per-layer kv heads (an
+    array where the full layers' differ) and feed-forward widths (the shared layers' double-wide),
+    the sliding layers' head dim and rope base as "_swa" keys beside the full layers', the full
+    layers' proportional rope as `rope_freqs` (factors of 1, and 1e30 for the frequencies that do not
+    turn), the shared layers, the per-layer embeddings, the mixture beside each MLP, and keys as
+    values where a full layer has no attn_v."""
+    layers = d["num_hidden_layers"]
+    sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
+    if len(sliding) != layers:
+        raise JaxinferError(f"{file.path}: gemma4's sliding_window_pattern has {len(sliding)} flags, not {layers}")
+    shared = int(key("attention.shared_kv_layers", 0))
+    kv = key("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    widths = key("feed_forward_length")
+    widths = widths if isinstance(widths, list) else [widths] * layers
+    double = shared > 0 and widths[-1] == 2 * widths[0]
+    if widths != [widths[0] * (2 if double and i >= layers - shared else 1) for i in range(layers)]:
+        raise JaxinferError(f"{file.path}: gemma4.feed_forward_length {widths} is not a width Gemma 4 lays out")
+    full = [i for i, s in enumerate(sliding) if not s]
+    rope_full = {"rope_type": "default", "rope_theta": d["rope_theta"]}
+    if "rope_freqs.weight" in file.tensors:
+        factors = np.asarray(tensor_named(file, "rope_freqs.weight").data, np.float32).tolist()
+        rope_full.update(rope_type="freq_factors", factors=factors)
+    ple = int(key("embedding_length_per_layer_input", 0))
+    gemma4 = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": int(key("attention.key_length_swa")),
+        "num_key_value_heads": int(kv[sliding.index(True)] if any(sliding) else kv[0]),
+        "intermediate_size": int(widths[0]),
+        "use_double_wide_mlp": double,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(key("attention.sliding_window")),
+        "per_layer_config": {str(i): {"head_dim": d["head_dim"], "num_key_value_heads": int(kv[i])} for i in full},
+        "num_kv_shared_layers": shared,
+        "rope_parameters": {
+            "full_attention": rope_full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
+        },
+        "final_logit_softcapping": float(key("final_logit_softcapping", 0.0)) or None,
+        "hidden_size_per_layer_input": ple,
+        "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in file.tensors for i in full if i < layers - shared),
+    }
+    if ple:
+        gemma4["vocab_size_per_layer_input"] = int(tensor_named(file, "per_layer_token_embd.weight").shape[1])
+    if experts := int(file.meta.get("gemma4.expert_count", 0)):
+        gemma4.update(
+            enable_moe_block=True,
+            num_experts=experts,
+            top_k_experts=int(key("expert_used_count")),
+            moe_intermediate_size=int(key("expert_feed_forward_length")),
+        )
+    return gemma4
 
 
 def _phi3(file: GGUFFile, key, d: dict) -> dict:

@@ -135,12 +135,15 @@ def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, s
         expert = table[hf].expert
         if hf.endswith(".linear_attn.dt_bias"):  # the converter's name for it (its `dt_proj`)
             return hf.replace(".dt_bias", ".dt_proj.bias")
-        if hf.endswith(("_proj_bias", ".experts.down_proj", ".self_attn.sinks")):  # gpt-oss's, as converted
-            return hf[: -len("_bias")] + ".bias" if hf.endswith("_bias") else hf + ".weight"
+        if hf.endswith(("_proj_bias", ".experts.down_proj", ".experts.gate_up_proj", ".sinks", ".layer_scalar")):
+            return hf[: -len("_bias")] + ".bias" if hf.endswith("_bias") else hf + ".weight"  # gpt-oss's, Gemma 4's
         return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
 
     def name(hf: str) -> str | tuple[str, str]:
-        if ".experts.gate_up_proj" in hf:  # gpt-oss's gate and up: one tensor here, two in the file
+        if hf.endswith((".router.scale", ".router.per_expert_scale")):  # Gemma 4's, as its converter names them
+            layer = hf.split(".")[2]
+            return f"blk.{layer}." + ("ffn_gate_inp.scale" if hf.endswith(".scale") else "ffn_down_exps.scale")
+        if ".experts.gate_up_proj" in hf and file.architecture == "gpt-oss":  # gate and up: one tensor here, two there
             stack, suffix = hf.split(".experts.")[0] + ".experts.", ".bias" if hf.endswith("_bias") else ".weight"
             return tuple(
                 names.get_name(f"{stack}{part}{suffix}", try_suffixes=(suffix,)) for part in ("gate_proj", "up_proj")

@@ -6,6 +6,9 @@
 - "gpt2" (byte-level BPE): the vocabulary and merges become a `tokenizers` BPE, split first by the
   regular expressions llama.cpp runs for the file's pre-tokenizer (`tokenizer.ggml.pre`), with merges
   skipped for whole words in the vocabulary where llama.cpp skips them (`ignore_merges`).
+- "gemma4" (SentencePiece-style BPE with merges): spaces escaped as "▁", the text split only at
+  newlines, merges over its UTF-8 characters, unknown bytes as `<0xXX>` tokens; a run of newlines
+  that is a token of its own is taken whole.
 
 Control and user-defined tokens written in the text are matched whole, as llama.cpp does when it
 parses special tokens; `tokenizer_config` gives the BOS/EOS flags and the chat template.
@@ -79,7 +82,8 @@ def tokenizer_config(meta: dict) -> dict:
         if at is not None and 0 <= at < len(tokens):
             config[f"{name}_token"] = tokens[at]
     model = meta.get("tokenizer.ggml.model")
-    bos_default = model == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-v3", "llama-bpe", "tekken")
+    bos_pre = ("llama3", "llama-v3", "llama-bpe", "tekken")
+    bos_default = model in ("llama", "gemma4") or meta.get("tokenizer.ggml.pre") in bos_pre
     config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", bos_default))
     config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if "tokenizer.chat_template" in meta:
@@ -135,35 +139,41 @@ def sentencepiece_model(meta: dict, where: str) -> bytes:
 
 
 def bpe_tokenizer(meta: dict, where: str):
-    """A "gpt2" vocabulary as a `tokenizers.Tokenizer` (BOS/EOS added by `jaxinfer.tokenizer`)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A "gpt2" or "gemma4" vocabulary as a `tokenizers.Tokenizer` (BOS/EOS added by `jaxinfer.tokenizer`)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise JaxinferError(
-            f"{where}: the tokenizer's pre-tokenizer {pre!r} is not one jaxinfer reads "
-            f"(it reads {', '.join(sorted(PRE_TOKENIZERS))})"
-        )
-    regexes, ignore_merges = PRE_TOKENIZERS[pre]
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in _field(meta, "tokenizer.ggml.merges", where)]
     vocab = {}
     for i, token in enumerate(tokens):
         vocab.setdefault(token, i)
-    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
     kinds = dict(zip(tokens, types))
+    whole = [t for t in specials(meta) if kinds[t] == USER_DEFINED]  # matched whole, not special
+    if meta.get("tokenizer.ggml.model") == "gemma4":
+        tokenizer = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+        tokenizer.normalizer = normalizers.Replace(" ", "▁")
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        whole += [t for t in tokens if t and not t.strip("\n") and kinds.get(t) == NORMAL]  # runs of newlines
+    else:
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise JaxinferError(
+                f"{where}: the tokenizer's pre-tokenizer {pre!r} is not one jaxinfer reads "
+                f"(it reads {', '.join(sorted(PRE_TOKENIZERS))})"
+            )
+        regexes, ignore_merges = PRE_TOKENIZERS[pre]
+        tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in specials(meta) if kinds[t] == CONTROL]
     )
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t in specials(meta) if kinds[t] == USER_DEFINED]
-    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in whole])
     return tokenizer
 
 
@@ -172,9 +182,9 @@ def check_model(meta: dict, where: str) -> str:
     model = meta.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in meta:
         raise JaxinferError(f"{where}: the GGUF file has no tokenizer (tokenizer.ggml.model and tokens)")
-    if model not in ("llama", "gpt2"):
+    if model not in ("llama", "gpt2", "gemma4"):
         raise JaxinferError(
             f"{where}: tokenizer type {model!r} is not one jaxinfer reads (it reads llama, the SentencePiece kind, "
-            "and gpt2, byte-level BPE)"
+            "gpt2, byte-level BPE, and gemma4)"
         )
     return model

@@ -74,7 +74,7 @@ class Tokenizer:
         kind = gguf_tokenizer.check_model(meta, where)
         config = gguf_tokenizer.tokenizer_config(meta)
         tokenizer = cls.__new__(cls)
-        if kind == "gpt2":
+        if kind in ("gpt2", "gemma4"):
             from tokenizers import processors
 
             hf = gguf_tokenizer.bpe_tokenizer(meta, where)

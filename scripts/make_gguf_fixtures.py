@@ -6,8 +6,9 @@
 
 Tiny random-weight models made by transformers (`tests/tiny_models.py`), each with a tokenizer of a
 kind GGUF files carry: a SentencePiece BPE (Llama 2 / Mistral), a byte-level BPE split as Llama 3
-splits, one split as Qwen2 does. llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python
-source distribution, as `compare_peers.py` uses it) writes the F32/F16/BF16/Q8_0 files, and its
+splits, one split as Qwen2 does, Gemma's BPE with byte fallback (Gemma 4's "gemma4" in the file).
+llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python source distribution, as
+`compare_peers.py` uses it) writes the F32/F16/BF16/Q8_0 files, and its
 `llama_model_quantize` the rest (Q4_0, Q4_1, Q5_0, Q4_K_M, Q5_K_M, Q6_K, MXFP4_MOE; the k-quants on a model whose
 matrices are 256 wide, as they need). The converter knows real tokenizers by a hash of their output;
 these tiny ones it cannot know, so it is told the pre-tokenizer each was made with.
@@ -100,6 +101,40 @@ def bpe_writer(kind: str):
     return write
 
 
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] | trim }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def gemma_writer(directory: Path) -> None:
+    """A tokenizer.json of Gemma's kind (what Gemma 4's converter reads: a BPE with byte fallback over
+    text whose spaces are "▁", its merges within "▁"-led words as SentencePiece's are, the 256 byte
+    tokens after the special ones) and a chat template of Gemma 4's turns."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    trained.train_from_iterator([CORPUS + "\n".join(TOKENIZED[:6])], trainers.BpeTrainer(vocab_size=340))
+    learned = json.loads(trained.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<turn|>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config.update(chat_template=GEMMA_TEMPLATE, tokenizer_class="GemmaTokenizer", add_bos_token=True)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# Gemma's special ids, and per-layer embeddings of a row a token (llama.cpp reads no other count)
+GEMMA_IDS = dict(bos_token_id=2, eos_token_id=6, pad_token_id=0, vocab_size_per_layer_input=None)
 # name → (tiny_models architecture, tokenizer, make_model settings, the GGUF types made of it)
 MODELS = {
     "llama-sp": ("llama", "sp", {}, ["F32", "Q8_0", "Q4_0"]),
@@ -176,7 +211,16 @@ MODELS = {
     # gpt-oss: sinks, windows of 24 the prompt passes, YaRN, its experts split by the converter into
     # gate and up (a float checkpoint's), then MXFP4 by llama.cpp's quantizer
     "gpt-oss-bpe": ("gpt-oss", "qwen2", dict(bos_token_id=None, eos_token_id=2, init_std=0.1), ["F32", "MXFP4_MOE"]),
+    # Gemma 4 with Gemma's own tokenizer kind ("gemma4" in the file): its small models' layers (wider
+    # full heads, shared K/V, double-wide MLPs, per-layer embeddings), and the 26B-A4B's (a mixture
+    # beside each MLP, keys as values)
+    "gemma4-gemma": ("gemma4", "gemma", GEMMA_IDS, ["F32"]),
+    "gemma4moe-gemma": ("gemma4-moe", "gemma", GEMMA_IDS, ["F32"]),
 }
+# Those whose answers hold transformers' logits beside llama.cpp's: Gemma 4's, where llama.cpp 0.3.36
+# parts from transformers (its GELU's float16 table over more GELUs a layer: 1.7e-2 of max|logit| on
+# the dense file; its mixture beside the MLP 4e-2, for a cause not found) and jaxinfer does not
+BESIDE = ("gemma4-gemma", "gemma4moe-gemma")
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 # llama.h's LLAMA_FTYPE_MOSTLY_*; MXFP4_MOE: experts' stacks MXFP4, the other matrices Q8_0
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
@@ -191,9 +235,11 @@ def quantize(source: Path, out: Path, kind: str) -> None:
         raise RuntimeError(f"llama_model_quantize {kind} failed")
 
 
-def answers(path: Path) -> dict:
+def answers(path: Path, checkpoint: Path | None = None) -> dict:
     """llama.cpp's greedy continuation of PROMPT, on a float32 KV cache, and its logits at every
-    position of the prompt and the continuation."""
+    position of the prompt and the continuation; with the `checkpoint` the file was made of,
+    transformers' logits over the same tokens too (where llama.cpp parts from transformers, the
+    tests hold jaxinfer to transformers)."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0, seed=0)
@@ -204,7 +250,15 @@ def answers(path: Path) -> dict:
         greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval(greedy[-1:])
     logits = np.array(llm.scores[: llm.n_tokens], np.float32)  # row i: the prediction after token i
-    return {"prompt_ids": np.asarray(ids), "greedy": np.asarray(greedy), "logits": logits}
+    answer = {"prompt_ids": np.asarray(ids), "greedy": np.asarray(greedy), "logits": logits}
+    if checkpoint is not None:
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        with torch.no_grad():
+            answer["transformers"] = hf(torch.tensor([ids + greedy])).logits[0].numpy()
+    return answer
 
 
 def tokens(path: Path) -> list[list[int]]:
@@ -222,14 +276,16 @@ def main(only: list[str]) -> None:
     for old in OUT.iterdir():
         if not only or old.name.split(".")[0] in only:
             old.unlink()
-    recorded_tokens = {}
+    recorded = OUT / "tokens.json"  # each tokenizer's answers, those of the kinds made now replaced
+    recorded_tokens = json.loads(recorded.read_text())["by_tokenizer"] if only and recorded.is_file() else {}
+    made = set()
     with tempfile.TemporaryDirectory() as work:
         for name, (arch, tokenizer, settings, kinds) in MODELS.items():
             if only and name not in only:
                 continue
-            writer = sentencepiece_tokenizer if tokenizer == "sp" else bpe_writer(tokenizer)
+            writer = {"sp": sentencepiece_tokenizer, "gemma": gemma_writer}.get(tokenizer) or bpe_writer(tokenizer)
             model_dir = make_model(Path(work) / name, arch, writer, **settings)
-            pre = "default" if tokenizer == "sp" else BPE_KINDS[tokenizer][5]
+            pre = BPE_KINDS[tokenizer][5] if tokenizer in BPE_KINDS else "default"
             base = Path(work) / f"{name}.F32.gguf"
             convert(model_dir, base, "f32", pre, tree)
             for kind in kinds:
@@ -238,12 +294,13 @@ def main(only: list[str]) -> None:
                     convert(model_dir, out, CONVERTED[kind], pre, tree)
                 else:
                     quantize(base, out, kind)
-                np.savez(OUT / f"{name}.{kind}.llama_cpp.npz", **answers(out))
+                np.savez(OUT / f"{name}.{kind}.llama_cpp.npz", **answers(out, model_dir if name in BESIDE else None))
                 print(f"{out.name}: {out.stat().st_size / 1e3:.0f} kB")
-            recorded_tokens.setdefault(tokenizer, {"file": f"{name}.{kinds[0]}.gguf", "tokens": tokens(base)})
-    if not only:  # the tokenizers' answers come from the whole set
-        fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
-        (OUT / "tokens.json").write_text(json.dumps(fixture, indent=1))
+            if tokenizer not in made:
+                recorded_tokens[tokenizer] = {"file": f"{name}.{kinds[0]}.gguf", "tokens": tokens(base)}
+                made.add(tokenizer)
+    fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
+    recorded.write_text(json.dumps(fixture, indent=1))
 
 
 if __name__ == "__main__":

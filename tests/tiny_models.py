@@ -317,6 +317,8 @@ def make_model(
     )
     settings.update({k: v for k, v in ARCHITECTURES[arch].items() if k not in ("model_type", "architectures")})
     settings.update(overrides)
+    if "vocab_size_per_layer_input" in settings and settings["vocab_size_per_layer_input"] is None:
+        settings["vocab_size_per_layer_input"] = settings["vocab_size"]  # Gemma 4's: a row a token, as llama.cpp needs
     config = transformers.AutoConfig.for_model(ARCHITECTURES[arch]["model_type"], **settings)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
