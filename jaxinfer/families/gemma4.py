@@ -1,5 +1,5 @@
 """Gemma 4 (text): Gemma 3's layers (GeGLU, norms around each block, q/k norms, a sliding pattern
-with a rope base of its own) with what makes the small ones fast on a phone:
+with a rope base of its own) with what its sizes add (the small ones' to run fast on a phone):
 
 - its full layers' heads wider (`global_head_dim`, 512 against the sliding layers' 256): attention
   shapes per layer, the KV cache in one group per shape (`jaxinfer.kvcache`);
