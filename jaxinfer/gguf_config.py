@@ -250,7 +250,7 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
     layers' proportional rope as `rope_freqs` (factors of 1, and 1e30 for the frequencies that do not
     turn), the shared layers, the per-layer embeddings, the mixture beside each MLP, and keys as
     values where a full layer has no attn_v."""
-    layers = d["num_hidden_layers"]
+    layers, full_dim = d["num_hidden_layers"], d["head_dim"]  # attention.key_length: the full layers'
     sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
     if len(sliding) != layers:
         raise JaxinferError(f"{file.path}: gemma4's sliding_window_pattern has {len(sliding)} flags, not {layers}")
@@ -276,7 +276,7 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
         "use_double_wide_mlp": double,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "sliding_window": int(key("attention.sliding_window")),
-        "per_layer_config": {str(i): {"head_dim": d["head_dim"], "num_key_value_heads": int(kv[i])} for i in full},
+        "per_layer_config": {str(i): {"head_dim": full_dim, "num_key_value_heads": int(kv[i])} for i in full},
         "num_kv_shared_layers": shared,
         "rope_parameters": {
             "full_attention": rope_full,

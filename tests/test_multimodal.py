@@ -48,8 +48,10 @@ TOWERS = {
         ),
         transformers.Gemma3ForCausalLM,
     ),
-    # Gemma 4's text (per-layer embeddings, shared K/V, wider full layers) beside its vision tower
-    # and the vision embedder
+    # Gemma 4's text (per-layer embeddings, shared K/V, wider full layers, and the 26B-A4B's mixture
+    # beside each MLP and keys as values) beside its vision tower and the vision embedder (8 experts:
+    # with 4, this random model's greedy choice is id 380, past the tokenizer's 378, which jaxinfer
+    # never samples and transformers does)
     "gemma4": (
         transformers.Gemma4ForConditionalGeneration,
         lambda: transformers.Gemma4Config(
@@ -63,6 +65,12 @@ TOWERS = {
                 num_kv_shared_layers=2,
                 hidden_size_per_layer_input=8,
                 vocab_size_per_layer_input=384,
+                enable_moe_block=True,
+                num_experts=8,
+                top_k_experts=2,
+                moe_intermediate_size=32,
+                attention_k_eq_v=True,
+                num_global_key_value_heads=1,
                 pad_token_id=2,  # the multimodal model swaps image tokens for it
             ),
             vision_config=dict(VISION, num_key_value_heads=2, head_dim=16),
