@@ -199,9 +199,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void ktile_vnni(const KPr
           w[c] = _mm512_or_si512(w[c], _mm512_and_si512(_mm512_slli_epi16(high, 4 - c), fifth));
           w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_and_si512(c == 0 ? high : _mm512_srli_epi16(high, c), fifth));
         }
-        if constexpr (bits == 6) {  // bits 2c, 2c + 1 to bits 4, 5
-          w[c] = _mm512_or_si512(w[c], _mm512_and_si512(to_bits_4_5(high, c), sixth));
-          w[c + 4] = _mm512_or_si512(w[c + 4], _mm512_and_si512(to_bits_4_5(higher, c), sixth));
+        if constexpr (bits == 6) {  // bits 2c, 2c + 1 to bits 4, 5: w | (shifted & 0x30), one vpternlogd
+          w[c] = _mm512_ternarylogic_epi32(w[c], to_bits_4_5(high, c), sixth, 0xF8);
+          w[c + 4] = _mm512_ternarylogic_epi32(w[c + 4], to_bits_4_5(higher, c), sixth, 0xF8);
         }
       }
       const uint8_t* sub = subs ? p.subs(g, b) : nullptr;
