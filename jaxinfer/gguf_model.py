@@ -140,9 +140,10 @@ def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, s
         return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
 
     def name(hf: str) -> str | tuple[str, str]:
-        if hf.endswith((".router.scale", ".router.per_expert_scale")):  # Gemma 4's, as its converter names them
-            layer = hf.split(".")[2]
-            return f"blk.{layer}." + ("ffn_gate_inp.scale" if hf.endswith(".scale") else "ffn_down_exps.scale")
+        # Gemma 4's router scales: as its converter names them, beside the router's and the down stack's
+        for scale, beside in ((".router.scale", ".router.proj"), (".router.per_expert_scale", ".experts.down_proj")):
+            if hf.endswith(scale):
+                return names.get_name(hf[: -len(scale)] + beside) + ".scale"
         if ".experts.gate_up_proj" in hf and file.architecture == "gpt-oss":  # gate and up: one tensor here, two there
             stack, suffix = hf.split(".experts.")[0] + ".experts.", ".bias" if hf.endswith("_bias") else ".weight"
             return tuple(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from jaxinfer.config import ModelConfig, Weight, activation, common_fields
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma
+from jaxinfer.families import gemma, moe
 
 ARCHITECTURES = ("Gemma4ForCausalLM",)
 
@@ -98,9 +98,7 @@ def _mixture(d: dict, layers: int) -> dict:
     sizes = {key: d.get(key) for key in ("num_experts", "top_k_experts", "moe_intermediate_size")}
     if missing := [key for key, size in sizes.items() if not size]:
         raise JaxinferError(f"config.json: enable_moe_block without {', '.join(missing)}")
-    experts, top = int(sizes["num_experts"]), int(sizes["top_k_experts"])
-    if not 0 < top <= experts:
-        raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
+    experts, top = moe.routing(d, top_key="top_k_experts")
     return dict(
         feed_forwards=("dense and mixture",) * layers,
         num_experts=experts,

@@ -58,10 +58,10 @@ def sparse_layers(d: dict, layers: int) -> tuple:
     return tuple("mixture" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(layers))
 
 
-def routing(d: dict) -> tuple[int, int]:
-    """(experts, experts a token takes), checked: `num_experts` or `num_local_experts`."""
+def routing(d: dict, top_key: str = "num_experts_per_tok") -> tuple[int, int]:
+    """(experts, experts a token takes, under `top_key`), checked: `num_experts` or `num_local_experts`."""
     experts = int(d.get("num_experts") or d.get("num_local_experts") or d["experts"])
-    top = int(d["num_experts_per_tok"])
+    top = int(d[top_key])
     if not 0 < top <= experts:
         raise JaxinferError(f"config.json: {top} experts per token of {experts} is not a mixture jaxinfer runs")
     return experts, top
