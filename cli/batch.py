@@ -46,6 +46,10 @@ def batch(
     process_id: Optional[int] = options.PROCESS_ID,
     join_timeout: Optional[float] = options.JOIN_TIMEOUT,
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
+    reasoning_format: str = options.REASONING_FORMAT,
+    reasoning_budget: int = options.REASONING_BUDGET,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
 ) -> None:
     """Run every request of a JSONL file with continuous batching; each result is written as it finishes."""
     from jaxinfer.errors import JaxinferError
@@ -55,6 +59,7 @@ def batch(
     from jaxinfer.scheduler import Scheduler
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")
@@ -83,6 +88,7 @@ def batch(
         earlier.file if earlier else sys.stdout,
         earlier,
         speculating=opened.decoding.speculating,
+        chat=chat,
     )
     requests = list(job.requests(lines))
     if job.skipped:

@@ -28,6 +28,10 @@ def chat(
     gguf_file: Optional[str] = options.GGUF_FILE,
     system: Optional[str] = options.SYSTEM,
     reasoning_effort: Optional[str] = options.REASONING_EFFORT,
+    reasoning_format: str = options.REASONING_FORMAT,
+    reasoning_budget: int = options.REASONING_BUDGET,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
@@ -78,6 +82,7 @@ def chat(
     from jaxinfer.text import check_stops
 
     options.check_positive(max_tokens=max_tokens)
+    chat_flags = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     bias = options.logit_bias(logit_bias)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)
@@ -99,6 +104,7 @@ def chat(
         constraint,
         bias,
         reasoning_effort,
+        chat_flags,
     )
     if session.template.is_fallback:
         render.notice(FALLBACK_NOTICE)
@@ -142,7 +148,7 @@ def _turn(session, text: str) -> dict | None:
     for notice in notices:
         render.notice(notice)
     try:
-        render.stream(gen, session.format)
+        render.stream(gen, session.reading)
     except KeyboardInterrupt:
         gen.interrupt()
     render.end_stream()

@@ -151,6 +151,10 @@ def run(
     gguf_file: Optional[str] = options.GGUF_FILE,
     system: Optional[str] = options.SYSTEM,
     reasoning_effort: Optional[str] = options.REASONING_EFFORT,
+    reasoning_format: str = options.REASONING_FORMAT,
+    reasoning_budget: int = options.REASONING_BUDGET,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     max_tokens: Optional[int] = typer.Option(
         None,
         "--max-tokens",
@@ -207,10 +211,10 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
     from jaxinfer.processes import share
+    from jaxinfer.replies import Reading
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
     from jaxinfer.text import check_echo, check_stops
-    from jaxinfer.tools import reply
 
     def read() -> str:
         if model is None and prompt and _names_a_directory(prompt):  # the ollama / llama.cpp habit
@@ -225,6 +229,7 @@ def run(
     if reasoning_effort is not None and system is None:
         raise JaxinferError("reasoning_effort goes through the chat template: give a system prompt", "reasoning_effort")
     options.check_positive(max_tokens=max_tokens)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
     check_logprobs(logprobs)
     check_echo(echo, logprobs)
     bias = options.logit_bias(logit_bias)
@@ -250,12 +255,12 @@ def run(
     stops = check_stops(map(options.unescape, stop))
     special = system is None  # a chat turn's template writes the special tokens itself
     template = ChatTemplate.of(loaded)
-    fmt = "harmony" if template.is_harmony else None  # gpt-oss: reasoning apart from the answer
+    reading = Reading("harmony" if template.is_harmony else None)  # gpt-oss: reasoning apart from the answer
     if system is not None:
         if template.is_fallback:
             render.notice(FALLBACK_NOTICE)
         turns = [{"role": "system", "content": system}, {"role": "user", "content": text}]
-        text = template.render(turns, **template.reasoning(reasoning_effort))
+        text, reading = template.prompt(turns, chat, reading.calls, **template.reasoning(reasoning_effort))
         stops += template.stop
     check_text_fits(text, loaded.tokenizer, context)
     prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=special)
@@ -281,12 +286,12 @@ def run(
             for _ in gen:
                 pass
         else:
-            render.stream(gen, fmt)
+            render.stream(gen, reading)
     except KeyboardInterrupt:
         gen.interrupt()
     result = gen.result()
-    if fmt:  # the text as generated, markers kept; and read
-        result["reasoning"], result["content"], result["tool_calls"] = reply(result["text"], fmt)
+    if reading:  # the text as generated, markers kept; and read
+        result["reasoning"], result["content"], result["tool_calls"] = reading.reply(result["text"])
     if not json_output:
         render.end_stream()  # before any notice the roofline may print
     render.unfinished(result)

@@ -39,6 +39,7 @@ FLAGS = {
     "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty",
     "logprobs": "--logprobs",
+    "ignore_eos": "--ignore-eos",
     "echo": "--echo",
     "logit_bias": "--logit-bias",
     "json_schema": "--json-schema",
@@ -53,10 +54,21 @@ FLAGS = {
     "resume": "--resume",
     "reset": "/reset",  # chat's command
     "reasoning_effort": "--reasoning-effort",
+    "reasoning_format": "--reasoning-format",
+    "reasoning_budget": "--reasoning-budget",
+    "chat_template_kwargs": "--chat-template-kwargs",
+    "chat_template": "--chat-template-file",
     "stop": "--stop",
     # request fields with no flag (batch lines, the server's bodies): said as they are
     "tools": "tools",
     "tool_choice": "tool_choice",
+    "functions": "functions",
+    "function_call": "function_call",
+    "continue_final_message": "continue_final_message",
+    "add_generation_prompt": "add_generation_prompt",
+    "web_search_options": "web_search_options",
+    "audio": "audio",
+    "min_tokens": "min_tokens",
 }
 
 MODEL = typer.Option(
@@ -176,6 +188,35 @@ REASONING_EFFORT = typer.Option(
     "--reasoning-effort",
     help="low, medium or high: how long gpt-oss reasons before it answers (its chat template's "
     "reasoning_effort, OpenAI's field) [default: the template's, medium].",
+)
+REASONING_FORMAT = typer.Option(
+    "auto",
+    "--reasoning-format",
+    metavar="auto|none",
+    help="A thinking model's reasoning (Qwen3's and DeepSeek-R1's <think>, gpt-oss's analysis): auto reads it apart "
+    "from the answer (dim on a terminal, `reasoning` in JSON, reasoning_content in the API), none leaves it in the "
+    "text (llama.cpp's flag).",
+)
+REASONING_BUDGET = typer.Option(
+    -1,
+    "--reasoning-budget",
+    metavar="N",
+    help="-1: a thinking model thinks as it will; 0: it does not (its template's enable_thinking off, else an "
+    "empty thinking block), as llama.cpp's.",
+)
+CHAT_TEMPLATE_FILE = typer.Option(
+    None,
+    "--chat-template-file",
+    metavar="FILE",
+    show_default=False,
+    help="Render chats with this Jinja chat template instead of the model's own (llama.cpp's flag).",
+)
+CHAT_TEMPLATE_KWARGS = typer.Option(
+    None,
+    "--chat-template-kwargs",
+    metavar="JSON",
+    help="More variables for the chat template, a JSON object: '{\"enable_thinking\": false}' (llama-server's "
+    "flag; a request's chat_template_kwargs add to them).",
 )
 ESCAPE = typer.Option(
     True,
@@ -339,6 +380,20 @@ def constraint(
     )
 
 
+def chat_options(reasoning_format: str, reasoning_budget: int, chat_template_kwargs: Optional[str]):
+    """The chat flags as `chat_template.ChatOptions`."""
+    import json
+
+    from jaxinfer.chat_template import ChatOptions
+    from jaxinfer.errors import JaxinferError
+
+    try:
+        kwargs = {} if chat_template_kwargs is None else json.loads(chat_template_kwargs)
+    except ValueError as e:
+        raise JaxinferError(f"chat_template_kwargs is not JSON ({e})", "chat_template_kwargs") from None
+    return ChatOptions(kwargs, reasoning_format, reasoning_budget)
+
+
 def check_positive(**flags: Optional[int]) -> None:
     """Before loading weights, so a bad flag fails before a multi-GB load."""
     from jaxinfer.errors import JaxinferError
@@ -391,6 +446,7 @@ MODEL_FLAGS = (
     "num_draft",
     "draft_model",
     "gguf_file",
+    "chat_template_file",
 )
 
 
@@ -402,9 +458,15 @@ def model_flags(given: dict) -> dict:
 def open_model(model: Optional[Path], **params):
     """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `_warn_past_training`'s
     warning, and the family's note on what of the checkpoint is not run)."""
+    from jaxinfer.errors import JaxinferError
     from jaxinfer.families import note
     from jaxinfer.loading import open_model
 
+    if (path := params.pop("chat_template_file", None)) is not None:
+        try:
+            params["chat_template"] = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise JaxinferError(f"cannot read the chat template {path}: {getattr(e, 'strerror', None) or e}") from None
     with render.progress("loading weights") as progress:
         opened = open_model(model, progress=progress, **params)
     _warn_past_training(opened.model.max_positions, params.get("max_context"))

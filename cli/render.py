@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
+FOLDED_LINES = 4  # the reasoning's last lines shown on a terminal while a model thinks
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -62,12 +63,14 @@ def unfinished(result: dict) -> None:
         )
 
 
-def stream(pieces: Iterable[str], fmt: str | None = None) -> None:
+def stream(pieces: Iterable[str], reading=None) -> None:
     """Print text pieces as they come: through rich on a terminal, plain and flushed when piped.
     On a terminal a spinner fills the wait for the first piece (a first compile takes seconds).
-    `fmt` "harmony" (gpt-oss's replies): the answer on stdout, the reasoning dim on stderr."""
-    pieces = iter(pieces) if fmt is None else _answer(pieces, fmt)
-    if out.is_terminal and err.is_terminal:
+    `reading` (`replies.Reading`: a thinking model's, gpt-oss's): the answer on stdout, the reasoning
+    dim on stderr, folded on a terminal (`_answer`)."""
+    folding = bool(reading) and err.is_terminal
+    pieces = _answer(pieces, reading, folding) if reading else iter(pieces)
+    if out.is_terminal and err.is_terminal and not folding:  # folding shows its own spinner
         with err.status("compiling and prefilling…", spinner="dots"):
             first = next(pieces, None)
         pieces = itertools.chain([] if first is None else [first], pieces)
@@ -79,21 +82,47 @@ def stream(pieces: Iterable[str], fmt: str | None = None) -> None:
             sys.stdout.flush()
 
 
-def _answer(pieces: Iterable[str], fmt: str) -> Iterator[str]:
-    """A reply's content pieces as they come (`tools.visible`); its reasoning printed on stderr."""
-    from jaxinfer.tools import visible
+def _answer(pieces: Iterable[str], reading, folding: bool) -> Iterator[str]:
+    """A reply's content pieces as they come (`Reading.visible`); its reasoning on stderr. `folding`
+    (a terminal): the reasoning's last lines shown dim while it comes, then folded to one line
+    ("thought for 3.2 s, 120 words") when the answer starts, as chat front ends fold it."""
+    from rich.live import Live
+    from rich.spinner import Spinner
+    from rich.text import Text
 
-    text, said, shown = "", 0, 0
-    for piece in pieces:
-        text += piece
-        reasoning, content = visible(text, fmt)
-        if len(reasoning) > said:
-            err.print(reasoning[said:], style="dim", end="", markup=False)
+    text, said, shown, started = "", 0, 0, time.perf_counter()
+    live = Live(Spinner("dots", "compiling and prefilling…"), console=err, transient=True) if folding else None
+
+    def fold(reasoning: str) -> None:
+        live.stop()
+        if reasoning:
+            took = time.perf_counter() - started
+            err.print(f"▸ thought for {took:.1f} s, {len(reasoning.split())} words", style="dim", markup=False)
+
+    if live:
+        live.start()
+    try:
+        for piece in pieces:
+            text += piece
+            reasoning, content = reading.visible(text)
+            grew = len(reasoning) > said
+            if live and live.is_started:
+                if content:
+                    fold(reasoning)
+                elif grew:
+                    if not said:
+                        started = time.perf_counter()  # the thinking's own time, not the compile's
+                    live.update(Text("\n".join(reasoning.splitlines()[-FOLDED_LINES:]), style="dim"))
+            elif not live and grew:
+                err.print(reasoning[said:], style="dim", end="", markup=False)
             said = len(reasoning)
-        if said and not shown and content:
-            err.print()  # the reasoning ends its line before the answer
-        yield content[shown:]
-        shown = len(content)
+            if not live and said and not shown and content:
+                err.print()  # the reasoning ends its line before the answer
+            yield content[shown:]
+            shown = len(content)
+    finally:
+        if live and live.is_started:  # a reply that ended (or was stopped) while thinking
+            fold(reading.visible(text)[0])
 
 
 def end_stream() -> None:

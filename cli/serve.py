@@ -44,6 +44,10 @@ def serve(
     quantize: Optional[str] = options.QUANTIZE,
     kv_dtype: Optional[str] = options.KV_DTYPE,
     devices: Optional[int] = options.DEVICES,
+    reasoning_format: str = options.REASONING_FORMAT,
+    reasoning_budget: int = options.REASONING_BUDGET,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
 ) -> None:
     """Serve OpenAI's API (chat and text completions, streaming) to many clients at once, batched continuously."""
     import uvicorn
@@ -55,6 +59,7 @@ def serve(
     from jaxinfer.server import INTERVAL_S, Server
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
     _check_port(host, port)  # before the model loads: a port in use is known in a moment
     mesh = options.mesh(devices)
     opened = options.open_model(
@@ -65,7 +70,7 @@ def serve(
         render.notice(FALLBACK_NOTICE)
     server = Server(
         lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),
-        Parser(loaded, context, max_tokens, opened.decoding.speculating),
+        Parser(loaded, context, max_tokens, opened.decoding.speculating, chat),
         loaded.path.name,
         api_key,
         max_queue,

@@ -21,18 +21,19 @@ from dataclasses import replace
 
 from jaxinfer import defaults
 from jaxinfer.buckets import check_fits, check_text_fits
-from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.chat_template import ChatOptions, ChatTemplate, check_kwargs
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
 from jaxinfer.constrain import Constraint, check_one_process, from_request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.matchers import check_for
 from jaxinfer.processes import shared_seed
+from jaxinfer.replies import Reading
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.slots import penalized
 from jaxinfer.text import check_stops
-from jaxinfer.tools import check_tools, forced_grammar, format_of, reply, template_messages
+from jaxinfer.tools import check_tools, forced_grammar, format_of, template_messages
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 FIELDS = {
@@ -49,6 +50,10 @@ FIELDS = {
     "tools",
     "tool_choice",
     "reasoning_effort",
+    "reasoning_format",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
     *CONSTRAINT_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -57,9 +62,12 @@ FIELDS = {
 # extensions (top_k, min_p, repetition_penalty, guided_*) are read as well.
 ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 RENAMED = {"max_completion_tokens": "max_tokens", "repetition_penalty": "repeat_penalty"}
-# what the API's fields may hold where they change nothing here (None: anything; "model" names the
-# model asked for, the result says the one that ran); other values are refused, not ignored. A
-# driver reads the fields it handles itself (the server's stream, stream_options, n) before these.
+# The fields clients send beyond those read above (docs/server.md has this table). Accepted where
+# they change nothing here (None: any value; else only these values, others refused): "model" names
+# the model asked for (the result says the one that ran); `verbosity` (GPT-5's answer length) no
+# model here reads; `prediction` (predicted output) only makes OpenAI's answer faster; the text
+# modality is the only one. A driver reads the fields it handles itself (the server's stream,
+# stream_options, n) before these.
 ACCEPTED = {
     "model": None,
     "user": None,
@@ -67,9 +75,19 @@ ACCEPTED = {
     "store": None,
     "service_tier": None,
     "parallel_tool_calls": None,
+    "verbosity": None,
+    "prediction": None,
+    "modalities": (["text"],),
+    "skip_special_tokens": (True,),
     "n": (1,),
     "stream": (False,),
     "stream_options": (None,),
+}
+# Refused: what they ask for is not done here, and answering without it would mislead.
+REFUSED = {
+    "web_search_options": "searching the web is not offered: the model answers from what it knows",
+    "audio": "audio output is not offered: the models here write text",
+    "min_tokens": "min_tokens is not offered: use ignore_eos with max_tokens for a fixed length",
 }
 
 
@@ -77,10 +95,19 @@ class Parser:
     """Requests for one model and context. `max_tokens`: the budget where a request gives none;
     None: the model's default (generation_config.json's, else `defaults.MAX_TOKENS`), which shrinks
     to the room a prompt leaves, as `run`'s does. A budget given that the context cannot hold after
-    the prompt is refused, never clipped: the caller asked for it. `speculating`: the runner drafts."""
+    the prompt is refused, never clipped: the caller asked for it. `speculating`: the runner drafts.
+    `chat`: the chat template's variables and the reading of replies where a request says none."""
 
-    def __init__(self, model: LoadedModel, context: int, max_tokens: int | None = None, speculating: bool = False):
+    def __init__(
+        self,
+        model: LoadedModel,
+        context: int,
+        max_tokens: int | None = None,
+        speculating: bool = False,
+        chat: ChatOptions = ChatOptions(),
+    ):
         self.model, self.context, self.max_tokens, self.speculating = model, context, max_tokens, speculating
+        self.chat = chat
         self._template: ChatTemplate | None = None
 
     @property
@@ -97,14 +124,21 @@ class Parser:
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
-        (tools, forced), tool_format = check_tools(item.get("tools"), item.get("tool_choice")), None
+        (tools, forced), reading = check_tools(item.get("tools"), item.get("tool_choice")), None
         if "prompt" in item:
             if not isinstance(item["prompt"], str) or not item["prompt"]:
                 raise JaxinferError('"prompt" must be a non-empty string')
             if tools:
                 raise JaxinferError('"tools" go with "messages": the chat template offers them to the model', "tools")
-            if "reasoning_effort" in item:
-                raise JaxinferError('"reasoning_effort" goes with "messages": the template says it', "reasoning_effort")
+            for name in (
+                "reasoning_effort",
+                "reasoning_format",
+                "chat_template_kwargs",
+                "add_generation_prompt",
+                "continue_final_message",
+            ):
+                if name in item:
+                    raise JaxinferError(f'"{name}" goes with "messages": it is the chat template\'s', name)
             check_text_fits(item["prompt"], tokenizer, self.context)
             ids = tokenizer.encode(item["prompt"])
         else:
@@ -117,9 +151,21 @@ class Parser:
                     "the model call",
                     "tool_choice",
                 )
-            tool_format = found if tools or found == "harmony" else None  # harmony: the reasoning read apart
-            extra = self.template.reasoning(item.get("reasoning_effort"))
-            text = self.template.render(template_messages(_messages(item["messages"])), tools=tools, **extra)
+            chat = self.chat
+            if "chat_template_kwargs" in item or "reasoning_format" in item:
+                kwargs = {**chat.kwargs, **check_kwargs(item.get("chat_template_kwargs", {}))}
+                chat = replace(
+                    chat, kwargs=kwargs, reasoning_format=item.get("reasoning_format", chat.reasoning_format)
+                )
+            text, reading = self.template.prompt(
+                template_messages(_messages(item["messages"])),
+                chat,
+                calls=found if tools or found == "harmony" else None,  # harmony: the reasoning read apart
+                tools=tools,
+                continue_final=_flag(item, "continue_final_message", False),
+                add_generation_prompt=_flag(item, "add_generation_prompt", not item.get("continue_final_message")),
+                **self.template.reasoning(item.get("reasoning_effort"), strict=False),
+            )
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
@@ -138,19 +184,13 @@ class Parser:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise JaxinferError('"stop" must be a string or a list of strings')
         stop = check_stops(stop) + (self.template.stop if "messages" in item else ())
-        ignore_eos = item.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise JaxinferError('"ignore_eos" must be true or false')
-        speculate = item.get("speculate", self.speculating)
-        if not isinstance(speculate, bool):
-            raise JaxinferError('"speculate" must be true or false')
+        ignore_eos = _flag(item, "ignore_eos", False)
+        speculate = _flag(item, "speculate", self.speculating)
         if speculate and not self.speculating:
             raise JaxinferError('"speculate": true needs a runner that speculates (ngram or a draft model)')
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
-        echo = item.get("echo", False)
-        if not isinstance(echo, bool):
-            raise JaxinferError('"echo" must be true or false')
+        echo = _flag(item, "echo", False)
         if echo and "prompt" not in item:
             raise JaxinferError('"echo" gives back a prompt: it is for the completions endpoint\'s "prompt"', "echo")
         constraint = from_request(item)
@@ -159,7 +199,7 @@ class Parser:
                 raise JaxinferError(
                     'a forced tool call ("tool_choice") and an output constraint cannot both hold', "tool_choice"
                 )
-            constraint = Constraint("grammar", forced_grammar(forced, tool_format))
+            constraint = Constraint("grammar", forced_grammar(forced, reading.calls))
         if constraint is not None:  # refused here, not at admission: a row that cannot start would end the job
             check_one_process()
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
@@ -177,7 +217,7 @@ class Parser:
             logprobs,
             constraint,
             logit_bias=logit_bias,
-            tools=tool_format,
+            reading=reading,
             echo=item["prompt"] if echo else None,
         )
 
@@ -235,6 +275,13 @@ def _messages(messages) -> list[dict]:
     return rendered
 
 
+def _flag(item: dict, name: str, default: bool) -> bool:
+    value = item.get(name, default)
+    if not isinstance(value, bool):
+        raise JaxinferError(f'"{name}" must be true or false', name)
+    return value
+
+
 def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
     value = item.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
@@ -264,7 +311,10 @@ def from_openai(url: str, body: dict) -> dict:
             item["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is False or body.get("logprobs") is None:  # N or null; false is read as off
         body.pop("logprobs", None)
+    _legacy_functions(body)
     for name, value in body.items():
+        if name in REFUSED:
+            raise JaxinferError(f'"{name}": {REFUSED[name]}', name)
         if name in ACCEPTED:
             neutral = ACCEPTED[name]
             if neutral is not None and value is not None and value not in neutral:
@@ -275,6 +325,24 @@ def from_openai(url: str, body: dict) -> dict:
         else:
             item[RENAMED.get(name, name)] = value
     return item
+
+
+def _legacy_functions(body: dict) -> None:
+    """OpenAI's deprecated `functions` / `function_call` as today's `tools` / `tool_choice` (the reply
+    says its calls as `tool_calls`), in place."""
+    if "functions" in body:
+        if "tools" in body:
+            raise JaxinferError('"functions" is the older name of "tools": give one of them', "functions")
+        functions = body.pop("functions")
+        body["tools"] = (
+            [{"type": "function", "function": f} for f in functions] if isinstance(functions, list) else functions
+        )
+    if "function_call" in body:
+        if "tool_choice" in body:
+            raise JaxinferError('"function_call" is the older name of "tool_choice": give one of them', "function_call")
+        call = body.pop("function_call")
+        named = isinstance(call, dict) and "name" in call
+        body["tool_choice"] = {"type": "function", "function": {"name": call["name"]}} if named else call
 
 
 def _completions_logprobs(entries: list[dict]) -> dict:
@@ -318,9 +386,9 @@ def usage(records: list[dict]) -> dict:
     }
 
 
-def openai_body(records: list[dict], url: str, model: str, tools: str | None = None) -> dict:
-    """Result records (`Scheduler`'s, one per choice) as the endpoint's response body; `tools`: the
-    format of the tool calls to parse out of the text, where tools were offered."""
+def openai_body(records: list[dict], url: str, model: str, reading: Reading | None = None) -> dict:
+    """Result records (`Scheduler`'s, one per choice) as the endpoint's response body; `reading`: how
+    a chat reply reads into reasoning, content and tool calls."""
     chat = url == "/v1/chat/completions"
 
     def choice(index: int, record: dict) -> dict:
@@ -331,7 +399,7 @@ def openai_body(records: list[dict], url: str, model: str, tools: str | None = N
             text = record.get("prompt", "") + record["text"]
             return {"index": index, "text": text, "logprobs": _logprobs(url, entries), "finish_reason": finish}
         logprobs = _logprobs(url, record.get("logprobs"))
-        reasoning, content, calls = reply(record["text"], tools)
+        reasoning, content, calls = (reading or Reading()).reply(record["text"])
         message = {"role": "assistant", "content": content}
         message |= ({"reasoning_content": reasoning} if reasoning else {}) | ({"tool_calls": calls} if calls else {})
         return {

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxinfer.chat_template import ChatTemplate
+from jaxinfer.chat_template import ChatOptions, ChatTemplate
 from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import share
+from jaxinfer.replies import Reading
 from jaxinfer.sampling import Sampling
-from jaxinfer.tools import reply
 
 ON_FULL = ("drop-oldest", "error")
 
@@ -38,6 +38,7 @@ class ChatSession:
         constraint: Constraint | None = None,
         logit_bias: dict[int, float] | None = None,
         reasoning_effort: str | None = None,
+        options: ChatOptions = ChatOptions(),
     ):
         if on_full not in ON_FULL:
             raise JaxinferError(f"on_full must be one of {', '.join(ON_FULL)}, not {on_full!r}", "on_full")
@@ -48,8 +49,9 @@ class ChatSession:
         self.logit_bias = logit_bias
         self.messages: list[dict] = []  # user and assistant turns, oldest first
         self.template = ChatTemplate.of(model)
-        self.format = "harmony" if self.template.is_harmony else None  # how replies read
+        self.options = options  # template variables, and how a thinking model's replies read
         self.variables = self.template.reasoning(reasoning_effort)  # gpt-oss's effort, where asked
+        self.reading = Reading()  # how the last turn's reply reads (its prompt may open a thinking block)
         self.context_used = 0  # tokens of the last turn's prompt and reply
 
     def conversation(self) -> list[dict]:
@@ -57,9 +59,11 @@ class ChatSession:
         return system + self.messages
 
     def prompt_ids(self) -> list[int]:
-        """The conversation rendered, ready for the assistant's reply. The template writes the
-        special tokens itself, so none are added here (as transformers' apply_chat_template)."""
-        text = self.template.render(self.conversation(), add_generation_prompt=True, **self.variables)
+        """The conversation rendered, ready for the assistant's reply (and `reading` set for it). The
+        template writes the special tokens itself, so none are added here (as transformers'
+        apply_chat_template)."""
+        calls = "harmony" if self.template.is_harmony else None  # gpt-oss: its reasoning read apart
+        text, self.reading = self.template.prompt(self.conversation(), self.options, calls, **self.variables)
         return self.model.tokenizer.encode(text, add_special_tokens=False)
 
     def ask(self, text: str) -> tuple[Generation, list[str]]:
@@ -88,9 +92,10 @@ class ChatSession:
         return gen, notices
 
     def record(self, gen: Generation) -> None:
-        """Keep the reply (also a partial, interrupted one) in the conversation: its answer (a harmony
-        reply's reasoning is not, as its template drops it from earlier turns)."""
-        text = gen.text if self.format is None else reply(gen.text, self.format)[1] or ""
+        """Keep the reply (also a partial, interrupted one) in the conversation: its answer (a thinking
+        model's reasoning is not, as the templates of gpt-oss, Qwen3 and DeepSeek-R1 drop it from
+        earlier turns)."""
+        text = self.reading.reply(gen.text)[1] or ""
         self.messages.append({"role": "assistant", "content": text})
         self.context_used = len(gen.prompt_ids) + len(gen.token_ids)
 

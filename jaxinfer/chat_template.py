@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from jaxinfer import harmony
 from jaxinfer.errors import JaxinferError
+from jaxinfer.replies import REASONING_FORMATS, Reading, think_markers
 
 # For models without a template: plain role-prefixed turns, documented in docs/usage.md. Generation
 # stops at FALLBACK_STOP, where such a model would start writing the user's next turn.
@@ -115,13 +117,53 @@ def _environment():
 
 
 EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning efforts (OpenAI's `reasoning_effort`)
+# the variables a template's caller sets itself: chat_template_kwargs may not
+RESERVED = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """What shapes a chat prompt beyond its messages, and how its reply reads (llama-server's flags
+    and fields of the same names): `kwargs`, more variables for the template (`chat_template_kwargs`:
+    Qwen3's `enable_thinking`); `reasoning_format` "auto" (a thinking model's reasoning read apart
+    from its answer: `jaxinfer.replies`) or "none" (left in the content); `reasoning_budget` -1 (the
+    model thinks as it will) or 0 (it does not: the template's switch off, else an empty block)."""
+
+    kwargs: dict = field(default_factory=dict)
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1
+
+    def __post_init__(self):
+        check_kwargs(self.kwargs)
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise JaxinferError(
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {self.reasoning_format!r}",
+                "reasoning_format",
+            )
+        if self.reasoning_budget not in (-1, 0):
+            raise JaxinferError(
+                "reasoning_budget must be -1 (unrestricted) or 0 (no thinking), as llama.cpp's", "reasoning_budget"
+            )
+
+
+def check_kwargs(kwargs) -> dict:
+    """`chat_template_kwargs`: an object of template variables, none of those the caller sets."""
+    if not isinstance(kwargs, dict):
+        raise JaxinferError("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+    taken = sorted(set(kwargs) & set(RESERVED))
+    if taken:
+        raise JaxinferError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request says it", "chat_template_kwargs"
+        )
+    return kwargs
 
 
 class ChatTemplate:
     @classmethod
     def of(cls, model) -> ChatTemplate:
-        """A loaded model's template (`loading.LoadedModel`): its directory's, or its GGUF file's."""
-        return cls(read_template(model.path, model.tokenizer.config), model.tokenizer.special_tokens)
+        """A loaded model's template (`loading.LoadedModel.chat_template`: its directory's, its GGUF
+        file's, or the one it was loaded with)."""
+        return cls(model.chat_template, model.tokenizer.special_tokens)
 
     def __init__(self, source: str | None, special_tokens: dict[str, str | None]):
         """`source` None means the model has none: FALLBACK_TEMPLATE is used (`is_fallback`)."""
@@ -137,16 +179,67 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise JaxinferError(f"the model's chat template does not parse: {e}") from None
 
-    def reasoning(self, effort: str | None) -> dict:
+    def reasoning(self, effort: str | None, strict: bool = True) -> dict:
         """The variables that ask this template for a reasoning effort (gpt-oss's `reasoning_effort`):
-        none where none is asked; one it does not read is refused, not ignored."""
+        none where none is asked. A template that reads none refuses one (`strict`: a user's flag) or
+        leaves it (an API client's field: OpenAI's clients send it to any model, as llama.cpp's
+        server and ollama take it)."""
         if effort is None:
+            return {}
+        takes = "reasoning_effort" in (self.source or "")
+        if not takes and not strict:
             return {}
         if effort not in EFFORTS:
             raise JaxinferError('reasoning_effort must be "low", "medium" or "high"', "reasoning_effort")
-        if "reasoning_effort" not in (self.source or ""):
+        if not takes:
             raise JaxinferError("this model's chat template takes no reasoning_effort", "reasoning_effort")
         return {"reasoning_effort": effort}
+
+    def prompt(
+        self,
+        messages: list[dict],
+        options: ChatOptions = ChatOptions(),
+        calls: str | None = None,
+        tools: list[dict] | None = None,
+        continue_final: bool = False,
+        **extra,
+    ) -> tuple[str, Reading]:
+        """The conversation rendered for the assistant's reply, and how that reply reads (`calls`: the
+        format of its tool calls; `tools`, `extra`: as `render`). A budget of 0 turns thinking off by
+        the template's own switch (`enable_thinking`), else by an empty block after the prompt.
+        `continue_final`: the last message is the assistant's reply begun, to be continued (as
+        transformers' `continue_final_message`: the text cut where that message's content ends)."""
+        markers = think_markers(self.source)
+        variables = {**options.kwargs, **extra}
+        if options.reasoning_budget == 0 and markers:
+            variables.setdefault("enable_thinking", False)
+        if not continue_final:
+            text = self.render(messages, tools=tools, **variables)
+        else:
+            begun = messages[-1].get("content") if messages[-1].get("role") == "assistant" else None
+            if not isinstance(begun, str) or not begun.strip():
+                raise JaxinferError(
+                    "continue_final_message continues the last message: an assistant's, with text",
+                    "continue_final_message",
+                )
+            variables.setdefault("add_generation_prompt", False)
+            text = self.render(messages, tools=tools, **variables)
+            at = text.rfind(begun.strip())
+            if at < 0:
+                raise JaxinferError(
+                    "this model's chat template leaves out the message continue_final_message continues",
+                    "continue_final_message",
+                )
+            text = text[: at + len(begun.strip())]
+        opened = bool(markers) and text.rstrip().endswith(markers[0])
+        if markers and continue_final:  # a reply begun inside its thinking block
+            opened = markers[0] in begun and markers[1] not in begun.rsplit(markers[0], 1)[-1]
+        replying = variables.get("add_generation_prompt", True) and not continue_final  # a reply starts here
+        if options.reasoning_budget == 0 and markers and replying and (opened or "enable_thinking" not in self.source):
+            text += ("" if opened else markers[0] + "\n\n") + markers[1] + "\n\n"
+            opened = False
+        think = markers if options.reasoning_format == "auto" else None
+        return text, Reading(calls, think, opened and think is not None)
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from jaxinfer.api import ENDPOINTS, Parser, from_openai, openai_body, refuse_unknown
+from jaxinfer.chat_template import ChatOptions
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
+from jaxinfer.replies import Reading
 from jaxinfer.scheduler import Request
-from jaxinfer.tools import reply
 
 OPENAI_LINE = {"custom_id", "method", "url", "body"}
 
@@ -131,23 +132,24 @@ class Job:
         output: TextIO,
         earlier: Output | None = None,
         speculating: bool = False,
+        chat: ChatOptions = ChatOptions(),
     ):
-        self.model, self.parser = model, Parser(model, context, max_tokens, speculating)
+        self.model, self.parser = model, Parser(model, context, max_tokens, speculating, chat)
         self.output, self.earlier = output, earlier or Output(output)
         self.failed = self.written = self.skipped = 0
         self.openai = False  # every line that is a request is one of OpenAI's batch lines
-        self._formats: dict[str, str] = {}  # key → the reply format of our own shape's chat lines (`tools.reply`)
-        # key → endpoint, the model that ran and the tool-call format, for OpenAI lines
-        self._openai: dict[str, tuple[str, str, str | None]] = {}
+        self._readings: dict[str, Reading] = {}  # key → how our own shape's chat lines read (`replies.Reading`)
+        # key → endpoint, the model that ran and how its reply reads, for OpenAI lines
+        self._openai: dict[str, tuple[str, str, Reading | None]] = {}
 
     def write(self, record: dict) -> None:
         """Write one record as it finishes: a result, or an error; in the OpenAI shape where the
         request came in it."""
-        shape, fmt = self._openai.get(_key(record["id"])), self._formats.get(_key(record["id"]))
+        shape, reading = self._openai.get(_key(record["id"])), self._readings.get(_key(record["id"]))
         if shape:
             record = _openai_result(record, *shape)
-        elif fmt and "text" in record:  # as `run --json`: the text as made, and read
-            record = record | dict(zip(("reasoning", "content", "tool_calls"), reply(record["text"], fmt)))
+        elif reading and "text" in record:  # as `run --json`: the text as made, and read
+            record = record | dict(zip(("reasoning", "content", "tool_calls"), reading.reply(record["text"])))
         text = json.dumps(record, ensure_ascii=False)
         try:
             text.encode("utf-8")
@@ -196,9 +198,9 @@ class Job:
                     url, item = _from_openai(item)
                 request = self.parser.parse(request_id, {k: v for k, v in item.items() if k not in ("id", "custom_id")})
                 if openai:  # the model that ran, not the one asked for
-                    self._openai[key] = (url, self.model.path.name, request.tools)
-                elif request.tools:  # tools offered, or a harmony model's reasoning: read apart
-                    self._formats[key] = request.tools
+                    self._openai[key] = (url, self.model.path.name, request.reading)
+                elif request.reading:  # tools offered, or a thinking model's reasoning: read apart
+                    self._readings[key] = request.reading
                 yield request
             except JaxinferError as e:
                 self._fail(number, request_id, str(e), openai)
@@ -271,7 +273,7 @@ def _batch_id() -> str:
     return f"batch_req_{secrets.token_hex(12)}"
 
 
-def _openai_result(record: dict, url: str, model: str, tools: str | None) -> dict:
+def _openai_result(record: dict, url: str, model: str, reading: Reading | None) -> dict:
     """Our result record in the OpenAI batch output shape (error records already are)."""
     if "text" not in record:
         return record
@@ -281,7 +283,7 @@ def _openai_result(record: dict, url: str, model: str, tools: str | None) -> dic
         "response": {
             "status_code": 200,
             "request_id": f"req_{secrets.token_hex(16)}",
-            "body": openai_body([record], url, model, tools),
+            "body": openai_body([record], url, model, reading),
         },
         "error": None,
     }

@@ -22,6 +22,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import METHODS, check_method
+from jaxinfer.replies import think_markers
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import place
 from jaxinfer.slots import Decoding
@@ -43,6 +44,7 @@ class LoadedModel:
     sampling: Sampling  # defaults from generation_config.json
     eos_ids: tuple[int, ...]
     max_new_tokens: int | None  # generation_config.json's, if it sets one
+    chat_template: str | None = None  # the Jinja source chats render with (None: the model has none)
 
     @property
     def storage(self) -> str:
@@ -147,6 +149,7 @@ def load_model(
     mesh: Mesh | None = None,
     gguf_file: str | None = None,
     ahead: Callable[[LoadedModel], None] | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load a model directory or GGUF file; with no path, the bundled default model. `layout`:
     "packed" for the CPU kernel (`jaxinfer.packed`), "in_out" the layers' matrices transposed, "out_in"
@@ -161,7 +164,8 @@ def load_model(
     to "highest" for the process (`float32_products`). `ahead(model)` runs on a thread of its own
     while the weights load, given the model as it will be with its weights abstract
     (`jax.ShapeDtypeStruct`s): what it compiles for them (`engine.compile_ahead`) the real weights
-    find built (not for a GGUF file, or over a mesh)."""
+    find built (not for a GGUF file, or over a mesh). `chat_template`: a Jinja chat template to
+    render chats with instead of the model's own (llama.cpp's --chat-template-file)."""
     layout = forms.check_layout(layout, mesh is not None)
     model_dir, cfg, config_json = load_config(path, gguf_file)
     gguf = gguf_model.open_gguf(model_dir) if gguf_model.is_gguf(model_dir) else None
@@ -170,9 +174,12 @@ def load_model(
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     generation = {} if gguf else read_json(model_dir / "generation_config.json", required=False)
     tokenizer = Tokenizer.from_gguf(gguf.meta, str(model_dir)) if gguf else Tokenizer(model_dir)
-    speaks_harmony = harmony.is_harmony(read_template(model_dir, tokenizer.config))
+    template = chat_template if chat_template is not None else read_template(model_dir, tokenizer.config)
+    speaks_harmony = harmony.is_harmony(template)
     if speaks_harmony:  # gpt-oss: its replies' markers are kept
         tokenizer.keep(harmony.MARKERS)
+    if markers := think_markers(template):  # a thinking block's (Magistral's are control tokens)
+        tokenizer.keep(markers)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise JaxinferError(
             f"the tokenizer has ids up to {tokenizer.vocab_size - 1} but the embedding table has {cfg.vocab_size} "
@@ -191,9 +198,8 @@ def load_model(
         eos_ids = tuple(dict.fromkeys(eos_ids + harmony.stop_ids(tokenizer)))
 
     def model(params: dict) -> LoadedModel:
-        return LoadedModel(
-            model_dir, cfg, params, tokenizer, chosen, quantize, sampling, eos_ids, generation.get("max_new_tokens")
-        )
+        max_new = generation.get("max_new_tokens")
+        return LoadedModel(model_dir, cfg, params, tokenizer, chosen, quantize, sampling, eos_ids, max_new, template)
 
     compiling = None
     if ahead is not None and gguf is None and mesh is None:
@@ -267,6 +273,7 @@ def open_model(
     num_draft: int | None = None,
     draft_model: str | Path | None = None,
     gguf_file: str | None = None,
+    chat_template: str | None = None,
     progress: weights.ProgressFn | None = None,
     ahead: Callable[[OpenModel], None] | None = None,
 ) -> OpenModel:
@@ -274,7 +281,7 @@ def open_model(
     model's trained positions, at most `defaults.MAX_CONTEXT`); `prefill_chunk` as `Decoding`'s;
     `speculate` "ngram" drafts by prompt lookup, `draft_model` (a directory or hub id) with a small
     model sharing the tokenizer, loaded with the same dtype, quantize, kv_dtype and layout onto the
-    same mesh; `gguf_file` as `load_model`'s; `num_draft` tokens a step (default `defaults.NUM_DRAFT`).
+    same mesh; `gguf_file`, `chat_template` as `load_model`'s; `num_draft` tokens a step (default `defaults.NUM_DRAFT`).
     `ahead` as `load_model`'s, given the OpenModel to be (not where a draft model drafts). Every
     parameter is checked before any weights are read."""
     _check_context(max_context)  # before the weights are read
@@ -283,7 +290,16 @@ def open_model(
         given = ahead
         ahead = lambda model: given(OpenModel(model, decoding, context_length(model.max_positions, max_context)))  # noqa: E731
     model = load_model(
-        path, dtype, progress, layout, quantize, kv_dtype, mesh, gguf_file, ahead if draft_model is None else None
+        path,
+        dtype,
+        progress,
+        layout,
+        quantize,
+        kv_dtype,
+        mesh,
+        gguf_file,
+        ahead if draft_model is None else None,
+        chat_template,
     )
     if draft_model is not None:
         draft = load_model(draft_model, dtype, progress, layout, quantize, kv_dtype, mesh)

@@ -34,6 +34,7 @@ from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import agree, stop_point
+from jaxinfer.replies import Reading
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import Admission, Decoding, Slots, penalized
@@ -65,7 +66,7 @@ class Request:
     logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit
-    tools: str | None = None  # where tools were offered, the format of the calls in the text (`jaxinfer.tools`)
+    reading: Reading | None = None  # how a chat reply reads: reasoning, content, tool calls (`jaxinfer.replies`)
     # OpenAI's echo: the prompt's text, given back in the record ("prompt"), with its tokens'
     # log-probabilities where logprobs are asked for ("prompt_logprobs": `perplexity.prompt_logprobs`)
     echo: str | None = None

@@ -34,8 +34,8 @@ from jaxinfer.api import (
     usage_chunk,
 )
 from jaxinfer.errors import JaxinferError
+from jaxinfer.replies import Reading
 from jaxinfer.scheduler import Inbox, Request, Scheduler
-from jaxinfer.tools import reply, visible
 
 MAX_N = 16  # choices per request at most
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
@@ -307,15 +307,15 @@ class Server:
             gone.cancel()
             self._pending.pop(request_id, None)
         self.requests.labels(url, "200").inc()
-        tools = pending.requests[0].tools
-        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name, tools))
+        reading = pending.requests[0].reading
+        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name, reading))
 
     def _stream(self, request, url: str, request_id: str, pending: _Pending, include_usage: bool):
         """Server-sent events in OpenAI's chunk shape, `data: [DONE]` at the end."""
         from starlette.responses import StreamingResponse
 
         created, n = int(time.time()), len(pending.requests)
-        tools = pending.requests[0].tools if url == "/v1/chat/completions" else None  # calls come whole at the end
+        reading = (pending.requests[0].reading if url == "/v1/chat/completions" else None) or Reading()
 
         def event(data: dict) -> str:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -341,13 +341,13 @@ class Server:
                     if kind == "text":
                         piece, entries = rest
                         made[index] += piece
-                        (reasoning, content), (said, shown) = visible(made[index], tools), sent[index]
+                        (reasoning, content), (said, shown) = reading.visible(made[index]), sent[index]
                         if len(content) > shown or len(reasoning) > said or entries:
                             yield chunk(index, content[shown:], entries or None, reasoning=reasoning[said:])
                             sent[index] = (max(said, len(reasoning)), max(shown, len(content)))
                     else:
                         record = records[index] = rest[0]
-                        reasoning, content, calls = reply(record["text"], tools)
+                        reasoning, content, calls = reading.reply(record["text"])  # calls come whole
                         finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
                         said, shown = sent[index]  # what the end let through (held text)
                         tail, thought = (content or "")[shown:], (reasoning or "")[said:]

@@ -149,6 +149,12 @@ def _call(name, arguments) -> dict | None:
     }
 
 
+def call(name: str, arguments: str) -> dict | None:
+    """A call of `name` in OpenAI's shape, its `arguments` the text the model wrote; None where that
+    text is not a JSON object."""
+    return _call(name, _json(arguments))
+
+
 def _json(text: str):
     try:
         return json.loads(text)
@@ -201,27 +207,3 @@ def streamable(text: str, fmt: str) -> int:
     if not stripped or any(o.startswith(stripped[: len(o)]) for o in openers):
         return 0
     return len(text)
-
-
-def reply(text: str, fmt: str | None) -> tuple[str | None, str | None, list[dict]]:
-    """A chat reply in format `fmt` (None: all content) as (reasoning, content, tool calls in
-    OpenAI's shape). A call that does not parse stays in the content, as written."""
-    if fmt != "harmony":
-        return (None, *split(text, fmt)) if fmt else (None, text, [])
-    reasoning, content, found = harmony.split(text)
-    calls = []
-    for name, arguments in found:
-        call = _call(name, _json(arguments))
-        if call:
-            calls.append(call)
-        else:
-            content = "\n\n".join(filter(None, (content, arguments)))
-    return reasoning, content, calls
-
-
-def visible(text: str, fmt: str | None) -> tuple[str, str]:
-    """(reasoning, content) of a reply so far that may be shown as it comes: what `reply` will end
-    with, less what may still turn out a call (each grows only by what follows)."""
-    if fmt == "harmony":
-        return harmony.visible(text)
-    return "", text[: streamable(text, fmt)] if fmt else text

@@ -15,8 +15,11 @@ from jaxinfer import harmony
 from jaxinfer.api import openai_body, openai_chunk
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.errors import JaxinferError
+from jaxinfer.replies import Reading
 from jaxinfer.tokenizer import Tokenizer
-from jaxinfer.tools import format_of, reply, template_messages, visible
+from jaxinfer.tools import format_of, template_messages
+
+HARMONY = Reading("harmony")
 
 TEMPLATE = (TEMPLATES / "gpt-oss.jinja").read_text()
 THINK = "<|channel|>analysis<|message|>The user asks the weather.<|end|>"
@@ -74,7 +77,7 @@ REPLIES = [
 
 @pytest.mark.parametrize("text, reasoning, content, calls", REPLIES)
 def test_a_reply_reads_into_reasoning_answer_and_calls(text, reasoning, content, calls):
-    got_reasoning, got_content, got_calls = reply(text, "harmony")
+    got_reasoning, got_content, got_calls = HARMONY.reply(text)
     assert (got_reasoning, got_content) == (reasoning, content)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got_calls)
@@ -87,11 +90,11 @@ def test_what_streams_only_grows_and_ends_as_the_reply(text):
     arguments did not parse, which the end adds)."""
     shown = ("", "")
     for n in range(len(text) + 1):
-        now = visible(text[:n], "harmony")
+        now = HARMONY.visible(text[:n])
         assert now[0].startswith(shown[0]) and now[1].startswith(shown[1]), text[:n]
         assert not any("<|" in part or "|>" in part for part in now), text[:n]
         shown = now
-    reasoning, content, calls = reply(text, "harmony")
+    reasoning, content, calls = HARMONY.reply(text)
     assert shown[0] == (reasoning or "")
     assert (content or "").startswith(shown[1])
 
@@ -151,7 +154,7 @@ def test_the_tokenizer_keeps_the_markers_decoding_would_drop(tmp_path):
     tokenizer.keep(harmony.MARKERS)
     decoded = tokenizer.decode(ids + [tokenizer.token_id("<|endoftext|>")])  # other specials still left out
     assert decoded.replace(" ", "") == text.replace(" ", "")
-    assert reply(decoded, "harmony")[:2] == ("The user asks", "It is warm")
+    assert HARMONY.reply(decoded)[:2] == ("The user asks", "It is warm")
     assert harmony.stop_ids(tokenizer) == (tokenizer.token_id("<|return|>"), tokenizer.token_id("<|call|>"))
 
 
@@ -159,7 +162,7 @@ def test_the_api_answers_with_the_reasoning_apart():
     """OpenAI's chat message as vLLM and llama.cpp give a reasoning model's: `reasoning_content`
     beside `content`, the calls in `tool_calls`; a stream's chunk carries new reasoning the same way."""
     record = {"text": THINK + CALL, "finish_reason": "stop", "prompt_tokens": 5, "generated_tokens": 20, "seed": 0}
-    body = openai_body([record | {"timings": {}}], "/v1/chat/completions", "gpt-oss", "harmony")
+    body = openai_body([record | {"timings": {}}], "/v1/chat/completions", "gpt-oss", HARMONY)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["reasoning_content"] == "The user asks the weather."
@@ -181,9 +184,9 @@ def test_a_request_to_a_harmony_model_is_read_as_one(tiny):
     parser = Parser(model, 512)
     parser._template = ChatTemplate(TEMPLATE, model.tokenizer.special_tokens)
     messages = [{"role": "user", "content": "Hi"}]
-    assert parser.parse(0, {"messages": messages}).tools == "harmony"
+    assert parser.parse(0, {"messages": messages}).reading == HARMONY
     low = parser.parse(1, {"messages": messages, "reasoning_effort": "low", "tools": [WEATHER]})
-    assert low.tools == "harmony" and "Reasoning: low" in model.tokenizer.decode(low.prompt_ids)
+    assert low.reading == HARMONY and "Reasoning: low" in model.tokenizer.decode(low.prompt_ids)
     refused = [
         ({"messages": messages, "reasoning_effort": "max"}, "reasoning_effort must be"),
         ({"messages": messages, "tools": [WEATHER], "tool_choice": "required"}, "a forced tool call"),
@@ -210,7 +213,7 @@ def test_a_batch_line_of_our_shape_gets_the_reply_read_as_run_json_does(tiny):
         json.dumps({"id": "h", "messages": [{"role": "user", "content": "Weather?"}]}),
         '{"id": "p", "prompt": "x"}',
     ]
-    assert [r.tools for r in job.requests(lines)] == ["harmony", None]
+    assert [r.reading for r in job.requests(lines)] == [HARMONY, None]
     made = {"text": THINK + CALL, "finish_reason": "stop", "prompt_tokens": 5, "generated_tokens": 20, "seed": 0}
     job.write({"id": "h", **made})
     job.write({"id": "p", **made})

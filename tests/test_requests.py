@@ -50,3 +50,65 @@ def test_the_stop_list_is_bounded(parser):
         parser.parse(0, {"prompt": "Hi", "stop": [f"s{k}" for k in range(MAX_STOPS + 1)]})
     with pytest.raises(JaxinferError, match="over 256 characters"):
         parser.parse(0, {"prompt": "Hi", "stop": ["x" * 257]})
+
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_the_fields_clients_send_are_honoured_ignored_or_refused(parser):
+    """docs/server.md's table: each field other clients send is read, accepted as changing nothing,
+    or refused in one line; any other unknown field stays a 400."""
+    from test_tools import TEMPLATES as TEMPLATE_FILES
+    from test_tools import WEATHER
+
+    plain = parser.parse(0, from_openai(CHAT, {"messages": HI, "seed": 1}))
+    harmless = {
+        "verbosity": "low",
+        "prediction": {"type": "content", "content": "Hello"},
+        "modalities": ["text"],
+        "skip_special_tokens": True,
+        "reasoning_effort": "high",  # this template takes none: OpenAI's clients send it to any model
+        "chat_template_kwargs": {"unread": 1},
+    }
+    assert parser.parse(0, from_openai(CHAT, {"messages": HI, "seed": 1} | harmless)) == plain
+    for field, value, said in [
+        ("web_search_options", {}, "searching the web is not offered"),
+        ("min_tokens", 8, "min_tokens is not offered"),
+        ("modalities", ["text", "audio"], r'only \["text"\]'),
+        ("skip_special_tokens", False, "only true"),
+        ("guided_decoding_backend", "x", "unknown field"),
+    ]:
+        with pytest.raises(JaxinferError, match=said):
+            parser.parse(0, from_openai(CHAT, {"messages": HI, field: value}))
+    # the deprecated names of tools and tool_choice, to a template that offers tools
+    parser = Parser(parser.model, 4096)
+    parser._template = ChatTemplate(
+        (TEMPLATE_FILES / "qwen2.5.jinja").read_text(), parser.model.tokenizer.special_tokens
+    )
+    tools = parser.parse(0, from_openai(CHAT, {"messages": HI, "tools": [WEATHER], "seed": 1}))
+    functions = parser.parse(0, from_openai(CHAT, {"messages": HI, "functions": [WEATHER["function"]], "seed": 1}))
+    assert functions == tools
+    forced = {"messages": HI, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+    chosen = {"type": "function", "function": {"name": "get_weather"}}
+    assert (
+        parser.parse(0, from_openai(CHAT, forced)).constraint
+        == parser.parse(0, from_openai(CHAT, {"messages": HI, "tools": [WEATHER], "tool_choice": chosen})).constraint
+    )
+    with pytest.raises(JaxinferError, match='"functions" is the older name of "tools"'):
+        from_openai(CHAT, {"messages": HI, "functions": [], "tools": []})
+
+
+def test_a_reply_begun_is_continued_and_the_generation_prompt_may_be_left_out(parser):
+    """transformers' `continue_final_message` and `add_generation_prompt`, as vLLM takes them."""
+    decode = parser.model.tokenizer.decode
+    begun = HI + [{"role": "assistant", "content": "Hello, I am"}]
+    continued = decode(parser.parse(0, {"messages": begun, "continue_final_message": True}).prompt_ids)
+    whole = decode(parser.parse(0, {"messages": HI}).prompt_ids)
+    assert continued.endswith("Hello, I am") and continued.startswith(whole)
+    bare = decode(parser.parse(0, {"messages": HI, "add_generation_prompt": False}).prompt_ids)
+    assert whole.startswith(bare) and len(bare) < len(whole)
+    with pytest.raises(JaxinferError, match="continues the last message: an assistant's"):
+        parser.parse(0, {"messages": HI, "continue_final_message": True})
+    with pytest.raises(JaxinferError, match='"add_generation_prompt" must be true or false'):
+        parser.parse(0, {"messages": HI, "add_generation_prompt": "yes"})

@@ -1,0 +1,97 @@
+"""How a chat reply reads: (reasoning, content, tool calls), and what of it may be shown as it comes.
+
+Thinking models write their reasoning before the answer. Two ways are read here:
+- in marked blocks the chat template names: `<think>…</think>` (Qwen3 and 3.5, QwQ, DeepSeek-R1 and
+  its distills, SmolLM3, GLM-4.5 and later) or `[THINK]…[/THINK]` (Magistral). A template may open
+  the block itself (DeepSeek-R1's and Qwen3-Thinking's generation prompts end in `<think>`): the
+  reply then starts inside it (`Reading.opened`), as llama.cpp's "thinking forced open";
+- harmony's `analysis` channel (gpt-oss: `jaxinfer.harmony`).
+As llama.cpp's `--reasoning-format auto` reads them: the block's text, stripped, is the reasoning;
+what follows is the content, itself read for tool calls (`jaxinfer.tools`); a block never closed
+(the budget ran out while thinking) is all reasoning. A reply that does not start with a block is
+all content: a template that lets the model skip thinking (Qwen3's `enable_thinking: false` writes an
+empty block into the prompt) loses nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxinfer import harmony, tools
+
+THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+REASONING_FORMATS = ("auto", "none")  # llama.cpp's --reasoning-format: read apart, or left in the content
+
+
+def think_markers(template: str | None) -> tuple[str, str] | None:
+    """The thinking block's (open, close) markers a chat template writes, or None."""
+    return next((m for m in THINK_MARKERS if template and m[1] in template), None)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """`calls`: the tool calls' format (`tools.FORMATS`; None: none offered; "harmony" also holds the
+    reasoning); `think`: the (open, close) markers of a thinking block, where reasoning is read
+    apart; `opened`: the prompt ended inside such a block."""
+
+    calls: str | None = None
+    think: tuple[str, str] | None = None
+    opened: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.calls or self.think)
+
+    def reply(self, text: str) -> tuple[str | None, str | None, list[dict]]:
+        """(reasoning, content, tool calls in OpenAI's shape). A call that does not parse stays in the
+        content, as written."""
+        if self.calls == "harmony":
+            reasoning, content, found = harmony.split(text)
+            calls = []
+            for name, arguments in found:
+                call = tools.call(name, arguments)
+                if call:
+                    calls.append(call)
+                else:
+                    content = "\n\n".join(filter(None, (content, arguments)))
+            return reasoning, content, calls
+        if not self:
+            return None, text, []
+        reasoning, rest = self._thought(text, whole=True)
+        content, calls = tools.split(rest, self.calls) if self.calls else (rest, [])
+        return reasoning or None, content or None, calls
+
+    def visible(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a reply so far that may be shown as it comes: what `reply` will
+        end with, less what may still turn out a marker or a call (each only grows)."""
+        if self.calls == "harmony":
+            return harmony.visible(text)
+        reasoning, rest = self._thought(text, whole=False)
+        return reasoning, rest[: tools.streamable(rest, self.calls)] if self.calls else rest
+
+    def _thought(self, text: str, whole: bool) -> tuple[str, str]:
+        """(the reasoning, the text after its block). Not `whole` (a stream so far): a marker's
+        beginning at the end is held back, and so is trailing space (the end strips it)."""
+        if not self.think:
+            return "", text
+        open_, close = self.think
+        body = text.lstrip()
+        if not whole and open_.startswith(body):  # the block (or the marker the prompt opened, again) may be starting
+            return "", ""
+        if body.startswith(open_):  # a model may write the marker the prompt opened, too
+            body = body[len(open_) :]
+        elif not self.opened:
+            return "", text
+        end = body.find(close)
+        if end < 0:  # still thinking (or cut off while it was)
+            if not whole:
+                body = _less_partial(body, close)
+            return body.strip(), ""
+        return body[:end].strip(), body[end + len(close) :].lstrip()
+
+
+def _less_partial(text: str, marker: str) -> str:
+    """`text` less a beginning of `marker` at its end (a stream cut mid-marker)."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return text[:-k]
+    return text

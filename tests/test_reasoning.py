@@ -1,0 +1,230 @@
+"""Thinking models: their reasoning read apart from the answer (as llama.cpp's `--reasoning-format
+auto` reads it), the template's switch reached by `chat_template_kwargs` and `--reasoning-budget 0`
+(rendered as transformers renders it), and the real server and CLI giving the reasoning apart,
+streamed as whole, never in the content."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import openai
+import pexpect
+import pytest
+import transformers
+from cli_helpers import jaxinfer
+from test_chat import FOOTER
+from test_server import WAIT_S, Served
+from test_tools import TEMPLATES, WEATHER
+
+from jaxinfer.chat_template import ChatOptions, ChatTemplate
+from jaxinfer.errors import JaxinferError
+from jaxinfer.replies import Reading, think_markers
+from jaxinfer.tokenizer import Tokenizer
+
+QWEN3 = Path(__file__).parent / "data" / "thinking" / "qwen3.jinja"  # in Qwen3's way, written for these tests
+R1 = QWEN3.with_name("deepseek-r1.jinja")
+THINK = ("<think>", "</think>")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+# (reading, reply, reasoning, content, calls)
+REPLIES = [
+    (Reading(None, THINK), "<think>\nThe user greets.\n</think>\n\nHello!", "The user greets.", "Hello!", 0),
+    (Reading(None, THINK), "Hello, no block.", None, "Hello, no block.", 0),
+    (Reading(None, THINK), "<think>\n\n</think>\n\nHello!", None, "Hello!", 0),  # the empty block: thinking off
+    (Reading(None, THINK), "<think>\nStill thinking when cut", "Still thinking when cut", None, 0),
+    (
+        Reading(None, THINK, opened=True),
+        "The prompt opened it.\n</think>\n\nAnswer.",
+        "The prompt opened it.",
+        "Answer.",
+        0,
+    ),
+    (Reading(None, THINK, opened=True), "<think>\nWritten again.</think>Answer.", "Written again.", "Answer.", 0),
+    (Reading(None, THINK, opened=True), "Never closed.", "Never closed.", None, 0),
+    (Reading("hermes", THINK), "<think>\nCall it.\n</think>\n\n" + CALL, "Call it.", None, 1),
+    (Reading("hermes", THINK), "<think>\nCall it.\n</think>\n\nLet me see.\n" + CALL, "Call it.", "Let me see.", 1),
+    (Reading(None, ("[THINK]", "[/THINK]")), "[THINK]Hmm.[/THINK]Bonjour.", "Hmm.", "Bonjour.", 0),
+    (Reading(None, None), "<think>\nformat none\n</think>\n\nHi", None, "<think>\nformat none\n</think>\n\nHi", 0),
+]
+
+
+@pytest.mark.parametrize("reading, text, reasoning, content, calls", REPLIES)
+def test_a_reply_reads_into_reasoning_and_answer(reading, text, reasoning, content, calls):
+    got_reasoning, got_content, got_calls = reading.reply(text)
+    assert (got_reasoning, got_content, len(got_calls)) == (reasoning, content, calls)
+    assert all(json.loads(c["function"]["arguments"]) == {"city": "Paris"} for c in got_calls)
+
+
+@pytest.mark.parametrize("reading, text", [r[:2] for r in REPLIES])
+def test_what_streams_only_grows_and_ends_as_the_reply(reading, text):
+    """Cut after every character (a token may end mid-marker): the reasoning and answer shown so far
+    only grow, never show a marker, and end as the whole reply reads."""
+    shown = ("", "")
+    for n in range(len(text) + 1):
+        now = reading.visible(text[:n])
+        assert now[0].startswith(shown[0]) and now[1].startswith(shown[1]), (text[:n], shown, now)
+        if reading.think:
+            assert not any(m in now[0] for m in reading.think), now
+        shown = now
+    reasoning, content, calls = reading.reply(text)
+    assert shown[0] == (reasoning or "")
+    assert (shown[1].rstrip() if calls else shown[1]) == (content or "")  # hermes: the gap before a call is dropped
+
+
+def test_the_markers_are_the_templates():
+    assert think_markers(QWEN3.read_text()) == THINK == think_markers(R1.read_text())
+    assert think_markers((TEMPLATES / "qwen2.5.jinja").read_text()) is None
+
+
+@pytest.mark.parametrize(
+    "path, options, kwargs, opened",
+    [
+        (QWEN3, ChatOptions(), {}, False),
+        (QWEN3, ChatOptions({"enable_thinking": False}), {"enable_thinking": False}, False),
+        (QWEN3, ChatOptions(reasoning_budget=0), {"enable_thinking": False}, False),  # the template's switch
+        (R1, ChatOptions(), {}, True),
+    ],
+)
+def test_prompts_render_as_transformers_with_the_templates_switch(tiny, path, options, kwargs, opened):
+    """`chat_template_kwargs` and a budget of 0 reach the template as transformers'
+    apply_chat_template(**kwargs) passes them; an earlier turn's reasoning is the template's to drop."""
+    source = path.read_text()
+    hf = transformers.AutoTokenizer.from_pretrained(tiny("llama"))
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
+        {"role": "user", "content": "Weather?"},
+    ]
+    expected = hf.apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    text, reading = ChatTemplate(source, Tokenizer(tiny("llama")).special_tokens).prompt(messages, options)
+    assert text == expected and "Greet back" not in text
+    assert reading == Reading(None, THINK, opened)
+
+
+def test_a_budget_of_0_closes_a_block_the_template_opens():
+    """DeepSeek-R1's template has no switch: the block it opens is closed empty, and the reply is the answer."""
+    text, reading = ChatTemplate(R1.read_text(), {}).prompt(
+        [{"role": "user", "content": "Hi"}], ChatOptions(reasoning_budget=0)
+    )
+    assert text.endswith("<｜Assistant｜><think>\n</think>\n\n") and not reading.opened
+    assert reading.reply("Hello.") == (None, "Hello.", [])
+    plain, _ = ChatTemplate((TEMPLATES / "qwen2.5.jinja").read_text(), {}).prompt(
+        [{"role": "user", "content": "Hi"}], ChatOptions(reasoning_budget=0)
+    )
+    assert "<think>" not in plain  # a model that does not think: nothing to turn off
+
+
+def test_requests_say_the_templates_variables_and_the_reading(tiny):
+    from jaxinfer.api import Parser
+    from jaxinfer.loading import load_model
+
+    model = load_model(tiny("llama"), chat_template=QWEN3.read_text())
+    parser = Parser(model, 4096)
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking = parser.parse(0, {"messages": messages, "tools": [WEATHER]})
+    assert thinking.reading == Reading("hermes", THINK)
+    off = parser.parse(1, {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert model.tokenizer.decode(off.prompt_ids).endswith("<think>\n\n</think>\n\n")
+    assert parser.parse(2, {"messages": messages, "reasoning_format": "none"}).reading == Reading()
+    # OpenAI's clients send an effort to any model: a template that takes none leaves it
+    plain = parser.parse(3, {"messages": messages}).prompt_ids
+    assert parser.parse(4, {"messages": messages, "reasoning_effort": "high"}).prompt_ids == plain
+    for item, said in [
+        ({"messages": messages, "chat_template_kwargs": {"messages": []}}, "may not set messages"),
+        ({"messages": messages, "chat_template_kwargs": ["x"]}, "must be an object"),
+        ({"messages": messages, "reasoning_format": "deepseek"}, "reasoning_format must be one of auto, none"),
+        ({"prompt": "Hi", "chat_template_kwargs": {}}, '"chat_template_kwargs" goes with "messages"'),
+    ]:
+        with pytest.raises(JaxinferError, match=said):
+            parser.parse(9, item)
+
+
+# a reply that thinks and then answers, whatever the weights: the server's constraint writes its shape
+SHAPE = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\."
+
+
+@pytest.fixture(scope="module")
+def thinking():
+    served = Served("-b", "2", "-c", "512", "--chat-template-file", QWEN3)
+    yield openai.OpenAI(base_url=served.url + "/v1", api_key="none", timeout=WAIT_S, max_retries=0)
+    served.stop()
+    assert "Traceback" not in "".join(served.stderr)
+
+
+@pytest.mark.slow
+def test_the_server_gives_the_reasoning_apart_streamed_as_whole(thinking):
+    asked = dict(
+        model="any",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=64,
+        temperature=0,
+        extra_body={"guided_regex": SHAPE},
+    )
+    whole = thinking.chat.completions.create(**asked).choices[0].message
+    reasoning = whole.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in whole.content and "</think>" not in whole.content
+    assert whole.content[0].isupper() and whole.content.endswith(".")
+    deltas = [c.choices[0].delta for c in thinking.chat.completions.create(**asked, stream=True) if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    left = thinking.chat.completions.create(
+        **asked | {"extra_body": {"guided_regex": SHAPE, "reasoning_format": "none"}}
+    )
+    assert left.choices[0].message.content == f"<think>\n{reasoning}\n</think>\n\n{whole.content}"
+    off = thinking.chat.completions.create(
+        **asked | {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    )
+    assert off.usage.prompt_tokens > thinking.chat.completions.create(**asked).usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_run_json_gives_the_reasoning_apart():
+    ran = jaxinfer(
+        "run",
+        "Say hello.",
+        "--system",
+        "Be brief.",
+        "--chat-template-file",
+        QWEN3,
+        "--regex",
+        SHAPE,
+        "-n",
+        64,
+        "--temp",
+        0,
+        "--json",
+    )
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["text"] == f"<think>\n{result['reasoning']}\n</think>\n\n{result['content']}"
+    assert result["reasoning"] and result["tool_calls"] == []
+
+
+@pytest.mark.slow
+def test_chat_folds_the_reasoning_and_keeps_only_the_answer():
+    """In the terminal the reasoning shows while it comes and folds to one line when the answer
+    starts; the conversation keeps the answer (the template drops earlier reasoning anyway)."""
+    child = pexpect.spawn(
+        "jaxinfer",
+        ["chat", "--chat-template-file", str(QWEN3), "--regex", SHAPE, "--temp", "0", "-n", "64"],
+        encoding="utf-8",
+        timeout=WAIT_S,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "200"},
+    )
+    child.expect_exact(">>> ")
+    child.sendline("Say hello.")
+    child.expect(r"▸ thought for [\d.]+ s, \d+ words")
+    child.expect(FOOTER)
+    answer = child.before
+    child.expect_exact(">>> ")
+    child.sendline("/stats")
+    child.expect_exact("2 messages")
+    child.expect_exact(">>> ")  # Ctrl-D before the prompt reads is lost
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    assert child.wait() == 0 and "Traceback" not in child.before
+    assert "<think>" not in answer and "</think>" not in answer
+    assert re.search(r"[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\.", answer), answer
