@@ -69,6 +69,7 @@ FLAGS = {
     "web_search_options": "web_search_options",
     "audio": "audio",
     "min_tokens": "min_tokens",
+    "thinking": "thinking",
 }
 
 MODEL = typer.Option(

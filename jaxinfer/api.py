@@ -142,30 +142,7 @@ class Parser:
             check_text_fits(item["prompt"], tokenizer, self.context)
             ids = tokenizer.encode(item["prompt"])
         else:
-            found = format_of(self.template.source)
-            if tools and found is None:
-                raise JaxinferError("this model's chat template offers no tools (in a format parsed here)", "tools")
-            if forced and found == "harmony":
-                raise JaxinferError(
-                    'a forced tool call is not offered in harmony\'s format (gpt-oss): "tool_choice": "auto" lets '
-                    "the model call",
-                    "tool_choice",
-                )
-            chat = self.chat
-            if "chat_template_kwargs" in item or "reasoning_format" in item:
-                kwargs = {**chat.kwargs, **check_kwargs(item.get("chat_template_kwargs", {}))}
-                chat = replace(
-                    chat, kwargs=kwargs, reasoning_format=item.get("reasoning_format", chat.reasoning_format)
-                )
-            text, reading = self.template.prompt(
-                template_messages(_messages(item["messages"])),
-                chat,
-                calls=found if tools or found == "harmony" else None,  # harmony: the reasoning read apart
-                tools=tools,
-                continue_final=_flag(item, "continue_final_message", False),
-                add_generation_prompt=_flag(item, "add_generation_prompt", not item.get("continue_final_message")),
-                **self.template.reasoning(item.get("reasoning_effort"), strict=False),
-            )
+            text, reading = self.chat_prompt(item, tools, forced)
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
@@ -184,13 +161,13 @@ class Parser:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise JaxinferError('"stop" must be a string or a list of strings')
         stop = check_stops(stop) + (self.template.stop if "messages" in item else ())
-        ignore_eos = _flag(item, "ignore_eos", False)
-        speculate = _flag(item, "speculate", self.speculating)
+        ignore_eos = boolean(item, "ignore_eos", False)
+        speculate = boolean(item, "speculate", self.speculating)
         if speculate and not self.speculating:
             raise JaxinferError('"speculate": true needs a runner that speculates (ngram or a draft model)')
         logprobs = item.get("logprobs")
         check_logprobs(logprobs)
-        echo = _flag(item, "echo", False)
+        echo = boolean(item, "echo", False)
         if echo and "prompt" not in item:
             raise JaxinferError('"echo" gives back a prompt: it is for the completions endpoint\'s "prompt"', "echo")
         constraint = from_request(item)
@@ -219,6 +196,32 @@ class Parser:
             logit_bias=logit_bias,
             reading=reading,
             echo=item["prompt"] if echo else None,
+        )
+
+    def chat_prompt(self, item: dict, tools: list[dict] | None = None, forced=None) -> tuple[str, Reading]:
+        """A chat request's conversation rendered by the template (with `tools` offered, where a call
+        is `forced` or not), and how its reply reads (`ChatTemplate.prompt`)."""
+        found = format_of(self.template.source)
+        if tools and found is None:
+            raise JaxinferError("this model's chat template offers no tools (in a format parsed here)", "tools")
+        if forced and found == "harmony":
+            raise JaxinferError(
+                'a forced tool call is not offered in harmony\'s format (gpt-oss): "tool_choice": "auto" lets '
+                "the model call",
+                "tool_choice",
+            )
+        chat = self.chat
+        if "chat_template_kwargs" in item or "reasoning_format" in item:
+            kwargs = {**chat.kwargs, **check_kwargs(item.get("chat_template_kwargs", {}))}
+            chat = replace(chat, kwargs=kwargs, reasoning_format=item.get("reasoning_format", chat.reasoning_format))
+        return self.template.prompt(
+            template_messages(_messages(item.get("messages"))),
+            chat,
+            calls=found if tools or found == "harmony" else None,  # harmony: the reasoning read apart
+            tools=tools,
+            continue_final=boolean(item, "continue_final_message", False),
+            add_generation_prompt=boolean(item, "add_generation_prompt", not item.get("continue_final_message")),
+            **self.template.reasoning(item.get("reasoning_effort"), strict=False),
         )
 
     def _logit_bias(self, given) -> dict[int, float] | None:
@@ -275,7 +278,8 @@ def _messages(messages) -> list[dict]:
     return rendered
 
 
-def _flag(item: dict, name: str, default: bool) -> bool:
+def boolean(item: dict, name: str, default: bool) -> bool:
+    """A field that must be true or false."""
     value = item.get(name, default)
     if not isinstance(value, bool):
         raise JaxinferError(f'"{name}" must be true or false', name)

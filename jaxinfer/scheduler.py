@@ -479,6 +479,7 @@ class Scheduler:
                 "generated_tokens": generated,
                 "cached_tokens": timings.cached_tokens,
                 "finish_reason": reason,
+                **({"stop_string": text.stop_string} if reason == "stop" and text.stop_string else {}),
                 "seed": request.seed,
                 "timings": {
                     "queued_s": round(slot.admitted - arrived, 4),

@@ -8,7 +8,9 @@ handler puts its requests in the inbox, the scheduler's thread calls each reques
 the result callback, which post events to the handler's asyncio queue.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-`"stream": true`), GET /v1/models, /health (open without the key) and /metrics (Prometheus text).
+`"stream": true`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`),
+llama-server's /tokenize, /detokenize, /apply-template and GET /props (`jaxinfer.utilities`), GET
+/v1/models, /health (open without the key) and /metrics (Prometheus text: `jaxinfer.metrics`).
 A client that goes away cancels its requests: their rows stop at the scheduler's next step.
 """
 
@@ -23,6 +25,9 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 
+from starlette.responses import JSONResponse, StreamingResponse
+
+from jaxinfer import anthropic, utilities
 from jaxinfer.api import (
     ENDPOINTS,
     Parser,
@@ -34,6 +39,7 @@ from jaxinfer.api import (
     usage_chunk,
 )
 from jaxinfer.errors import JaxinferError
+from jaxinfer.metrics import Metrics
 from jaxinfer.replies import Reading
 from jaxinfer.scheduler import Inbox, Request, Scheduler
 
@@ -41,9 +47,6 @@ MAX_N = 16  # choices per request at most
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
 # measured no faster: 64 clients, bundled model, two A/B rounds, ×0.80–0.84 against ×0.87 of batch)
 INTERVAL_S = 0.05
-# Prometheus buckets: TTFT from a few ms (a cached prompt) to a minute in a deep queue; ITL on any CPU or GPU
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
 class HTTPError(Exception):
@@ -70,6 +73,7 @@ class _Pending:
 
     loop: asyncio.AbstractEventLoop
     requests: list[Request]
+    id: str = ""  # the response's
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_token: list[float] = field(default_factory=list)  # per choice, for the ITL histogram
 
@@ -106,7 +110,7 @@ class Server:
         self._make_scheduler = make_scheduler
         self._pending: dict[str, _Pending] = {}  # request id → its handler's hand-over
         self._thread = threading.Thread(target=self._work, name="jaxinfer-scheduler", daemon=True)
-        self._metrics()
+        self.metrics = Metrics(self)
 
     # the scheduler's side -------------------------------------------------------------------------
 
@@ -149,9 +153,9 @@ class Server:
     def _finished(self, record: dict) -> None:
         request_id, index = record["id"]
         pending = self._pending.get(request_id)
-        self.generated.inc(record["generated_tokens"])
-        self.prompt_tokens.inc(record["prompt_tokens"])
-        self.cached_tokens.inc(record["cached_tokens"])
+        self.metrics.generated.inc(record["generated_tokens"])
+        self.metrics.prompt_tokens.inc(record["prompt_tokens"])
+        self.metrics.cached_tokens.inc(record["cached_tokens"])
         if pending is not None:
             pending.post("done", index, record)
 
@@ -160,9 +164,9 @@ class Server:
             now = time.perf_counter()
             if pending.last_token[index]:
                 for _ in range(tokens):
-                    self.itl.observe((now - pending.last_token[index]) / tokens)
+                    self.metrics.itl.observe((now - pending.last_token[index]) / tokens)
             else:
-                self.ttft.observe(now - pending.requests[index].arrived)
+                self.metrics.ttft.observe(now - pending.requests[index].arrived)
             pending.last_token[index] = now
             pending.post("text", index, piece, entries)
 
@@ -180,6 +184,11 @@ class Server:
 
         routes = [Route(url, self._completions, methods=["POST"]) for url in ENDPOINTS]
         routes += [
+            Route("/v1/messages", self._messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+            *(Route(f"/{name}", self._utility(name), methods=["POST"]) for name in ("tokenize", "detokenize")),
+            Route("/apply-template", self._utility("apply_template"), methods=["POST"]),
+            Route("/props", self._props, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics_text, methods=["GET"]),
@@ -190,6 +199,8 @@ class Server:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
+        if "x-api-key" in request.headers:  # Anthropic's clients say it so
+            given = f"Bearer {request.headers['x-api-key']}"
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
 
@@ -209,49 +220,120 @@ class Server:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def _metrics_text(self, request):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
         from starlette.responses import Response
 
         try:
             self._authorize(request)
         except HTTPError as e:
             return e.response()
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def _completions(self, request):
+        """OpenAI's /v1/chat/completions and /v1/completions."""
         url = request.url.path
         try:
             self._authorize(request)
             body = await self._body(request)
             stream, include_usage, n = _driver_fields(body)
-            item = from_openai(url, body)
-            # tokenizing a long prompt takes a while: not in the event loop
-            from starlette.concurrency import run_in_threadpool
-
             request_id = response_id(url)
-            base = await run_in_threadpool(self.parser.parse, None, item)
-            if self.inbox.closed:
-                raise HTTPError(503, "the server is shutting down", "server_error")
-            if self.waiting + n > self.max_queue:
-                raise HTTPError(
-                    429, f"{self.waiting} requests are waiting for a slot (the queue holds {self.max_queue})"
-                )
-            pending = _Pending(asyncio.get_running_loop(), [])
-            now = time.perf_counter()
-            for i in range(n):
-                choice = replace(base, id=(request_id, i), seed=base.seed + i, arrived=now)
-                choice.on_text = self._on_text(pending, i)  # the TTFT and ITL histograms, and streaming
-                pending.requests.append(choice)
-            pending.last_token = [0.0] * n
+            pending = await self._submit(url, from_openai(url, body), n, request_id)
+        except Exception as e:  # `_refused` answers what it knows, raises the rest
+            return self._refused(url, e)
+        if stream:
+            return self._stream(request, url, request_id, pending, include_usage)
+        records = await self._records(request, url, request_id, pending)
+        if not isinstance(records, list):
+            return records
+        return JSONResponse(openai_body(records, url, self.model_name, pending.requests[0].reading))
+
+    async def _messages(self, request):
+        """Anthropic's /v1/messages (`jaxinfer.anthropic`)."""
+        url = request.url.path
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            stream = _stream_field(body)
+            item = anthropic.to_item(body)
+            pending = await self._submit(url, item, 1, anthropic.message_id())
+        except Exception as e:  # as in _completions
+            return self._refused(url, e, anthropic.error_body)
+        stop = list(item.get("stop", []))
+        if stream:
+            return self._anthropic_stream(request, url, pending, stop)
+        records = await self._records(request, url, pending.id, pending, anthropic.error_body)
+        if not isinstance(records, list):
+            return records
+        reply = (pending.requests[0].reading or Reading()).reply(records[0]["text"])
+        return JSONResponse(anthropic.message_body(records[0], reply, self.model_name, stop))
+
+    async def _count_tokens(self, request):
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens, nothing generated."""
+        from starlette.concurrency import run_in_threadpool
+
+        url = request.url.path
+        try:
+            self._authorize(request)
+            body = await self._body(request)
+            item = anthropic.to_item({"max_tokens": 1} | body)
+            parsed = await run_in_threadpool(self.parser.parse, None, item)
+        except Exception as e:  # as in _completions
+            return self._refused(url, e, anthropic.error_body)
+        self.metrics.requests.labels(url, "200").inc()
+        return JSONResponse({"input_tokens": len(parsed.prompt_ids)})
+
+    def _utility(self, name: str):
+        """llama-server's utility endpoint `name` (`jaxinfer.utilities`): the body in, the answer out."""
+        from starlette.concurrency import run_in_threadpool
+
+        async def answer(request):
+            url = request.url.path
+            try:
+                self._authorize(request)
+                said = await run_in_threadpool(getattr(utilities, name), self.parser, await self._body(request))
+            except Exception as e:  # as in _completions
+                return self._refused(url, e)
+            self.metrics.requests.labels(url, "200").inc()
+            return JSONResponse(said)
+
+        return answer
+
+    async def _props(self, request):
+        try:
+            self._authorize(request)
         except HTTPError as e:
-            self.requests.labels(url, str(e.status)).inc()
             return e.response()
-        except JaxinferError as e:
-            self.requests.labels(url, "400").inc()
-            return HTTPError(400, str(e), param=e.names[0] if e.names else None).response()
-        except (ValueError, TypeError, ArithmeticError) as e:  # a value no check foresaw: still this request's
-            self.requests.labels(url, "400").inc()
-            return HTTPError(400, f"bad value ({type(e).__name__}: {e})").response()
+        return JSONResponse(utilities.props(self.parser, self.scheduler.batch_size))
+
+    def _refused(self, url: str, e: Exception, shape=None):
+        """A request refused before it ran, answered in its protocol's error shape (`shape(message,
+        status)`; OpenAI's by default); an exception no check foresaw is raised on."""
+        if isinstance(e, JaxinferError):
+            e = HTTPError(400, str(e), param=e.names[0] if e.names else None)
+        elif isinstance(e, (ValueError, TypeError, ArithmeticError)):  # a value no check foresaw: still this request's
+            e = HTTPError(400, f"bad value ({type(e).__name__}: {e})")
+        elif not isinstance(e, HTTPError):
+            raise e
+        self.metrics.requests.labels(url, str(e.status)).inc()
+        return e.response() if shape is None else JSONResponse(shape(str(e), e.status), status_code=e.status)
+
+    async def _submit(self, url: str, item: dict, n: int, request_id: str) -> _Pending:
+        """Our request `item` parsed (in a thread: tokenizing a long prompt takes a while) and put, as
+        `n` choices, in the scheduler's inbox."""
+        from starlette.concurrency import run_in_threadpool
+
+        base = await run_in_threadpool(self.parser.parse, None, item)
+        if self.inbox.closed:
+            raise HTTPError(503, "the server is shutting down", "server_error")
+        if self.waiting + n > self.max_queue:
+            raise HTTPError(429, f"{self.waiting} requests are waiting for a slot (the queue holds {self.max_queue})")
+        pending = _Pending(asyncio.get_running_loop(), [], id=request_id)
+        now = time.perf_counter()
+        for i in range(n):
+            choice = replace(base, id=(request_id, i), seed=base.seed + i, arrived=now)
+            choice.on_text = self._on_text(pending, i)  # the TTFT and ITL histograms, and streaming
+            pending.requests.append(choice)
+        pending.last_token = [0.0] * n
         self._pending[request_id] = pending
         try:
             for choice in pending.requests:
@@ -259,11 +341,8 @@ class Server:
         except JaxinferError:  # closed since the check above (SIGTERM): the choices put are cancelled
             pending.cancel()
             self._pending.pop(request_id, None)
-            self.requests.labels(url, "503").inc()
-            return HTTPError(503, "the server is shutting down", "server_error").response()
-        if stream:
-            return self._stream(request, url, request_id, pending, include_usage)
-        return await self._whole(request, url, request_id, pending)
+            raise HTTPError(503, "the server is shutting down", "server_error") from None
+        return pending
 
     async def _body(self, request) -> dict:
         declared = request.headers.get("content-length")
@@ -282,10 +361,9 @@ class Server:
             raise HTTPError(400, "the request body must be a JSON object")
         return body
 
-    async def _whole(self, request, url: str, request_id: str, pending: _Pending):
-        """Wait for every choice; a client that goes away first cancels them."""
-        from starlette.responses import JSONResponse
-
+    async def _records(self, request, url: str, request_id: str, pending: _Pending, shape=None):
+        """Every choice's record, in order; or the response that ends the request instead (a failure,
+        in `shape` as `_refused`'s; a client that went away first, whose choices are cancelled)."""
         records: dict[int, dict] = {}
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -295,109 +373,114 @@ class Server:
                 if not got.done():
                     got.cancel()
                     pending.cancel()
-                    self.requests.labels(url, "499").inc()
+                    self.metrics.requests.labels(url, "499").inc()
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 kind, index, *rest = got.result()
                 if kind == "failed":
-                    self.requests.labels(url, str(rest[1])).inc()
-                    return HTTPError(rest[1], rest[0], "server_error").response()
+                    self.metrics.requests.labels(url, str(rest[1])).inc()
+                    failure = HTTPError(rest[1], rest[0], "server_error")
+                    return failure.response() if shape is None else JSONResponse(shape(rest[0], rest[1]), rest[1])
                 if kind == "done":
                     records[index] = rest[0]
         finally:
             gone.cancel()
             self._pending.pop(request_id, None)
-        self.requests.labels(url, "200").inc()
-        reading = pending.requests[0].reading
-        return JSONResponse(openai_body([records[i] for i in range(len(records))], url, self.model_name, reading))
+        self.metrics.requests.labels(url, "200").inc()
+        return [records[i] for i in range(len(records))]
+
+    async def _pieces(self, url: str, pending: _Pending, reading: Reading):
+        """A request's choices as they come, read (`Reading.visible`): ("piece", index, reasoning,
+        content, entries) for what is new, ("end", index, record, reasoning, content, calls) with what
+        the end lets through (held text, calls whole), ("failed", message, status) if the scheduler
+        fails. A client that goes away before the end cancels the rest; the status is counted."""
+        n = len(pending.requests)
+        made, sent, records, status = [""] * n, [(0, 0)] * n, {}, "200"
+        try:
+            while len(records) < n:
+                kind, index, *rest = await pending.events.get()
+                if kind == "failed":
+                    status = str(rest[1])
+                    yield ("failed", *rest)
+                    break
+                if kind == "text":
+                    piece, entries = rest
+                    made[index] += piece
+                    (reasoning, content), (said, shown) = reading.visible(made[index]), sent[index]
+                    if len(content) > shown or len(reasoning) > said or entries:
+                        yield "piece", index, reasoning[said:], content[shown:], entries
+                        sent[index] = (max(said, len(reasoning)), max(shown, len(content)))
+                else:
+                    record = records[index] = rest[0]
+                    reasoning, content, calls = reading.reply(record["text"])
+                    said, shown = sent[index]  # what the end let through (held text)
+                    yield "end", index, record, (reasoning or "")[said:], (content or "")[shown:], calls
+        finally:
+            if len(records) < n:  # the client went away (or the scheduler failed): free the rows
+                pending.cancel()
+                status = "499" if status == "200" else status
+            self._pending.pop(pending.id, None)
+            self.metrics.requests.labels(url, status).inc()
 
     def _stream(self, request, url: str, request_id: str, pending: _Pending, include_usage: bool):
         """Server-sent events in OpenAI's chunk shape, `data: [DONE]` at the end."""
-        from starlette.responses import StreamingResponse
-
         created, n = int(time.time()), len(pending.requests)
-        reading = (pending.requests[0].reading if url == "/v1/chat/completions" else None) or Reading()
-
-        def event(data: dict) -> str:
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        chat = url == "/v1/chat/completions"
+        reading = (pending.requests[0].reading if chat else None) or Reading()  # calls come whole at the end
 
         def chunk(index: int, text: str | None, entries=None, finish=None, calls=None, reasoning=None) -> str:
-            return event(
-                openai_chunk(url, request_id, created, self.model_name, index, text, entries, finish, calls, reasoning)
+            said = openai_chunk(
+                url, request_id, created, self.model_name, index, text, entries, finish, calls, reasoning
             )
+            return _event(said)
 
         async def events():
-            # per choice: its text, and how much of its reasoning and content was sent
-            made, sent, records, status = [""] * n, [(0, 0)] * n, {}, "200"
-            try:
-                if url == "/v1/chat/completions":
-                    for i in range(n):
-                        yield chunk(i, None)
-                while len(records) < n:
-                    kind, index, *rest = await pending.events.get()
-                    if kind == "failed":
-                        status = str(rest[1])
-                        yield event(HTTPError(rest[1], rest[0], "server_error").body())
-                        break
-                    if kind == "text":
-                        piece, entries = rest
-                        made[index] += piece
-                        (reasoning, content), (said, shown) = reading.visible(made[index]), sent[index]
-                        if len(content) > shown or len(reasoning) > said or entries:
-                            yield chunk(index, content[shown:], entries or None, reasoning=reasoning[said:])
-                            sent[index] = (max(said, len(reasoning)), max(shown, len(content)))
-                    else:
-                        record = records[index] = rest[0]
-                        reasoning, content, calls = reading.reply(record["text"])  # calls come whole
-                        finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
-                        said, shown = sent[index]  # what the end let through (held text)
-                        tail, thought = (content or "")[shown:], (reasoning or "")[said:]
-                        yield chunk(index, tail, finish=finish, calls=calls, reasoning=thought)
-                if include_usage and len(records) == n:
-                    ordered = [records[i] for i in range(n)]
-                    yield event(usage_chunk(url, request_id, created, self.model_name, ordered))
-                yield "data: [DONE]\n\n"
-            finally:
-                if len(records) < n:  # the client went away (or the scheduler failed): free the rows
-                    pending.cancel()
-                    status = "499" if status == "200" else status
-                self._pending.pop(request_id, None)
-                self.requests.labels(url, status).inc()
+            if chat:
+                for i in range(n):
+                    yield chunk(i, None)
+            records = []
+            async for kind, *said in self._pieces(url, pending, reading):
+                if kind == "failed":
+                    yield _event(HTTPError(said[1], said[0], "server_error").body())
+                elif kind == "piece":
+                    index, reasoning, content, entries = said
+                    yield chunk(index, content, entries or None, reasoning=reasoning)
+                else:
+                    index, record, reasoning, content, calls = said
+                    records.append(record)
+                    finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
+                    yield chunk(index, content, finish=finish, calls=calls, reasoning=reasoning)
+            if include_usage and len(records) == n:
+                ordered = sorted(records, key=lambda r: r["id"][1])
+                yield _event(usage_chunk(url, request_id, created, self.model_name, ordered))
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    def _metrics(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    def _anthropic_stream(self, request, url: str, pending: _Pending, stop: list[str]):
+        """Anthropic's stream of events (`anthropic.events`)."""
+        reading = pending.requests[0].reading or Reading()
+        prompt = len(pending.requests[0].prompt_ids)
+        pieces = self._pieces(url, pending, reading)
+        events = anthropic.events(pieces, pending.id, self.model_name, prompt, stop)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("jaxinfer_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter(
-            "jaxinfer_cached_prompt_tokens", "Prompt tokens taken from a slot's cache, not prefilled", registry=r
-        )
-        self.generated = Counter("jaxinfer_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(
-            "jaxinfer_time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "jaxinfer_inter_token_latency_seconds", "Between a choice's tokens", buckets=ITL_BUCKETS, registry=r
-        )
-        busy = Gauge("jaxinfer_slots_busy", "Slots running a request", registry=r)
-        busy.set_function(lambda: self.scheduler.busy)
-        Gauge("jaxinfer_slots", "Slots (sequences decoded together)", registry=r).set(self.scheduler.batch_size)
-        waiting = Gauge("jaxinfer_queue_length", "Requests waiting for a slot", registry=r)
-        waiting.set_function(lambda: self.waiting)
-        handled = Gauge("jaxinfer_requests_in_flight", "HTTP requests between arrival and answer", registry=r)
-        handled.set_function(lambda: len(self._pending))
-        compiled = Gauge("jaxinfer_programs_compiled", "Programs XLA compiled (or read from its cache)", registry=r)
-        compiled.set_function(lambda: self.scheduler.stats.compile.programs)
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _stream_field(body: dict) -> bool:
+    """`stream` (removed from `body`): true or false, null as not given."""
+    stream = body.pop("stream", None)
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise HTTPError(400, '"stream" must be true or false', param="stream")
+    return stream
 
 
 def _driver_fields(body: dict) -> tuple[bool, bool, int]:
     """The fields the server itself reads (removed from `body`): stream, stream_options' include_usage, n."""
-    stream = body.pop("stream", None)
-    stream = False if stream is None else stream  # null: not given
-    if not isinstance(stream, bool):
-        raise HTTPError(400, '"stream" must be true or false', param="stream")
+    stream = _stream_field(body)
     if stream and body.get("echo"):  # the echo comes with the record, at the end
         raise HTTPError(400, '"echo" is not streamed yet: ask without "stream"', param="echo")
     options = body.pop("stream_options", None)

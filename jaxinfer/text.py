@@ -63,6 +63,7 @@ class StopStrings:
                     deeper.append(child)
             frontier = deeper
         self._state, self._held = 0, ""
+        self.matched: str | None = None  # the stop string found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found: the text is cut where the first
@@ -74,10 +75,11 @@ class StopStrings:
             state = self._next[state].get(ch, 0)
             if self._found[state]:
                 start = held + i + 1 - self._found[state]
-                first = start if first is None else min(first, start)
+                if first is None or start < first:
+                    first, length = start, self._found[state]
         text, self._state = self._held + text, state
         if first is not None:
-            self._held = ""
+            self._held, self.matched = "", text[first : first + length]
             return text[:first], True
         keep = self._depth[state]
         out, self._held = text[: len(text) - keep], text[len(text) - keep :]
@@ -117,6 +119,11 @@ class TextStream:
         self.stopped |= stopped
         self.text += piece
         return piece
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the text ended at, if it did."""
+        return self._stops.matched
 
 
 def logprob_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list, top_n: int) -> list[dict]:

@@ -1,0 +1,183 @@
+"""The protocols beside OpenAI's that agents and editors speak, each a thin adapter over the one
+parser and scheduler: Anthropic's Messages (`/v1/messages`, driven by the official `anthropic`
+client, as Claude Code speaks it) and llama.cpp's utility endpoints. Greedy, each gives the tokens
+`/v1/chat/completions` gives for the same conversation; streamed equals whole; reasoning never
+leaks into the text."""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from test_reasoning import QWEN3
+from test_server import WAIT_S, Served
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-protocols"
+GREEDY = {"extra_body": {"temperature": 0}}  # today's client sends no sampling fields of its own
+ASK = {"model": "any", "max_tokens": 24, "system": "Be brief.", "messages": [{"role": "user", "content": "Say hello."}]}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = Served("-b", "2", "-c", "512", "--api-key", KEY, "--chat-template-file", QWEN3)
+    yield server
+    server.stop()
+    assert "Traceback" not in "".join(server.stderr)
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served.url, api_key=KEY, timeout=WAIT_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def chat(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, timeout=WAIT_S, max_retries=0)
+
+
+def texts(message) -> list[tuple[str, str]]:
+    return [(b.type, getattr(b, "text", None) or getattr(b, "thinking", None)) for b in message.content]
+
+
+def test_messages_give_chat_completions_tokens_streamed_as_whole(claude, chat):
+    said = claude.messages.create(**ASK, **GREEDY)
+    openai_said = chat.chat.completions.create(
+        model="any",
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}],
+    )
+    assert texts(said) == [("text", openai_said.choices[0].message.content)]
+    assert (said.stop_reason, said.usage.output_tokens) == ("max_tokens", 24)
+    assert said.usage.input_tokens == openai_said.usage.prompt_tokens
+    assert claude.messages.count_tokens(model="any", system="Be brief.", messages=ASK["messages"]).input_tokens == (
+        said.usage.input_tokens
+    )
+    with claude.messages.stream(**ASK, **GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert texts(streamed) == texts(said) and streamed.stop_reason == said.stop_reason
+    # a stop sequence the answer meets: named as the one that stopped it, and not in the text
+    stop = said.content[0].text.strip()[1:4]
+    stopped = claude.messages.create(**ASK | {"stop_sequences": ["unmet stop", stop]}, **GREEDY)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert said.content[0].text.startswith(stopped.content[0].text) and stop not in stopped.content[0].text
+
+
+def test_a_forced_tool_is_a_tool_use_block_as_openai_s_call(claude, chat):
+    used = claude.messages.create(
+        model="any",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        **GREEDY,
+    )
+    function = {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}
+    called = chat.chat.completions.create(
+        model="any",
+        max_tokens=64,
+        temperature=0,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": function}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    call = called.choices[0].message.tool_calls[0]
+    assert used.stop_reason == "tool_use" and used.content[-1].type == "tool_use"
+    assert (used.content[-1].name, used.content[-1].input) == ("get_weather", json.loads(call.function.arguments))
+    with claude.messages.stream(
+        model="any",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        **GREEDY,
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[-1].input == used.content[-1].input and streamed.stop_reason == "tool_use"
+    # the call and its result in the next turn: rendered as the template renders OpenAI's
+    answered = claude.messages.create(
+        model="any",
+        max_tokens=8,
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [used.content[-1].model_dump(exclude_none=True)]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": used.content[-1].id, "content": "18 °C"}],
+            },
+        ],
+        **GREEDY,
+    )
+    assert answered.usage.input_tokens > used.usage.input_tokens
+
+
+def test_a_reply_begun_in_thought_continues_as_a_thinking_block(claude):
+    """Anthropic's prefill: the last assistant turn is continued; begun inside the template's
+    thinking block, what follows is reasoning (a thinking block), never text."""
+    ask = {"model": "any", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+    ask["messages"] = ask["messages"] + [{"role": "assistant", "content": "<think>\nThe user"}]
+    said = claude.messages.create(**ask, **GREEDY)
+    assert [b.type for b in said.content] == ["thinking"] and said.stop_reason == "max_tokens"
+    with claude.messages.stream(**ask, **GREEDY) as stream:
+        assert texts(stream.get_final_message()) == texts(said)
+
+
+def test_structured_output_and_refusals_in_anthropic_s_shape(served, claude):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    shaped = claude.messages.create(
+        model="any",
+        max_tokens=32,
+        messages=[{"role": "user", "content": "JSON"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        **GREEDY,
+    )
+    assert isinstance(json.loads(shaped.content[0].text)["a"], int)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    with pytest.raises(anthropic.BadRequestError, match="'image' block is not taken here"):
+        claude.messages.create(model="any", max_tokens=8, messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0).messages.create(**ASK)
+    bare = httpx.post(served.url + "/v1/messages", headers={"x-api-key": KEY}, json={"messages": []}, timeout=WAIT_S)
+    assert bare.status_code == 400 and bare.json()["error"]["type"] == "invalid_request_error"
+    assert '"max_tokens" are required' in bare.json()["error"]["message"]
+
+
+def test_llama_server_s_utility_endpoints(served, chat):
+    """/tokenize, /detokenize, /apply-template and /props, as llama-server answers them: the prompt
+    /apply-template gives is the one the chat endpoint reads (its token count)."""
+
+    def post(path, body):
+        answer = httpx.post(served.url + path, headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=WAIT_S)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    ids = post("/tokenize", {"content": "def fibonacci(n):"})["tokens"]
+    assert post("/detokenize", {"tokens": ids})["content"] == "def fibonacci(n):"
+    pieces = post("/tokenize", {"content": "def fibonacci(n):", "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == ids and all(isinstance(p["piece"], (str, list)) for p in pieces)
+    messages = [{"role": "user", "content": "Say hello."}]
+    prompt = post("/apply-template", {"messages": messages})["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and "Say hello." in prompt
+    off = post("/apply-template", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off["prompt"] == prompt + "<think>\n\n</think>\n\n"
+    asked = chat.chat.completions.create(model="any", max_tokens=1, messages=messages)
+    assert asked.usage.prompt_tokens == len(post("/tokenize", {"content": prompt})["tokens"])
+    props = httpx.get(served.url + "/props", headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT_S).json()
+    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 512
+    assert "enable_thinking" in props["chat_template"]
+    bad = httpx.post(served.url + "/detokenize", headers={"Authorization": f"Bearer {KEY}"}, json={"tokens": [-1]})
+    assert bad.status_code == 400 and "not one of this model's" in bad.json()["error"]["message"]
