@@ -1,6 +1,7 @@
 """The protocols beside OpenAI's that agents and editors speak, each a thin adapter over the one
 parser and scheduler: Anthropic's Messages (`/v1/messages`, driven by the official `anthropic`
-client, as Claude Code speaks it) and llama.cpp's utility endpoints. Greedy, each gives the tokens
+client, as Claude Code speaks it) and llama.cpp's utility endpoints; and a thinking model's
+reasoning apart through OpenAI's chat endpoint. Greedy, each gives the tokens
 `/v1/chat/completions` gives for the same conversation; streamed equals whole; reasoning never
 leaks into the text."""
 
@@ -10,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_reasoning import QWEN3
+from test_reasoning import QWEN3, SHAPE
 from test_server import WAIT_S, Served
 
 pytestmark = pytest.mark.slow
@@ -181,3 +182,24 @@ def test_llama_server_s_utility_endpoints(served, chat):
     assert "enable_thinking" in props["chat_template"]
     bad = httpx.post(served.url + "/detokenize", headers={"Authorization": f"Bearer {KEY}"}, json={"tokens": [-1]})
     assert bad.status_code == 400 and "not one of this model's" in bad.json()["error"]["message"]
+
+
+def test_the_server_gives_the_reasoning_apart_streamed_as_whole(chat):
+    asked = dict(
+        model="any",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=64,
+        temperature=0,
+        extra_body={"guided_regex": SHAPE},
+    )
+    whole = chat.chat.completions.create(**asked).choices[0].message
+    reasoning = whole.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in whole.content and "</think>" not in whole.content
+    assert whole.content[0].isupper() and whole.content.endswith(".")
+    deltas = [c.choices[0].delta for c in chat.chat.completions.create(**asked, stream=True) if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    left = chat.chat.completions.create(**asked | {"extra_body": {"guided_regex": SHAPE, "reasoning_format": "none"}})
+    assert left.choices[0].message.content == f"<think>\n{reasoning}\n</think>\n\n{whole.content}"
+    off = chat.chat.completions.create(**asked | {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}})
+    assert off.usage.prompt_tokens > chat.chat.completions.create(**asked).usage.prompt_tokens

@@ -1,20 +1,19 @@
 """Thinking models: their reasoning read apart from the answer (as llama.cpp's `--reasoning-format
 auto` reads it), the template's switch reached by `chat_template_kwargs` and `--reasoning-budget 0`
-(rendered as transformers renders it), and the real server and CLI giving the reasoning apart,
-streamed as whole, never in the content."""
+(rendered as transformers renders it), and the real CLI giving the reasoning apart (the server's
+check is in test_protocols.py, beside the other protocols on the same server)."""
 
 import json
 import os
 import re
 from pathlib import Path
 
-import openai
 import pexpect
 import pytest
 import transformers
 from cli_helpers import jaxinfer
 from test_chat import FOOTER
-from test_server import WAIT_S, Served
+from test_server import WAIT_S
 from test_tools import TEMPLATES, WEATHER
 
 from jaxinfer.chat_template import ChatOptions, ChatTemplate
@@ -144,40 +143,6 @@ def test_requests_say_the_templates_variables_and_the_reading(tiny):
 
 # a reply that thinks and then answers, whatever the weights: the server's constraint writes its shape
 SHAPE = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\."
-
-
-@pytest.fixture(scope="module")
-def thinking():
-    served = Served("-b", "2", "-c", "512", "--chat-template-file", QWEN3)
-    yield openai.OpenAI(base_url=served.url + "/v1", api_key="none", timeout=WAIT_S, max_retries=0)
-    served.stop()
-    assert "Traceback" not in "".join(served.stderr)
-
-
-@pytest.mark.slow
-def test_the_server_gives_the_reasoning_apart_streamed_as_whole(thinking):
-    asked = dict(
-        model="any",
-        messages=[{"role": "user", "content": "Say hello."}],
-        max_tokens=64,
-        temperature=0,
-        extra_body={"guided_regex": SHAPE},
-    )
-    whole = thinking.chat.completions.create(**asked).choices[0].message
-    reasoning = whole.model_extra["reasoning_content"]
-    assert reasoning and "<think>" not in whole.content and "</think>" not in whole.content
-    assert whole.content[0].isupper() and whole.content.endswith(".")
-    deltas = [c.choices[0].delta for c in thinking.chat.completions.create(**asked, stream=True) if c.choices]
-    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
-    assert "".join(d.content or "" for d in deltas) == whole.content
-    left = thinking.chat.completions.create(
-        **asked | {"extra_body": {"guided_regex": SHAPE, "reasoning_format": "none"}}
-    )
-    assert left.choices[0].message.content == f"<think>\n{reasoning}\n</think>\n\n{whole.content}"
-    off = thinking.chat.completions.create(
-        **asked | {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
-    )
-    assert off.usage.prompt_tokens > thinking.chat.completions.create(**asked).usage.prompt_tokens
 
 
 @pytest.mark.slow
