@@ -70,6 +70,9 @@ FLAGS = {
     "audio": "audio",
     "min_tokens": "min_tokens",
     "thinking": "thinking",
+    "n": "n",
+    "stream": "stream",
+    "stream_options": "stream_options",
 }
 
 MODEL = typer.Option(

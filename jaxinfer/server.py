@@ -8,8 +8,11 @@ handler puts its requests in the inbox, the scheduler's thread calls each reques
 the result callback, which post events to the handler's asyncio queue.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-`"stream": true`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`),
-llama-server's /tokenize, /detokenize, /apply-template and GET /props (`jaxinfer.utilities`), GET
+`"stream": true`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`;
+each protocol an adapter over the same parser and scheduler: `jaxinfer.protocols`),
+ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps, /api/version
+(`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET /props
+(`jaxinfer.utilities`), GET
 /v1/models, /health (open without the key) and /metrics (Prometheus text: `jaxinfer.metrics`).
 A client that goes away cancels its requests: their rows stop at the scheduler's next step.
 """
@@ -27,23 +30,14 @@ from dataclasses import dataclass, field, replace
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from jaxinfer import anthropic, utilities
-from jaxinfer.api import (
-    ENDPOINTS,
-    Parser,
-    finish_reason,
-    from_openai,
-    openai_body,
-    openai_chunk,
-    response_id,
-    usage_chunk,
-)
+from jaxinfer import anthropic, ollama, protocols, utilities
+from jaxinfer.api import Parser
 from jaxinfer.errors import JaxinferError
 from jaxinfer.metrics import Metrics
+from jaxinfer.protocols import PROTOCOLS, Protocol
 from jaxinfer.replies import Reading
 from jaxinfer.scheduler import Inbox, Request, Scheduler
 
-MAX_N = 16  # choices per request at most
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
 # measured no faster: 64 clients, bundled model, two A/B rounds, ×0.80–0.84 against ×0.87 of batch)
 INTERVAL_S = 0.05
@@ -182,10 +176,11 @@ class Server:
         async def http_exception(request, e: HTTPException):
             return HTTPError(e.status_code, e.detail or "").response()
 
-        routes = [Route(url, self._completions, methods=["POST"]) for url in ENDPOINTS]
+        routes = [Route(url, self._answer(protocol), methods=["POST"]) for url, protocol in PROTOCOLS.items()]
         routes += [
-            Route("/v1/messages", self._messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+            Route("/api/show", self._ollama_show, methods=["POST"]),
+            *(Route(f"/api/{name}", self._ollama_listed(name), methods=["GET"]) for name in ("tags", "ps", "version")),
             *(Route(f"/{name}", self._utility(name), methods=["POST"]) for name in ("tokenize", "detokenize")),
             Route("/apply-template", self._utility("apply_template"), methods=["POST"]),
             Route("/props", self._props, methods=["GET"]),
@@ -229,43 +224,34 @@ class Server:
             return e.response()
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    async def _completions(self, request):
-        """OpenAI's /v1/chat/completions and /v1/completions."""
-        url = request.url.path
-        try:
-            self._authorize(request)
-            body = await self._body(request)
-            stream, include_usage, n = _driver_fields(body)
-            request_id = response_id(url)
-            pending = await self._submit(url, from_openai(url, body), n, request_id)
-        except Exception as e:  # `_refused` answers what it knows, raises the rest
-            return self._refused(url, e)
-        if stream:
-            return self._stream(request, url, request_id, pending, include_usage)
-        records = await self._records(request, url, request_id, pending)
-        if not isinstance(records, list):
-            return records
-        return JSONResponse(openai_body(records, url, self.model_name, pending.requests[0].reading))
+    def _answer(self, protocol: Protocol):
+        """A POST endpoint of `protocol` (`jaxinfer.protocols`): the body read, the request put in the
+        inbox, its answer written whole or streamed, errors in the protocol's shape."""
 
-    async def _messages(self, request):
-        """Anthropic's /v1/messages (`jaxinfer.anthropic`)."""
-        url = request.url.path
-        try:
-            self._authorize(request)
-            body = await self._body(request)
-            stream = _stream_field(body)
-            item = anthropic.to_item(body)
-            pending = await self._submit(url, item, 1, anthropic.message_id())
-        except Exception as e:  # as in _completions
-            return self._refused(url, e, anthropic.error_body)
-        stop = list(item.get("stop", []))
-        if stream:
-            return self._anthropic_stream(request, url, pending, stop)
-        records = await self._records(request, url, pending.id, pending, anthropic.error_body)
-        if not isinstance(records, list):
-            return records
-        reply = (pending.requests[0].reading or Reading()).reply(records[0]["text"])
-        return JSONResponse(anthropic.message_body(records[0], reply, self.model_name, stop))
+        async def answer(request):
+            url = request.url.path
+            try:
+                self._authorize(request)
+                call = protocol.read(url, await self._body(request))
+                if call.item is None:  # answered at once (ollama's load request)
+                    return JSONResponse(call.answer)
+                pending = await self._submit(url, call.item, call.n, call.id)
+            except Exception as e:  # `_refused` answers what it knows, raises the rest
+                return self._refused(url, e, protocol.error)
+            first = pending.requests[0]
+            call.model, call.reading, call.prompt_tokens = (
+                self.model_name,
+                first.reading or Reading(),
+                len(first.prompt_ids),
+            )
+            if call.stream:
+                pieces = self._pieces(url, pending, call.reading)
+                headers = {"Cache-Control": "no-cache"}
+                return StreamingResponse(protocol.stream(url, call, pieces), media_type=protocol.media, headers=headers)
+            records = await self._records(request, url, call.id, pending, protocol.error)
+            return records if not isinstance(records, list) else JSONResponse(protocol.whole(url, call, records))
+
+        return answer
 
     async def _count_tokens(self, request):
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens, nothing generated."""
@@ -295,6 +281,28 @@ class Server:
                 return self._refused(url, e)
             self.metrics.requests.labels(url, "200").inc()
             return JSONResponse(said)
+
+        return answer
+
+    async def _ollama_show(self, request):
+        try:
+            self._authorize(request)
+            await self._body(request)  # names the model: there is one
+        except Exception as e:  # as in _answer
+            return self._refused(request.url.path, e, protocols.OLLAMA.error)
+        return JSONResponse(ollama.show(self.parser.model, self.model_name, self.parser.context))
+
+    def _ollama_listed(self, name: str):
+        """ollama's /api/tags and /api/ps (the one model, loaded), /api/version."""
+
+        async def answer(request):
+            try:
+                self._authorize(request)
+            except HTTPError as e:
+                return e.response()
+            if name == "version":
+                return JSONResponse({"version": ollama.VERSION})
+            return JSONResponse({"models": [ollama.listed(self.parser.model, self.model_name)]})
 
         return answer
 
@@ -420,79 +428,6 @@ class Server:
                 status = "499" if status == "200" else status
             self._pending.pop(pending.id, None)
             self.metrics.requests.labels(url, status).inc()
-
-    def _stream(self, request, url: str, request_id: str, pending: _Pending, include_usage: bool):
-        """Server-sent events in OpenAI's chunk shape, `data: [DONE]` at the end."""
-        created, n = int(time.time()), len(pending.requests)
-        chat = url == "/v1/chat/completions"
-        reading = (pending.requests[0].reading if chat else None) or Reading()  # calls come whole at the end
-
-        def chunk(index: int, text: str | None, entries=None, finish=None, calls=None, reasoning=None) -> str:
-            said = openai_chunk(
-                url, request_id, created, self.model_name, index, text, entries, finish, calls, reasoning
-            )
-            return _event(said)
-
-        async def events():
-            if chat:
-                for i in range(n):
-                    yield chunk(i, None)
-            records = []
-            async for kind, *said in self._pieces(url, pending, reading):
-                if kind == "failed":
-                    yield _event(HTTPError(said[1], said[0], "server_error").body())
-                elif kind == "piece":
-                    index, reasoning, content, entries = said
-                    yield chunk(index, content, entries or None, reasoning=reasoning)
-                else:
-                    index, record, reasoning, content, calls = said
-                    records.append(record)
-                    finish = "tool_calls" if calls else finish_reason(record["finish_reason"])
-                    yield chunk(index, content, finish=finish, calls=calls, reasoning=reasoning)
-            if include_usage and len(records) == n:
-                ordered = sorted(records, key=lambda r: r["id"][1])
-                yield _event(usage_chunk(url, request_id, created, self.model_name, ordered))
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    def _anthropic_stream(self, request, url: str, pending: _Pending, stop: list[str]):
-        """Anthropic's stream of events (`anthropic.events`)."""
-        reading = pending.requests[0].reading or Reading()
-        prompt = len(pending.requests[0].prompt_ids)
-        pieces = self._pieces(url, pending, reading)
-        events = anthropic.events(pieces, pending.id, self.model_name, prompt, stop)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _event(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def _stream_field(body: dict) -> bool:
-    """`stream` (removed from `body`): true or false, null as not given."""
-    stream = body.pop("stream", None)
-    stream = False if stream is None else stream
-    if not isinstance(stream, bool):
-        raise HTTPError(400, '"stream" must be true or false', param="stream")
-    return stream
-
-
-def _driver_fields(body: dict) -> tuple[bool, bool, int]:
-    """The fields the server itself reads (removed from `body`): stream, stream_options' include_usage, n."""
-    stream = _stream_field(body)
-    if stream and body.get("echo"):  # the echo comes with the record, at the end
-        raise HTTPError(400, '"echo" is not streamed yet: ask without "stream"', param="echo")
-    options = body.pop("stream_options", None)
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise HTTPError(400, '"stream_options" must be an object, with "stream": true', param="stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
-    n = body.pop("n", 1)
-    if n is None:
-        n = 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise HTTPError(400, f'"n" must be a whole number from 1 to {MAX_N}', param="n")
-    return stream, include_usage, n
 
 
 async def _disconnected(request) -> None:

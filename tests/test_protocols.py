@@ -203,3 +203,51 @@ def test_the_server_gives_the_reasoning_apart_streamed_as_whole(chat):
     assert left.choices[0].message.content == f"<think>\n{reasoning}\n</think>\n\n{whole.content}"
     off = chat.chat.completions.create(**asked | {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}})
     assert off.usage.prompt_tokens > chat.chat.completions.create(**asked).usage.prompt_tokens
+
+
+def test_ollama_s_api_gives_the_same_tokens_streamed_as_whole(served, chat):
+    """/api/chat and /api/generate through the official `ollama` client: the chat endpoint's tokens
+    (raw generate: the completions endpoint's), streamed as whole; the model listed and shown with
+    the capabilities Copilot reads; images refused in ollama's error shape."""
+    import ollama
+
+    client = ollama.Client(host=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT_S)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    greedy = {"temperature": 0, "num_predict": 24}
+    said = client.chat(model="any", messages=messages, options=greedy, stream=False)
+    openai_said = chat.chat.completions.create(model="any", max_tokens=24, temperature=0, messages=messages)
+    assert said.message.content == openai_said.choices[0].message.content
+    assert (said.done_reason, said.eval_count, said.prompt_eval_count) == (
+        "length",
+        24,
+        openai_said.usage.prompt_tokens,
+    )
+    parts = list(client.chat(model="any", messages=messages, options=greedy, stream=True))
+    assert "".join(p.message.content for p in parts) == said.message.content and parts[-1].done
+    off = client.chat(model="any", messages=messages, options=greedy, think=False, stream=False)
+    assert off.prompt_eval_count > said.prompt_eval_count  # the template's empty thinking block
+    raw = client.generate(model="any", prompt="def fibonacci(n):", raw=True, options=greedy, stream=False)
+    completed = chat.completions.create(model="any", prompt="def fibonacci(n):", max_tokens=24, temperature=0)
+    assert raw.response == completed.choices[0].text
+    streamed = "".join(
+        p.response
+        for p in client.generate(model="any", prompt="def fibonacci(n):", raw=True, options=greedy, stream=True)
+    )
+    assert streamed == raw.response
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    shaped = client.chat(
+        model="any", messages=[{"role": "user", "content": "JSON"}], format=schema, options=greedy, stream=False
+    )
+    assert isinstance(json.loads(shaped.message.content)["a"], int)
+    (listed,) = client.list().models
+    shown = client.show(listed.model)
+    assert {"completion", "tools", "thinking"} <= set(shown.capabilities) and "enable_thinking" in shown.template
+    assert client.ps().models[0].model == listed.model
+    assert httpx.get(served.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
+    with pytest.raises(ollama.ResponseError, match="images are not taken here"):
+        client.chat(model="any", messages=[{"role": "user", "content": "Hi", "images": ["AA=="]}], stream=False)
