@@ -72,7 +72,7 @@ def chunk(model: str, kind: str, reasoning: str, content: str) -> dict:
     """One streamed line of what is new."""
     said = {"content": content} | ({"thinking": reasoning} if reasoning else {})
     body = {"message": {"role": "assistant", **said}} if kind == "chat" else {"response": content} | _thought(said)
-    return {"model": model, "created_at": _now(), **body, "done": False}
+    return {"model": model, "created_at": now(), **body, "done": False}
 
 
 def done(model: str, kind: str, record: dict, reply: tuple, whole: bool) -> dict:
@@ -92,7 +92,7 @@ def done(model: str, kind: str, record: dict, reply: tuple, whole: bool) -> dict
     total, ttft = timings.get("total_s", 0.0), timings.get("ttft_s", 0.0)
     return {
         "model": model,
-        "created_at": _now(),
+        "created_at": now(),
         **body,
         "done": True,
         "done_reason": "length" if record["finish_reason"] in ("length", "unfinished", "cancelled") else "stop",
@@ -135,14 +135,14 @@ def show(model, name: str, context: int) -> dict:
         "details": details(model),
         "model_info": {"general.architecture": model.config.architecture, f"{name}.context_length": context},
         "capabilities": capabilities,
-        "modified_at": _now(),
+        "modified_at": now(),
     }
 
 
 def listed(model, name: str) -> dict:
     """One model of /api/tags and /api/ps."""
     size = sum(f.stat().st_size for f in model.path.glob("*") if f.is_file()) if model.path.is_dir() else 0
-    return {"name": name, "model": name, "modified_at": _now(), "size": size, "digest": "", "details": details(model)}
+    return {"name": name, "model": name, "modified_at": now(), "size": size, "digest": "", "details": details(model)}
 
 
 def _common(body: dict, chat: bool = True) -> dict:
@@ -216,7 +216,7 @@ def _thought(said: dict) -> dict:
     return {"thinking": said["thinking"]} if "thinking" in said else {}
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 

@@ -11,6 +11,7 @@ moves the bytes; `PROTOCOLS` says which endpoint speaks which.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -136,10 +137,10 @@ def _ollama_read(url: str, body: dict) -> Call:
     stream = _flag(body, "stream", True)  # ollama streams unless told not to
     kind = url.removeprefix("/api/")
     if kind == "generate" and not body.get("prompt") and not body.get("system"):  # a client loading the model
-        answer = {"model": body.get("model", ""), "created_at": ollama._now(), "response": "", "done": True}
+        answer = {"model": body.get("model", ""), "created_at": ollama.now(), "response": "", "done": True}
         return Call(None, "", answer=answer | {"done_reason": "load"})
     item = ollama.chat_item(body) if kind == "chat" else ollama.generate_item(body)
-    return Call(item, f"ollama-{time.monotonic_ns()}", 1, stream, {"kind": kind})
+    return Call(item, f"ollama-{secrets.token_hex(12)}", 1, stream, {"kind": kind})
 
 
 def _ollama_whole(url: str, call: Call, records: list[dict]) -> dict:

@@ -54,8 +54,6 @@ class HTTPError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
     def response(self):
-        from starlette.responses import JSONResponse
-
         return JSONResponse(self.body(), status_code=self.status)
 
 
@@ -200,13 +198,9 @@ class Server:
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
 
     async def _health(self, request):
-        from starlette.responses import JSONResponse
-
         return JSONResponse({"status": "draining" if self.inbox.closed else "ok"})
 
     async def _models(self, request):
-        from starlette.responses import JSONResponse
-
         try:
             self._authorize(request)
         except HTTPError as e:
@@ -248,7 +242,7 @@ class Server:
                 pieces = self._pieces(url, pending, call.reading)
                 headers = {"Cache-Control": "no-cache"}
                 return StreamingResponse(protocol.stream(url, call, pieces), media_type=protocol.media, headers=headers)
-            records = await self._records(request, url, call.id, pending, protocol.error)
+            records = await self._records(request, url, pending, protocol.error)
             return records if not isinstance(records, list) else JSONResponse(protocol.whole(url, call, records))
 
         return answer
@@ -263,7 +257,7 @@ class Server:
             body = await self._body(request)
             item = anthropic.to_item({"max_tokens": 1} | body)
             parsed = await run_in_threadpool(self.parser.parse, None, item)
-        except Exception as e:  # as in _completions
+        except Exception as e:  # as in _answer
             return self._refused(url, e, anthropic.error_body)
         self.metrics.requests.labels(url, "200").inc()
         return JSONResponse({"input_tokens": len(parsed.prompt_ids)})
@@ -277,7 +271,7 @@ class Server:
             try:
                 self._authorize(request)
                 said = await run_in_threadpool(getattr(utilities, name), self.parser, await self._body(request))
-            except Exception as e:  # as in _completions
+            except Exception as e:  # as in _answer
                 return self._refused(url, e)
             self.metrics.requests.labels(url, "200").inc()
             return JSONResponse(said)
@@ -369,7 +363,7 @@ class Server:
             raise HTTPError(400, "the request body must be a JSON object")
         return body
 
-    async def _records(self, request, url: str, request_id: str, pending: _Pending, shape=None):
+    async def _records(self, request, url: str, pending: _Pending, shape=None):
         """Every choice's record, in order; or the response that ends the request instead (a failure,
         in `shape` as `_refused`'s; a client that went away first, whose choices are cancelled)."""
         records: dict[int, dict] = {}
@@ -392,7 +386,7 @@ class Server:
                     records[index] = rest[0]
         finally:
             gone.cancel()
-            self._pending.pop(request_id, None)
+            self._pending.pop(pending.id, None)
         self.metrics.requests.labels(url, "200").inc()
         return [records[i] for i in range(len(records))]
 
