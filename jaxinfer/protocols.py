@@ -4,6 +4,7 @@ how a request body is read into our own shape (`read`), and how its answer is wr
 moves the bytes; `PROTOCOLS` says which endpoint speaks which.
 
 - OpenAI's chat and text completions (`jaxinfer.api`): server-sent events, `data: [DONE]` at the end;
+- OpenAI's Responses, stateless (`jaxinfer.responses`): its typed events;
 - Anthropic's Messages (`jaxinfer.anthropic`): its typed events;
 - ollama's chat and generate (`jaxinfer.ollama`): newline-delimited JSON, streamed unless asked not.
 """
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from jaxinfer import anthropic, ollama
+from jaxinfer import anthropic, ollama, responses
 from jaxinfer.api import finish_reason, from_openai, openai_body, openai_chunk, response_id, usage_chunk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.replies import Reading
@@ -130,6 +131,23 @@ def _anthropic_stream(url: str, call: Call, pieces: AsyncIterator) -> AsyncItera
     return anthropic.events(pieces, call.id, call.model, call.prompt_tokens, call.extra["stop"])
 
 
+# OpenAI's Responses -------------------------------------------------------------------------------
+
+
+def _responses_read(url: str, body: dict) -> Call:
+    stream = _flag(body, "stream", False)
+    return Call(responses.to_item(body), responses.response_id(), 1, stream, {"created": time.time()})
+
+
+def _responses_whole(url: str, call: Call, records: list[dict]) -> dict:
+    reply = call.reading.reply(records[0]["text"])
+    return responses.response_body(call.id, call.model, records[0], reply, call.extra["created"])
+
+
+def _responses_stream(url: str, call: Call, pieces: AsyncIterator) -> AsyncIterator[str]:
+    return responses.events(pieces, call.id, call.model)
+
+
 # ollama ------------------------------------------------------------------------------------------
 
 
@@ -167,10 +185,12 @@ def _ollama_error(message: str, status: int) -> dict:
 
 OPENAI = Protocol(_openai_read, _openai_whole, _openai_stream)
 ANTHROPIC = Protocol(_anthropic_read, _anthropic_whole, _anthropic_stream, anthropic.error_body)
+RESPONSES = Protocol(_responses_read, _responses_whole, _responses_stream)
 OLLAMA = Protocol(_ollama_read, _ollama_whole, _ollama_stream, _ollama_error, "application/x-ndjson")
 PROTOCOLS = {
     "/v1/chat/completions": OPENAI,
     "/v1/completions": OPENAI,
+    "/v1/responses": RESPONSES,
     "/v1/messages": ANTHROPIC,
     "/api/chat": OLLAMA,
     "/api/generate": OLLAMA,

@@ -8,7 +8,7 @@ handler puts its requests in the inbox, the scheduler's thread calls each reques
 the result callback, which post events to the handler's asyncio queue.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-`"stream": true`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`;
+`"stream": true`), OpenAI's /v1/responses (`jaxinfer.responses`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`;
 each protocol an adapter over the same parser and scheduler: `jaxinfer.protocols`),
 ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps, /api/version
 (`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET /props

@@ -251,3 +251,50 @@ def test_ollama_s_api_gives_the_same_tokens_streamed_as_whole(served, chat):
     assert httpx.get(served.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
     with pytest.raises(ollama.ResponseError, match="images are not taken here"):
         client.chat(model="any", messages=[{"role": "user", "content": "Hi", "images": ["AA=="]}], stream=False)
+
+
+def test_openai_s_responses_api_gives_reasoning_message_and_calls(chat):
+    """/v1/responses (stateless) through the official client: the reasoning as a reasoning item, the
+    answer as the message, streamed (the SDK's own accumulator) as whole; a forced function call and
+    its output in the next input; what needs stored state refused."""
+    shaped = {"max_output_tokens": 64, "temperature": 0, "extra_body": {"guided_regex": SHAPE}}
+    said = chat.responses.create(model="any", input="Say hello.", **shaped)
+    assert [i.type for i in said.output] == ["reasoning", "message"] and said.status == "completed"
+    asked = chat.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=64,
+        temperature=0,
+        extra_body={"guided_regex": SHAPE},
+    )
+    assert said.output_text == asked.choices[0].message.content
+    assert said.output[0].content[0].text == asked.choices[0].message.model_extra["reasoning_content"]
+    with chat.responses.stream(model="any", input="Say hello.", **shaped) as stream:
+        streamed = stream.get_final_response()
+    assert (
+        streamed.output_text == said.output_text
+        and streamed.output[0].content[0].text == said.output[0].content[0].text
+    )
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}]
+    forced = {"tools": tools, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 64}
+    called = chat.responses.create(model="any", input="Weather in Paris?", temperature=0, **forced)
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    with chat.responses.stream(model="any", input="Weather in Paris?", temperature=0, **forced) as stream:
+        assert stream.get_final_response().output[-1].arguments == call.arguments
+    answered = chat.responses.create(
+        model="any",
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 °C"},
+        ],
+        tools=tools,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert answered.usage.input_tokens > called.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="nothing is stored here"):
+        chat.responses.create(model="any", input="Hi", previous_response_id="resp_0")
+    with pytest.raises(openai.BadRequestError, match="built-in tools are not offered"):
+        chat.responses.create(model="any", input="Hi", tools=[{"type": "web_search"}])
