@@ -1,4 +1,4 @@
-"""`jaxinfer serve`: OpenAI's HTTP API over the one scheduler.
+"""`jaxinfer serve`: the HTTP APIs clients speak, over the one scheduler.
 
 Every request of every client joins the same device batch as it arrives (`Scheduler` over an
 `Inbox`: continuous batching, chunked prefill beside running rows, prefix reuse across requests),
@@ -7,14 +7,14 @@ the HTTP side is Starlette on uvicorn (asyncio), and the two meet in thread-safe
 handler puts its requests in the inbox, the scheduler's thread calls each request's `on_text` and
 the result callback, which post events to the handler's asyncio queue.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
-`"stream": true`), OpenAI's /v1/responses (`jaxinfer.responses`), Anthropic's /v1/messages and /v1/messages/count_tokens (`jaxinfer.anthropic`;
-each protocol an adapter over the same parser and scheduler: `jaxinfer.protocols`),
-ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps, /api/version
-(`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET /props
-(`jaxinfer.utilities`), GET
-/v1/models, /health (open without the key) and /metrics (Prometheus text: `jaxinfer.metrics`).
-A client that goes away cancels its requests: their rows stop at the scheduler's next step.
+Endpoints, each protocol an adapter over the same parser and scheduler (`jaxinfer.protocols`):
+POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`), OpenAI's
+/v1/responses (`jaxinfer.responses`), Anthropic's /v1/messages and /v1/messages/count_tokens
+(`jaxinfer.anthropic`), ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps,
+/api/version (`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET
+/props (`jaxinfer.utilities`), GET /v1/models, /health (open without the key) and /metrics
+(Prometheus text: `jaxinfer.metrics`). A client that goes away cancels its requests: their rows
+stop at the scheduler's next step.
 """
 
 from __future__ import annotations
