@@ -5,6 +5,7 @@ scheduler on the same requests, and a leak check over many requests with some cl
     python scripts/bench_serve.py --requests 256               # sustained load: 4 requests a client
     python scripts/bench_serve.py --clients 16 --requests 64 --tokens 64
     python scripts/bench_serve.py --leak 2000          # 10% of clients leave mid-stream; RSS and slots
+    python scripts/bench_serve.py --protocols chat,messages,ollama   # each protocol's tok/s over chat's
 
 The requests: seeded slices of this repository's Python source as prompts (16–64 tokens), greedy, EOS
 off so every request makes `--tokens`. The server runs as `jaxinfer serve -b CLIENTS` (a process of its
@@ -150,8 +151,59 @@ async def one_raw(url: str, prompt: str, tokens: int, leave: bool, seen: dict) -
     return made
 
 
+# --protocols: the same chat request in each protocol's shape; (path, body, a text event's mark, how
+# the last event says the tokens made)
+PROTOCOLS = {
+    "chat": (
+        "/v1/chat/completions",
+        lambda m, n: {"messages": m, "max_tokens": n, "stream_options": {"include_usage": True}},
+        b'"content": "',
+        lambda e: (e.get("usage") or {}).get("completion_tokens"),
+    ),
+    "messages": (
+        "/v1/messages",
+        lambda m, n: {"model": "any", "messages": m, "max_tokens": n},
+        b'"text_delta"',
+        lambda e: e["usage"]["output_tokens"] if e.get("type") == "message_delta" else None,
+    ),
+    "ollama": (
+        "/api/chat",
+        lambda m, n: {"model": "any", "messages": m, "options": {"num_predict": n}},
+        b'"done": false',
+        lambda e: e.get("eval_count") if e.get("done") else None,
+    ),
+}
+
+
+async def one_protocol(url: str, protocol: str, prompt: str, tokens: int, seen: dict) -> int:
+    """`one_raw` in `protocol`'s shape (greedy, streamed): the tokens its last event says were made."""
+    path, shape, mark, count = PROTOCOLS[protocol]
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = shape([{"role": "user", "content": prompt}], tokens) | {"temperature": 0, "stream": True}
+    if protocol == "ollama":
+        body["options"]["temperature"] = body.pop("temperature")
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    head += f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
+    watch, made = _Watch(seen), 0
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head.encode() + data)
+        async for line in reader:
+            line = line.removeprefix(b"data: ").strip()
+            if not line.startswith(b"{"):
+                continue
+            if mark in line and b'"content": ""' not in line:
+                watch.text()
+            elif (said := count(json.loads(line))) is not None:
+                made = watch.usage(said)
+    finally:
+        writer.close()
+    return made
+
+
 async def load(
-    url: str, texts: list[str], tokens: int, clients: int, leave_every: int = 0, raw: bool = False
+    url: str, texts: list[str], tokens: int, clients: int, leave_every: int = 0, raw: bool = False, protocol=None
 ) -> tuple[int, float, dict]:
     seen = {"ttft": [], "gaps": [], "itl": []}
     gate = asyncio.Semaphore(clients)
@@ -161,6 +213,8 @@ async def load(
         async def gated(i: int, text: str) -> int:
             leave = bool(leave_every) and i % leave_every == 0
             async with gate:
+                if protocol:
+                    return await one_protocol(url, protocol, text, tokens, seen)
                 if raw:
                     return await one_raw(url, text, tokens, leave, seen)
                 return await one(client, url, text, tokens, leave, seen)
@@ -210,6 +264,12 @@ def main() -> None:
         "--client", choices=("raw", "httpx"), default="raw", help="the clients: bare asyncio connections, or httpx"
     )
     parser.add_argument("--leak", type=int, default=0, metavar="N", help="N requests, every 10th client leaving")
+    parser.add_argument(
+        "--protocols",
+        metavar="chat,messages,ollama",
+        help="the same chat requests through each protocol (OpenAI's chat, Anthropic's messages, ollama's "
+        "chat), alternated; each one's tok/s over the first's",
+    )
     args = parser.parse_args()
     server = Server(
         ["-b", str(args.clients), "-c", str(args.context), "--max-queue", str(max(args.requests, args.leak))]
@@ -237,6 +297,8 @@ def main() -> None:
                 )
             )
             return
+        if args.protocols:
+            return compare_protocols(server, args)
         texts = prompts(args.requests)
         batch = Batch(texts, args.tokens, args.clients, args.context)
         warm_up = 0  # the same set, until a round compiles nothing (from the second on, rows hold the prompts)
@@ -279,6 +341,41 @@ def main() -> None:
                 "chunk_gap_ms": {
                     q: round(1000 * percentile(seen["gaps"], p), 2) for q, p in (("p50", 0.5), ("p99", 0.99))
                 },
+            }
+        )
+    )
+
+
+def compare_protocols(server: Server, args) -> None:
+    """The same greedy chat requests (EOS on: each protocol renders the same prompt, so each makes the
+    same tokens) through each protocol, warmed up twice each, then `--rounds` alternated rounds."""
+    names, texts = args.protocols.split(","), prompts(args.requests)
+
+    def tok_s(protocol: str) -> tuple[int, float]:
+        made, seconds, _ = asyncio.run(load(server.url, texts, args.tokens, args.clients, protocol=protocol))
+        return made, made / seconds
+
+    for _ in range(2):
+        for name in names:
+            tok_s(name)
+    rounds = {name: [] for name in names}
+    for _ in range(args.rounds):
+        made = {}
+        for name in names:
+            made[name], speed = tok_s(name)
+            rounds[name].append(speed)
+        assert len(set(made.values())) == 1, made  # the same tokens, whichever protocol asked
+    first = names[0]
+    ratios = {name: [b / a for a, b in zip(rounds[first], rounds[name])] for name in names[1:]}
+    print(
+        json.dumps(
+            {
+                "clients": args.clients,
+                "requests": args.requests,
+                "tokens": args.tokens,
+                "tok_s": {name: round(statistics.median(v), 1) for name, v in rounds.items()},
+                f"over_{first}": {name: round(statistics.median(v), 3) for name, v in ratios.items()},
+                "rounds": {name: [round(r, 3) for r in v] for name, v in ratios.items()},
             }
         )
     )
