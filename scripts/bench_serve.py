@@ -61,10 +61,13 @@ def percentile(values: list[float], q: float) -> float:
 class Server:
     def __init__(self, flags: list[str]):
         self.process = subprocess.Popen(["jaxinfer", "serve", "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
-        first = self.process.stderr.readline()
-        found = re.search(r"http://([\d.]+):(\d+)/v1", first)
+        said, found = [], None
+        for line in self.process.stderr:  # notices first (a model without a chat template), then where it listens
+            said.append(line)
+            if found := re.search(r"serving .* on http://([\d.]+):(\d+)/v1", line):
+                break
         if not found:
-            sys.exit(first + self.process.stderr.read())
+            sys.exit("".join(said))
         self.url = f"http://{found[1]}:{found[2]}"
         threading.Thread(target=lambda: [None for _ in self.process.stderr], daemon=True).start()
 
