@@ -128,18 +128,24 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, lea
     return made
 
 
+async def _posted(url: str, path: str, body: dict):
+    """A bare asyncio connection with `body` POSTed to `path` (Connection: close): (reader, writer)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    head += f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head.encode() + data)
+    return reader, writer
+
+
 async def one_raw(url: str, prompt: str, tokens: int, leave: bool, seen: dict) -> int:
     """`one` over a bare asyncio connection: the request written by hand, the answer read line by line,
     only the usage chunk parsed. The load generator shares the server's cores: httpx's parsing and a
     json.loads per event took 0.96 s of CPU in 5.55 s of four rounds of 64 × 128 (9% of 2 cores)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps(_body(prompt, tokens)).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-    head += f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     watch, made = _Watch(seen), 0
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await _posted(url, "/v1/completions", _body(prompt, tokens))
     try:
-        writer.write(head.encode() + body)
         async for line in reader:  # headers, chunk sizes and blank lines pass by
             if not line.startswith(b"data: {"):
                 continue
@@ -181,17 +187,12 @@ PROTOCOLS = {
 async def one_protocol(url: str, protocol: str, prompt: str, tokens: int, seen: dict) -> int:
     """`one_raw` in `protocol`'s shape (greedy, streamed): the tokens its last event says were made."""
     path, shape, mark, count = PROTOCOLS[protocol]
-    host, port = url.removeprefix("http://").rsplit(":", 1)
     body = shape([{"role": "user", "content": prompt}], tokens) | {"temperature": 0, "stream": True}
     if protocol == "ollama":
         body["options"]["temperature"] = body.pop("temperature")
-    data = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-    head += f"Connection: close\r\nContent-Length: {len(data)}\r\n\r\n"
     watch, made = _Watch(seen), 0
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await _posted(url, path, body)
     try:
-        writer.write(head.encode() + data)
         async for line in reader:
             line = line.removeprefix(b"data: ").strip()
             if not line.startswith(b"{"):
