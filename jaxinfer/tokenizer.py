@@ -218,9 +218,10 @@ class Tokenizer:
         return ids
 
     def keep(self, tokens) -> None:
-        """Decoding keeps these special tokens' text (those the vocabulary has): a format's markers
-        that say what the text around them is (`jaxinfer.harmony`)."""
-        self._kept = {i: t for t in tokens if (i := self.token_id(t)) is not None}
+        """Decoding keeps these special tokens' text (those the vocabulary has), beside those kept
+        before: a format's markers that say what the text around them is (`jaxinfer.harmony`, a
+        thinking block's: `jaxinfer.replies`)."""
+        self._kept |= {i: t for t in tokens if (i := self.token_id(t)) is not None}
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, special tokens left out (but those kept: `keep`), and ids outside the
