@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from jaxinfer import defaults
-from jaxinfer.cli import batch, chat, options, render, serve, tools
+from jaxinfer.cli import batch, chat, embed, options, render, serve, tools
 
 app = typer.Typer(
     help="Run Llama-family language models on JAX: compiled prefill, on-device decode loop.",
@@ -41,6 +41,10 @@ EXAMPLES = {
     "serve": [
         "jaxinfer serve -m path/to/instruct-model --port 8000 -b 16",
         "jaxinfer serve -m path/to/instruct-model --api-key KEY -b 32 -c 8192 --quantize int8",
+    ],
+    "embed": [
+        'jaxinfer embed -m path/to/Qwen3-Embedding-0.6B "What is the capital of France?" --prompt-name query',
+        "jaxinfer embed -m path/to/embedding-model -f passages.txt > vectors.jsonl",
     ],
     "convert": ["jaxinfer convert path/to/hf-model path/to/converted", 'jaxinfer run -m path/to/converted "Hello"'],
     "info": ["jaxinfer info -m path/to/hf-model", "jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json"],
@@ -316,6 +320,7 @@ def run(
 app.command(epilog=_epilog("chat"))(chat.chat)
 app.command(epilog=_epilog("batch"))(batch.batch)
 app.command(epilog=_epilog("serve"))(serve.serve)
+app.command(epilog=_epilog("embed"))(embed.embed)
 
 
 app.command(epilog=_epilog("convert"))(tools.convert)

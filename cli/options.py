@@ -459,9 +459,10 @@ def model_flags(given: dict) -> dict:
     return {name: given[name] for name in MODEL_FLAGS if name in given}
 
 
-def open_model(model: Optional[Path], **params):
+def open_model(model: Optional[Path], generates: bool = True, **params):
     """`jaxinfer.loading.open_model(model, **params)` with a progress bar (and `_warn_past_training`'s
-    warning, and the family's note on what of the checkpoint is not run)."""
+    warning, and the family's note on what of the checkpoint is not run); an embedding model refused
+    where the command `generates`."""
     from jaxinfer.errors import JaxinferError
     from jaxinfer.families import note
     from jaxinfer.loading import open_model
@@ -473,6 +474,8 @@ def open_model(model: Optional[Path], **params):
             raise JaxinferError(f"cannot read the chat template {path}: {getattr(e, 'strerror', None) or e}") from None
     with render.progress("loading weights") as progress:
         opened = open_model(model, progress=progress, **params)
+    if generates:
+        opened.model.check_generates()
     _warn_past_training(opened.model.max_positions, params.get("max_context"))
     if said := note(opened.model.config):
         render.notice(f"note: {said}")

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from jaxinfer.cli import options, render
+from jaxinfer.cli import embed, options, render
 
 
 def serve(
@@ -48,8 +48,9 @@ def serve(
     reasoning_budget: int = options.REASONING_BUDGET,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
+    pooling: Optional[str] = embed.POOLING,
 ) -> None:
-    """Serve OpenAI's API (chat and text completions, streaming) to many clients at once, batched continuously."""
+    """Serve OpenAI's, Anthropic's and ollama's APIs to many clients at once, batched continuously."""
     import uvicorn
 
     from jaxinfer.api import Parser
@@ -63,10 +64,16 @@ def serve(
     _check_port(host, port)  # before the model loads: a port in use is known in a moment
     mesh = options.mesh(devices)
     opened = options.open_model(
-        model, layout=layout_for_batch(batch_size, mesh is not None), mesh=mesh, **options.model_flags(locals())
+        model,
+        generates=False,
+        layout=layout_for_batch(batch_size, mesh is not None),
+        mesh=mesh,
+        **options.model_flags(locals()),
     )
-    loaded, context = opened.model, opened.context
-    if ChatTemplate.of(loaded).is_fallback:  # what /v1/chat/completions renders
+    loaded, context = embed.with_pooling(opened.model, pooling), opened.context
+    if loaded.config.headless:
+        render.notice("note: an embedding model: /v1/embeddings and /api/embed answer, the generating endpoints refuse")
+    elif ChatTemplate.of(loaded).is_fallback:  # what /v1/chat/completions renders
         render.notice(FALLBACK_NOTICE)
     server = Server(
         lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),

@@ -24,7 +24,7 @@ from jaxinfer.buckets import check_fits, check_text_fits
 from jaxinfer.chat_template import ChatOptions, ChatTemplate, check_kwargs
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
 from jaxinfer.constrain import Constraint, check_one_process, from_request
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, boolean, refuse_unknown
 from jaxinfer.loading import LoadedModel
 from jaxinfer.matchers import check_for
 from jaxinfer.processes import shared_seed
@@ -121,6 +121,7 @@ class Parser:
         field given as null is not given (OpenAI's reading: wrappers forward unset options as None)."""
         item = {k: v for k, v in item.items() if v is not None}
         refuse_unknown(item, FIELDS)
+        self.model.check_generates()
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
@@ -278,25 +279,11 @@ def _messages(messages) -> list[dict]:
     return rendered
 
 
-def boolean(item: dict, name: str, default: bool) -> bool:
-    """A field that must be true or false."""
-    value = item.get(name, default)
-    if not isinstance(value, bool):
-        raise JaxinferError(f'"{name}" must be true or false', name)
-    return value
-
-
 def _whole(item: dict, name: str, default: int, minimum: int | None = 1) -> int:
     value = item.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
         raise JaxinferError(f'"{name}" must be a whole number' + (f" ≥ {minimum}" if minimum is not None else ""))
     return value
-
-
-def refuse_unknown(item: dict, known: set[str], where: str = "") -> None:
-    unknown = sorted(set(item) - known)
-    if unknown:
-        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}{where}")
 
 
 def from_openai(url: str, body: dict) -> dict:

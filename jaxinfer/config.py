@@ -106,6 +106,10 @@ class ModelConfig:
     # under model.language_model (or the older language_model.model), the vision tower's skipped
     # (`jaxinfer.families.TOWERS`); "": a text model's checkpoint.
     multimodal: str = ""
+    # A text encoder's body with no LM head (`Qwen3Model`-style architectures, a sentence-transformers
+    # checkpoint: Qwen3-Embedding, e5-mistral): its tensors may be named without `model.`, a head the
+    # checkpoint holds is skipped; it embeds (`jaxinfer.embeddings`) and never generates.
+    headless: bool = False
     # Set by load_model from the tokenizer: ids at or above it are never sampled (an embedding
     # padded past the tokenizer, as Qwen2.5 and Phi-3 ship); 0 = every row.
     sampled_vocab: int = 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jaxinfer import forms, gguf_model, weights
 from jaxinfer.checkpoint import save_params
+from jaxinfer.embeddings import module_folders
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import load_model
 from jaxinfer.modeldir import (
@@ -54,6 +55,8 @@ def convert(
     for name in SIDE_FILES:
         if source.is_dir() and (source / name).is_file():
             shutil.copy2(source / name, destination / name)
+    for folder in module_folders(source) if source.is_dir() else ():  # a sentence-transformers model's pooling
+        shutil.copytree(source / folder, destination / folder)
     config_json.pop("torch_dtype", None)
     quantized = {QUANTIZED_KEY: model.quantize} if model.quantize else {}
     (destination / "config.json").write_text(json.dumps({**config_json, "dtype": stored, **quantized}, indent=2))

@@ -23,3 +23,20 @@ class JaxinferError(Exception):
             return message
         pattern = r"(?<![\w-])(" + "|".join(map(re.escape, self.names)) + r")(?!\w)"
         return re.sub(pattern, lambda m: words.get(m.group(1), m.group(1)), message)
+
+
+# A request's fields (a batch line's, an HTTP body's), checked in one line each
+
+
+def refuse_unknown(item: dict, known: set[str], where: str = "") -> None:
+    unknown = sorted(set(item) - known)
+    if unknown:
+        raise JaxinferError(f"unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}{where}")
+
+
+def boolean(item: dict, name: str, default: bool) -> bool:
+    """A field that must be true or false."""
+    value = item.get(name, default)
+    if not isinstance(value, bool):
+        raise JaxinferError(f'"{name}" must be true or false', name)
+    return value

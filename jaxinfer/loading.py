@@ -18,6 +18,7 @@ from jaxinfer import defaults, forms, gguf_model, harmony, kernel, weights
 from jaxinfer.chat_template import read_template
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
+from jaxinfer.embeddings import Pooler
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
@@ -45,6 +46,7 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
     max_new_tokens: int | None  # generation_config.json's, if it sets one
     chat_template: str | None = None  # the Jinja source chats render with (None: the model has none)
+    pooler: Pooler = Pooler()  # how its hidden states become a text's embedding (`jaxinfer.embeddings`)
 
     @property
     def storage(self) -> str:
@@ -82,6 +84,14 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
+
+    def check_generates(self) -> None:
+        """Refuse to generate with an embedding model's body: it has no LM head."""
+        if self.config.headless:
+            raise JaxinferError(
+                f"{self.path.name} is an embedding model, with no language-model head to generate with: it embeds "
+                "(jaxinfer embed; /v1/embeddings and /api/embed of jaxinfer serve)"
+            )
 
 
 def resolve_dtype(requested: str, config_json: dict, layout: str = "out_in") -> str:
@@ -193,13 +203,16 @@ def load_model(
         cfg = replace(cfg, matmul_inputs="bfloat16")
     if compute_dtype(chosen, layout) == "float32":
         float32_products()
+    pooler = Pooler() if gguf else Pooler.read(model_dir, tokenizer.config)
     sampling, eos_ids = Sampling.from_generation_config(generation), _eos_ids(config_json, generation, tokenizer)
     if speaks_harmony:  # a reply ends at its answer or a call, whatever EOS the file names (a GGUF file's one)
         eos_ids = tuple(dict.fromkeys(eos_ids + harmony.stop_ids(tokenizer)))
 
     def model(params: dict) -> LoadedModel:
         max_new = generation.get("max_new_tokens")
-        return LoadedModel(model_dir, cfg, params, tokenizer, chosen, quantize, sampling, eos_ids, max_new, template)
+        return LoadedModel(
+            model_dir, cfg, params, tokenizer, chosen, quantize, sampling, eos_ids, max_new, template, pooler
+        )
 
     compiling = None
     if ahead is not None and gguf is None and mesh is None:

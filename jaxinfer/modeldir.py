@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +29,10 @@ SIDE_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    # a sentence-transformers model's (its modules' folders beside: `embeddings.module_folders`)
+    "modules.json",
+    "config_sentence_transformers.json",
+    "sentence_bert_config.json",
 )
 
 
@@ -148,4 +153,7 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
         raise JaxinferError(f"model directory {model_dir} does not exist")
     else:
         config_json = read_json(model_dir / "config.json")
-    return model_dir, config_from_hf(config_json), config_json
+    cfg = config_from_hf(config_json)
+    if (model_dir / "modules.json").is_file():  # a sentence-transformers model: its body, pooled (`embeddings`)
+        cfg = replace(cfg, headless=True)
+    return model_dir, cfg, config_json

@@ -1,9 +1,9 @@
 """ollama's API, which GitHub Copilot's bring-your-own-model option, Open WebUI and the `ollama`
 clients speak: `/api/chat` and `/api/generate` (newline-delimited JSON streams, streamed unless
-`"stream": false`), `/api/tags`, `/api/show` (with the model's capabilities), `/api/ps` and
-`/api/version`. A request is read into our own shape (the one parser and scheduler every driver
-uses); its result is written back in ollama's shapes. The server (`jaxinfer.server`) moves the
-bytes.
+`"stream": false`), `/api/tags`, `/api/show` (with the model's capabilities), `/api/ps`,
+`/api/version` and `/api/embed` (with the older `/api/embeddings`). A request is read into our own
+shape (the one parser and scheduler every driver uses); its result is written back in ollama's
+shapes. The server (`jaxinfer.server`) moves the bytes.
 
 Read: `messages` (content, `tool_calls` with arguments as objects, a tool turn's `tool_name`; an
 earlier turn's `thinking` dropped, as the templates drop earlier reasoning), `prompt` and `system`
@@ -105,6 +105,34 @@ def done(model: str, kind: str, record: dict, reply: tuple, whole: bool) -> dict
     }
 
 
+def embed_request(body: dict, legacy: bool = False):
+    """An /api/embed body (`input`: a text or texts; `truncate`, on unless false; `dimensions`), or
+    the older /api/embeddings' (`prompt`), as an embedding request (`embeddings.Asked`)."""
+    from jaxinfer.embeddings import Asked, dimensions_of, inputs_of
+
+    if legacy:
+        body = _known(body, {"prompt", "options"})
+        if not isinstance(body.get("prompt"), str):
+            raise JaxinferError('"prompt" must be the text to embed', "prompt")
+        return Asked([body["prompt"]], truncate=True)
+    body = _known(body, {"input", "truncate", "dimensions", "options"})
+    if not isinstance(body.get("truncate", True), bool):
+        raise JaxinferError('"truncate" must be true or false', "truncate")
+    return Asked(inputs_of(body.get("input")), dimensions_of(body), body.get("truncate", True))
+
+
+def embed_answer(name: str, vectors, tokens: int, seconds: float, legacy: bool = False) -> dict:
+    if legacy:
+        return {"embedding": vectors[0].tolist()}
+    return {
+        "model": name,
+        "embeddings": vectors.tolist(),
+        "total_duration": _ns(seconds),
+        "load_duration": 0,
+        "prompt_eval_count": tokens,
+    }
+
+
 def details(model) -> dict:
     """A loaded model (`loading.LoadedModel`) as /api/tags and /api/show describe one."""
     from jaxinfer.roofline import parameter_count
@@ -128,6 +156,8 @@ def show(model, name: str, context: int) -> dict:
     template = model.chat_template or ""
     capabilities = ["completion"] + ["tools"] * bool(format_of(template))
     capabilities += ["thinking"] * bool(think_markers(template) or "<|channel|>" in template)
+    if model.config.headless:  # an embedding model: that is all it does
+        capabilities = ["embedding"]
     return {
         "modelfile": "",
         "parameters": "",

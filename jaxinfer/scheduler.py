@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from jaxinfer import embeddings
 from jaxinfer.buckets import MIN_REUSE, reusable
 from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
@@ -82,22 +83,39 @@ class Request:
     timings: Timings | None = None  # where the client holds it: the row's, kept current as it runs
 
 
+@dataclass
+class Embedding:
+    """Texts to embed (their ids; the leading tokens a mean leaves out of each: `embeddings.embed`),
+    put in the inbox beside requests: the scheduler embeds every one waiting in its next round,
+    between decode steps, and calls `done` (from its thread) with their vectors [N, D] or what failed."""
+
+    inputs: list[list[int]]
+    skips: list[int]
+    done: Callable[[np.ndarray | Exception], None]
+
+
 class Inbox:
     """Requests arriving from other threads (a server's handlers), taken by the scheduler as slots
-    free up. `close` ends the scheduler's `run` once what was put is done."""
+    free up, and texts to embed. `close` ends the scheduler's `run` once what was put is done."""
 
     def __init__(self):
         self._queue: deque[Request] = deque()
+        self._embeddings: deque[Embedding] = deque()
         self._ready = threading.Condition()
         self.closed = False
         self.on_dropped: Callable[[Request], None] | None = None
 
-    def put(self, request: Request) -> None:
+    def put(self, request: Request | Embedding) -> None:
         with self._ready:
             if self.closed:
                 raise JaxinferError("the scheduler is shutting down")
-            self._queue.append(request)
+            (self._embeddings if isinstance(request, Embedding) else self._queue).append(request)
             self._ready.notify()
+
+    def take_embeddings(self) -> list[Embedding]:
+        with self._ready:
+            taken, self._embeddings = list(self._embeddings), deque()
+        return taken
 
     def close(self) -> None:
         with self._ready:
@@ -136,12 +154,12 @@ class Inbox:
 
     @property
     def done(self) -> bool:
-        return self.closed and not self._queue
+        return self.closed and not self._queue and not self._embeddings
 
     def wait(self) -> None:
-        """Until a request waits or the inbox is closed."""
+        """Until a request or texts wait, or the inbox is closed."""
         with self._ready:
-            self._ready.wait_for(lambda: self._queue or self.closed)
+            self._ready.wait_for(lambda: self._queue or self._embeddings or self.closed)
 
 
 class _Listed(Inbox):
@@ -236,8 +254,10 @@ class Scheduler:
         """One round of the loop every driver runs: admit waiting requests into free rows, collect
         what the last dispatch made (new text or tokens to the clients; finished rows handed over,
         `on_result(record)` for a request read as text, and freed), dispatch the next decode steps.
-        The dispatch runs on while the caller goes on (it waits at the next round's collect).
-        False where no row runs: nothing to wait for but the inbox."""
+        Texts waiting to be embedded are embedded first, all in the same passes. The dispatch runs
+        on while the caller goes on (it waits at the next round's collect). False where no row
+        runs: nothing to wait for but the inbox."""
+        self._embed(inbox.take_embeddings())
         if continuous or not self.busy:
             self._admit(inbox, wait_for_mates=continuous)
         if not self.busy:
@@ -248,6 +268,24 @@ class Scheduler:
         if self.busy:
             self._dispatch(made)
         return True
+
+    def _embed(self, waiting: list[Embedding]) -> None:
+        """Every waiting text embedded together (`embeddings.embed` groups them into passes), each
+        client handed its own vectors; a failure (the device's) handed to each instead."""
+        if not waiting:
+            return
+        inputs, skips = [ids for e in waiting for ids in e.inputs], [n for e in waiting for n in e.skips]
+        model = self.model
+        try:
+            vectors = embeddings.embed(model.params, model.config, model.pooler, inputs, skips)
+        except Exception as e:
+            for embedding in waiting:
+                embedding.done(e)
+            return
+        at = 0
+        for embedding in waiting:
+            embedding.done(vectors[at : at + len(embedding.inputs)])
+            at += len(embedding.inputs)
 
     def _dispatch(self, made: int) -> None:
         """The next decode steps of every live row, sized by `pace` from the last dispatch's time

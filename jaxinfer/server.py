@@ -12,9 +12,10 @@ POST /v1/chat/completions and /v1/completions (server-sent events with `"stream"
 /v1/responses (`jaxinfer.responses`), Anthropic's /v1/messages and /v1/messages/count_tokens
 (`jaxinfer.anthropic`), ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps,
 /api/version (`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET
-/props (`jaxinfer.utilities`), GET /v1/models, /health (open without the key) and /metrics
-(Prometheus text: `jaxinfer.metrics`). A client that goes away cancels its requests: their rows
-stop at the scheduler's next step.
+/props (`jaxinfer.utilities`), POST /v1/embeddings and ollama's /api/embed (`jaxinfer.embeddings`:
+texts embedded in the scheduler's rounds), GET /v1/models, /health (open without the key) and
+/metrics (Prometheus text: `jaxinfer.metrics`). A client that goes away cancels its requests: their
+rows stop at the scheduler's next step.
 """
 
 from __future__ import annotations
@@ -27,20 +28,22 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from jaxinfer import anthropic, ollama, protocols, utilities
+from jaxinfer import anthropic, embeddings, ollama, protocols, utilities
 from jaxinfer.api import Parser
 from jaxinfer.errors import JaxinferError
 from jaxinfer.metrics import Metrics
 from jaxinfer.protocols import PROTOCOLS, Protocol
 from jaxinfer.replies import Reading
-from jaxinfer.scheduler import Inbox, Request, Scheduler
+from jaxinfer.scheduler import Embedding, Inbox, Request, Scheduler
 
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
 # measured no faster: 64 clients, bundled model, two A/B rounds, ×0.80–0.84 against ×0.87 of batch)
 INTERVAL_S = 0.05
+EMBEDDINGS = ("/v1/embeddings", "/api/embed", "/api/embeddings")  # OpenAI's, ollama's and its older one
 
 
 class HTTPError(Exception):
@@ -177,6 +180,7 @@ class Server:
         routes = [Route(url, self._answer(protocol), methods=["POST"]) for url, protocol in PROTOCOLS.items()]
         routes += [
             Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+            *(Route(url, self._embeddings(url), methods=["POST"]) for url in EMBEDDINGS),
             Route("/api/show", self._ollama_show, methods=["POST"]),
             *(Route(f"/api/{name}", self._ollama_listed(name), methods=["GET"]) for name in ("tags", "ps", "version")),
             *(Route(f"/{name}", self._utility(name), methods=["POST"]) for name in ("tokenize", "detokenize")),
@@ -246,6 +250,62 @@ class Server:
             return records if not isinstance(records, list) else JSONResponse(protocol.whole(url, call, records))
 
         return answer
+
+    def _embeddings(self, url: str):
+        """An embedding endpoint, OpenAI's (/v1/embeddings) or ollama's (/api/embed, the older
+        /api/embeddings): the body read (an `embeddings.Asked`), its texts tokenized (in a thread)
+        and embedded in the scheduler's next round beside every other waiting (`Scheduler._embed`),
+        the vectors answered in the endpoint's shape."""
+        from starlette.concurrency import run_in_threadpool
+
+        legacy, ollama_shaped = url == "/api/embeddings", url.startswith("/api/")
+        read = partial(ollama.embed_request, legacy=legacy) if ollama_shaped else embeddings.read_openai
+        shape = protocols.OLLAMA.error if ollama_shaped else None
+
+        def answer(vectors, asked: embeddings.Asked, tokens: int, seconds: float) -> dict:
+            if ollama_shaped:
+                return ollama.embed_answer(self.model_name, vectors, tokens, seconds, legacy)
+            return embeddings.openai_answer(vectors, asked, self.model_name, tokens)
+
+        async def handle(request):
+            url, started, model = request.url.path, time.perf_counter(), self.parser.model
+            try:
+                self._authorize(request)
+                asked = read(await self._body(request))
+                ids, skips = await run_in_threadpool(embeddings.tokenized, model, asked, self.parser.context)
+                vectors = embeddings.shortened(await self._embedded(ids, skips), asked.dimensions, model.pooler)
+            except Exception as e:  # as in _answer
+                return self._refused(url, e, shape)
+            tokens = sum(map(len, ids))
+            self.metrics.prompt_tokens.inc(tokens)
+            self.metrics.requests.labels(url, "200").inc()
+            return JSONResponse(answer(vectors, asked, tokens, time.perf_counter() - started))
+
+        return handle
+
+    async def _embedded(self, ids: list[list[int]], skips: list[int]):
+        """The texts' vectors, from the scheduler's thread."""
+        loop = asyncio.get_running_loop()
+        vectors = loop.create_future()
+
+        def done(result) -> None:
+            if isinstance(result, Exception):
+                result = HTTPError(500, f"embedding failed: {type(result).__name__}: {result}", "server_error")
+
+            def settle() -> None:
+                if not vectors.done():  # else the client went away
+                    (vectors.set_exception if isinstance(result, Exception) else vectors.set_result)(result)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is closed: the server stopped, and no one waits for it
+                pass
+
+        try:
+            self.inbox.put(Embedding(ids, skips, done))
+        except JaxinferError:  # closed (SIGTERM)
+            raise HTTPError(503, "the server is shutting down", "server_error") from None
+        return await vectors
 
     async def _count_tokens(self, request):
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens, nothing generated."""

@@ -188,21 +188,27 @@ class Tokenizer:
         i = self._sp.piece_to_id(text)
         return None if i == self._sp.unk_id() and text != self._sp.id_to_piece(i) else i
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """The text's ids; `max_length`: at most that many, the text's first with the special tokens
+        kept (as transformers' truncation, which sentence-transformers asks for)."""
         try:
             text.encode("utf-8")  # bytes read as surrogates, or a lone surrogate from a JSON escape
         except UnicodeEncodeError:
             raise JaxinferError("the text is not valid UTF-8") from None
         if self._hf is not None:
             # tokenizer.json's post-processor adds BOS/EOS the way the model was trained.
-            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+            if max_length is None:
+                return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+            encoding = self._hf.encode(text, add_special_tokens=False)
+            encoding.truncate(max(0, max_length - add_special_tokens * self._hf.num_special_tokens_to_add(False)))
+            return self._hf.post_process(encoding, add_special_tokens=add_special_tokens).ids
         ids = self._sp_encode(text)
-        if add_special_tokens:
-            if self.config.get("add_bos_token", True) and self.bos_id is not None:
-                ids = [self.bos_id] + ids
-            if self.config.get("add_eos_token", False) and self.eos_id is not None:
-                ids = ids + [self.eos_id]
-        return ids
+        before = [self.bos_id] if add_special_tokens and self.config.get("add_bos_token", True) else []
+        after = [self.eos_id] if add_special_tokens and self.config.get("add_eos_token", False) else []
+        before, after = [i for i in before if i is not None], [i for i in after if i is not None]
+        if max_length is not None:
+            ids = ids[: max(0, max_length - len(before) - len(after))]
+        return before + ids + after
 
     def _sp_encode(self, text: str) -> list[int]:
         """sentencepiece encodes "<s>" as three characters; special tokens written in the text (as

@@ -73,11 +73,16 @@ def family(architecture: str) -> ModuleType:
 
 def config_from_hf(d: dict) -> ModelConfig:
     """Translate a Hugging Face config.json dict; reject anything this runtime cannot honour. A
-    multimodal checkpoint's config is its text model's, marked as the tower's (`ModelConfig.multimodal`)."""
+    multimodal checkpoint's config is its text model's, marked as the tower's (`ModelConfig.multimodal`);
+    a bare body's (`Qwen3Model`, as sentence-transformers saves one) its causal model's, headless."""
     archs = d.get("architectures") or []
     arch = archs[0] if archs else None
+    if d.get("use_bidirectional_attention"):  # every token sees every other
+        raise JaxinferError("config.json asks for bidirectional attention (EmbeddingGemma's): only causal models run")
     if arch in TOWERS:
         return replace(config_from_hf(_text_config(d, arch)), multimodal=arch)
+    if arch and arch.endswith("Model") and (causal := arch.removesuffix("Model") + "ForCausalLM") in FAMILIES:
+        return replace(config_from_hf({**d, "architectures": [causal]}), headless=True)
     translate = family(arch).config
     try:
         return translate(d, arch)
@@ -104,7 +109,9 @@ def _text_config(d: dict, arch: str) -> dict:
 
 def tensor_name(cfg: ModelConfig, name: str) -> str:
     """A checkpoint tensor's name as `weight_table` knows it (a multimodal checkpoint's older names
-    as transformers 5's)."""
+    as transformers 5's; a headless body's, saved without its `model.`)."""
+    if cfg.headless and not name.startswith(("model.", "lm_head.")):
+        return "model." + name
     if cfg.multimodal:
         for old, new in LEGACY:
             if name.startswith(old):
@@ -116,6 +123,8 @@ def ignored(cfg: ModelConfig, name: str) -> bool:
     """Whether checkpoint tensor `name` is one the model does not use, as transformers skips it (a
     multi-token-prediction head), or beside the text model of a multimodal checkpoint (its vision tower)."""
     skipped = getattr(family(cfg.architecture), "IGNORED", ())
+    if cfg.headless:  # a head beside an embedding model's body: never read
+        skipped = (*skipped, "lm_head.")
     return name.startswith((*skipped, *VISION) if cfg.multimodal else skipped)
 
 
@@ -130,6 +139,8 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """HF tensor name → its `Weight` (path in our tree, expected shape, logical axes), as the model's
     family lays it out; a multimodal checkpoint's text model under model.language_model."""
     table = family(cfg.architecture).weight_table(cfg)
+    if cfg.headless:
+        table.pop("lm_head.weight", None)
     if cfg.multimodal:
         return {name.replace("model.", "model.language_model.", 1): weight for name, weight in table.items()}
     return table
