@@ -242,3 +242,15 @@ def test_the_server_refuses_in_one_line(served):
     assert refused.status_code == 400 and "over the 64" in refused.json()["error"]
     chat = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
+
+
+def test_bidirectional_and_other_poolings_are_refused_in_one_line(made, tmp_path):
+    from jaxinfer.families import config_from_hf
+
+    with pytest.raises(JaxinferError, match="bidirectional attention"):
+        config_from_hf({"architectures": ["Gemma3TextModel"], "use_bidirectional_attention": True})
+    odd = tmp_path / "odd"
+    shutil.copytree(made["last"][0], odd)
+    (odd / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "weightedmean"}))
+    with pytest.raises(JaxinferError, match="pooling mode 'weightedmean'"):
+        load_model(odd)
