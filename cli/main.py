@@ -46,6 +46,7 @@ EXAMPLES = {
         'jaxinfer embed -m path/to/Qwen3-Embedding-0.6B "What is the capital of France?" --prompt-name query',
         "jaxinfer embed -m path/to/embedding-model -f passages.txt > vectors.jsonl",
     ],
+    "list": ["jaxinfer list", "jaxinfer list --models-dir ~/models --json"],
     "convert": ["jaxinfer convert path/to/hf-model path/to/converted", 'jaxinfer run -m path/to/converted "Hello"'],
     "info": ["jaxinfer info -m path/to/hf-model", "jaxinfer info -m path/to/hf-model -c 32768 -b 8 --json"],
     "perplexity": [
@@ -323,6 +324,8 @@ app.command(epilog=_epilog("serve"))(serve.serve)
 app.command(epilog=_epilog("embed"))(embed.embed)
 
 
+app.command("list", epilog=_epilog("list"))(tools.list_models)
+app.command("ls", hidden=True)(tools.list_models)  # ollama's and the shell's word
 app.command(epilog=_epilog("convert"))(tools.convert)
 app.command(epilog=_epilog("perplexity"))(tools.perplexity)
 app.command(epilog=_epilog("info"))(tools.info)

@@ -247,6 +247,24 @@ def logprobs(entries: list[dict], prompt: list[dict] | None = None) -> None:
     err.print(table)
 
 
+def models(records: list[dict]) -> None:
+    """`jaxinfer list`: a table on stdout, a model a row, then why each that does not run does not."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, header_style="dim", pad_edge=False)
+    for column in ("name", "source", "size", "architecture", "runs"):
+        table.add_column(column, justify="right" if column == "size" else "left", overflow="fold")
+    named = [(r["name"] + (f" --gguf-file {r['gguf_file']}" if "gguf_file" in r else ""), r) for r in records]
+    for name, r in named:
+        runs = "embeds" if r.get("embeds") else "yes" if r["runs"] else "no"
+        table.add_row(*map(Text, (name, r["source"], _bytes(r["size"]), r["architecture"] or "?", runs)))
+    out.print(table)
+    for name, r in named:
+        if not r["runs"]:
+            out.print(Text(f"{name}: {r['refused']}"), style="dim")
+
+
 def _bytes(n: float) -> str:
     for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if n >= scale:

@@ -1,5 +1,6 @@
-"""The commands that measure or convert a model: `info` (sizes and the roofline's predictions),
-`bench` (a measured sweep), `perplexity` (what a quantization costs) and `convert`."""
+"""The commands that find, measure or convert a model: `list` (the models on this machine), `info`
+(sizes and the roofline's predictions), `bench` (a measured sweep), `perplexity` (what a
+quantization costs) and `convert`."""
 
 from __future__ import annotations
 
@@ -89,6 +90,22 @@ def perplexity(
         render.print_json(json.dumps(result))
     else:
         render.perplexity(result)
+
+
+def list_models(
+    models_dir: Optional[list[Path]] = typer.Option(
+        None, "--models-dir", help="Also the models in DIR (its subdirectories with a config.json, its GGUF files)."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON list instead of a table."),
+) -> None:
+    """The models on this machine (bundled, the hub cache's, ollama's, a directory's), and whether each runs."""
+    from jaxinfer.listing import find
+
+    records = [found.record() for found in find(models_dir or [])]
+    if json_output:
+        render.print_json(json.dumps(records))
+    else:
+        render.models(records)
 
 
 def info(
