@@ -19,7 +19,7 @@ import secrets
 import time
 from dataclasses import replace
 
-from jaxinfer import defaults
+from jaxinfer import defaults, infill
 from jaxinfer.buckets import check_fits, check_text_fits
 from jaxinfer.chat_template import ChatOptions, ChatTemplate, check_kwargs
 from jaxinfer.constrain import FIELDS as CONSTRAINT_FIELDS
@@ -54,6 +54,8 @@ FIELDS = {
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    "suffix",  # fill-in-the-middle (`jaxinfer.infill`): the code after the gap `prompt` is before
+    "input_extra",  # and other files, as llama-server's /infill takes them
     *CONSTRAINT_FIELDS,
     *SAMPLING_FIELDS,
 }
@@ -127,8 +129,8 @@ class Parser:
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
         (tools, forced), reading = check_tools(item.get("tools"), item.get("tool_choice")), None
         if "prompt" in item:
-            if not isinstance(item["prompt"], str) or not item["prompt"]:
-                raise JaxinferError('"prompt" must be a non-empty string')
+            if not isinstance(item["prompt"], str) or not (item["prompt"] or "suffix" in item):
+                raise JaxinferError('"prompt" must be a non-empty string')  # before a suffix it may be empty
             if tools:
                 raise JaxinferError('"tools" go with "messages": the chat template offers them to the model', "tools")
             for name in (
@@ -140,8 +142,13 @@ class Parser:
             ):
                 if name in item:
                     raise JaxinferError(f'"{name}" goes with "messages": it is the chat template\'s', name)
-            check_text_fits(item["prompt"], tokenizer, self.context)
-            ids = tokenizer.encode(item["prompt"])
+            if "suffix" in item or "input_extra" in item:
+                ids = self._infill(item)
+            else:
+                check_text_fits(item["prompt"], tokenizer, self.context)
+                ids = tokenizer.encode(item["prompt"])
+        elif "suffix" in item or "input_extra" in item:
+            raise JaxinferError('"suffix" goes with "prompt": the code before and after the gap to fill', "suffix")
         else:
             text, reading = self.chat_prompt(item, tools, forced)
             check_text_fits(text, tokenizer, self.context)
@@ -198,6 +205,20 @@ class Parser:
             reading=reading,
             echo=item["prompt"] if echo else None,
         )
+
+    def _infill(self, item: dict) -> list[int]:
+        """A fill-in-the-middle prompt's ids (`jaxinfer.infill`): the code before the gap (`prompt`),
+        after it (`suffix`) and other files (`input_extra`), cut to leave the middle its tokens (those
+        asked for, else a quarter of the context). Each text is cut to what the context could hold
+        before it is tokenized: the prefix's end, the suffix's beginning."""
+        suffix = item.get("suffix", "")
+        if not isinstance(suffix, str):
+            raise JaxinferError('"suffix" must be a string: the code after the gap', "suffix")
+        files = infill.check_files(item.get("input_extra", []))
+        most = self.context * self.model.tokenizer.max_piece_chars
+        asked = item.get("max_tokens")
+        room = self.context - (asked if isinstance(asked, int) and 0 < asked < self.context else self.context // 4)
+        return infill.prompt_ids(self.model.tokenizer, item["prompt"][-most:], suffix[:most], files, room)
 
     def chat_prompt(self, item: dict, tools: list[dict] | None = None, forced=None) -> tuple[str, Reading]:
         """A chat request's conversation rendered by the template (with `tools` offered, where a call

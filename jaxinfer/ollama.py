@@ -12,7 +12,8 @@ earlier turn's `thinking` dropped, as the templates drop earlier reasoning), `pr
 model's thinking off; "low", "medium", "high" its template's effort) and `options` (`OPTIONS`;
 the runner's own settings, such as `num_ctx` or `num_thread`, are accepted and change nothing:
 the server's flags set them). Accepted and ignored: `model` (one model is served), `keep_alive`.
-Images, `suffix` (fill-in-the-middle), `template` and `context` are refused in one line.
+`suffix` makes a generate request fill in the middle between `prompt` and it (`jaxinfer.infill`).
+Images, `template` and `context` are refused in one line.
 """
 
 from __future__ import annotations
@@ -53,15 +54,15 @@ def chat_item(body: dict) -> dict:
 
 def generate_item(body: dict) -> dict:
     """An /api/generate body as our request fields: the prompt through the chat template as one turn
-    (with its `system`), or as it is (`raw`)."""
+    (with its `system`), as it is (`raw`), or before the gap to fill where a `suffix` follows it."""
     body = _known(body, {"prompt", "system", "raw", "format", "options", "think", "suffix", "images"})
-    for name in ("suffix", "images"):
-        if body.get(name):
-            what = "fill-in-the-middle" if name == "suffix" else "images: the model reads text only"
-            raise JaxinferError(f'"{name}" is not offered here ({what})')
+    if body.get("images"):
+        raise JaxinferError('"images" is not offered here (the model reads text only)')
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
         raise JaxinferError('"prompt" must be text')
+    if "suffix" in body:  # fill-in-the-middle: the code before and after the gap, not a chat turn
+        return {"prompt": prompt, "suffix": body["suffix"]} | _common(body, chat=False)
     if body.get("raw"):
         return {"prompt": prompt} | _common(body, chat=False)
     turns = [{"role": "system", "content": body["system"]}] if body.get("system") else []

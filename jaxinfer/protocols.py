@@ -6,7 +6,8 @@ moves the bytes; `PROTOCOLS` says which endpoint speaks which.
 - OpenAI's chat and text completions (`jaxinfer.api`): server-sent events, `data: [DONE]` at the end;
 - OpenAI's Responses, stateless (`jaxinfer.responses`): its typed events;
 - Anthropic's Messages (`jaxinfer.anthropic`): its typed events;
-- ollama's chat and generate (`jaxinfer.ollama`): newline-delimited JSON, streamed unless asked not.
+- ollama's chat and generate (`jaxinfer.ollama`): newline-delimited JSON, streamed unless asked not;
+- llama-server's /completion and /infill (`jaxinfer.utilities`): its own shape, server-sent events.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from jaxinfer import anthropic, ollama, responses
+from jaxinfer import anthropic, ollama, responses, utilities
 from jaxinfer.api import finish_reason, from_openai, openai_body, openai_chunk, response_id, usage_chunk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.replies import Reading
@@ -154,7 +155,7 @@ def _responses_stream(url: str, call: Call, pieces: AsyncIterator) -> AsyncItera
 def _ollama_read(url: str, body: dict) -> Call:
     stream = _flag(body, "stream", True)  # ollama streams unless told not to
     kind = url.removeprefix("/api/")
-    if kind == "generate" and not body.get("prompt") and not body.get("system"):  # a client loading the model
+    if kind == "generate" and not any(body.get(k) for k in ("prompt", "system", "suffix")):  # a client loading it
         answer = {"model": body.get("model", ""), "created_at": ollama.now(), "response": "", "done": True}
         return Call(None, "", answer=answer | {"done_reason": "load"})
     item = ollama.chat_item(body) if kind == "chat" else ollama.generate_item(body)
@@ -183,10 +184,38 @@ def _ollama_error(message: str, status: int) -> dict:
     return {"error": message}
 
 
+# llama-server's own ---------------------------------------------------------------------------------
+
+
+def _llama_read(url: str, body: dict) -> Call:
+    stream = _flag(body, "stream", False)
+    return Call(utilities.completion_item(url, body), f"cmpl-{secrets.token_hex(12)}", 1, stream)
+
+
+def _llama_whole(url: str, call: Call, records: list[dict]) -> dict:
+    return utilities.completion_body(records[0], call.model)
+
+
+async def _llama_stream(url: str, call: Call, pieces: AsyncIterator) -> AsyncIterator[str]:
+    async for kind, *said in pieces:
+        if kind == "failed":
+            yield _event({"error": {"message": said[0], "type": "server_error", "code": said[1]}})
+        elif kind == "piece":
+            yield _event({"content": said[2], "stop": False})
+        else:
+            yield _event(utilities.completion_body(said[1], call.model, said[3]))
+
+
+def _llama_error(message: str, status: int) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"code": status, "message": message, "type": kind}}
+
+
 OPENAI = Protocol(_openai_read, _openai_whole, _openai_stream)
 ANTHROPIC = Protocol(_anthropic_read, _anthropic_whole, _anthropic_stream, anthropic.error_body)
 RESPONSES = Protocol(_responses_read, _responses_whole, _responses_stream)
 OLLAMA = Protocol(_ollama_read, _ollama_whole, _ollama_stream, _ollama_error, "application/x-ndjson")
+LLAMA = Protocol(_llama_read, _llama_whole, _llama_stream, _llama_error)
 PROTOCOLS = {
     "/v1/chat/completions": OPENAI,
     "/v1/completions": OPENAI,
@@ -194,4 +223,6 @@ PROTOCOLS = {
     "/v1/messages": ANTHROPIC,
     "/api/chat": OLLAMA,
     "/api/generate": OLLAMA,
+    "/completion": LLAMA,
+    "/infill": LLAMA,
 }

@@ -128,6 +128,11 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
     @functools.cached_property
+    def adds_bos(self) -> bool:
+        """Whether encoding puts BOS before a text (as prompts are encoded)."""
+        return self.bos_id is not None and self.encode("x")[:1] == [self.bos_id]
+
+    @functools.cached_property
     def max_piece_chars(self) -> int:
         """The most characters of text one token spells (its longest piece's)."""
         return max((len(piece) for piece in self.pieces()), default=1)
