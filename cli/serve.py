@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +15,13 @@ from jaxinfer.cli import embed, options, render
 
 
 def serve(
-    model: Optional[Path] = options.MODEL,
+    model: Optional[list[str]] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="Model directory, hub id, GGUF file or ollama:NAME; again for more models, each chosen by the "
+        "request's model [default: the bundled model].",
+    ),
     gguf_file: Optional[str] = options.GGUF_FILE,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free one, printed)."),
@@ -49,39 +56,57 @@ def serve(
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     pooling: Optional[str] = embed.POOLING,
+    models_dir: Optional[Path] = typer.Option(
+        None, "--models-dir", help="Serve every model in DIR too (its subdirectories with a config.json, GGUF files)."
+    ),
+    models_max: int = typer.Option(
+        2, "--models-max", help="Models held at once (the least recently used idle one is stopped for another)."
+    ),
 ) -> None:
     """Serve OpenAI's, Anthropic's and ollama's APIs to many clients at once, batched continuously."""
     import uvicorn
 
     from jaxinfer.api import Parser
     from jaxinfer.chat_template import FALLBACK_NOTICE, ChatTemplate
+    from jaxinfer.errors import JaxinferError
     from jaxinfer.forms import layout_for_batch
+    from jaxinfer.listing import models_in
+    from jaxinfer.modeldir import load_config
+    from jaxinfer.router import Router
     from jaxinfer.scheduler import Scheduler
     from jaxinfer.server import INTERVAL_S, Server
 
-    options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue)
+    options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue, models_max=models_max)
     chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
     _check_port(host, port)  # before the model loads: a port in use is known in a moment
     mesh = options.mesh(devices)
-    opened = options.open_model(
-        model,
-        generates=False,
-        layout=layout_for_batch(batch_size, mesh is not None),
-        mesh=mesh,
-        **options.model_flags(locals()),
-    )
-    loaded, context = embed.with_pooling(opened.model, pooling), opened.context
-    if loaded.config.headless:
-        render.notice("note: an embedding model: /v1/embeddings and /api/embed answer, the generating endpoints refuse")
-    elif ChatTemplate.of(loaded).is_fallback:  # what /v1/chat/completions renders
-        render.notice(FALLBACK_NOTICE)
-    server = Server(
-        lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),
-        Parser(loaded, context, max_tokens, opened.decoding.speculating, chat),
-        loaded.path.name,
-        api_key,
-        max_queue,
-    )
+    specs = [*(model or []), *(str(p) for p in (models_in(models_dir) if models_dir else []))] or [None]
+    names = {_served_name(spec): spec for spec in specs}
+    if len(names) < len(specs):
+        raise JaxinferError("two models would be served under one name: give each once")
+    flags = options.model_flags(locals())
+    for spec in specs[1:]:  # each model's config read now: a bad one is said before serving, not on its first request
+        load_config(spec, gguf_file)
+
+    def make(spec: Optional[str]) -> Server:
+        """A model's server: its weights loaded (the first at once, the others on their first request)."""
+        opened = options.open_model(
+            spec, generates=False, layout=layout_for_batch(batch_size, mesh is not None), mesh=mesh, **flags
+        )
+        loaded, context = embed.with_pooling(opened.model, pooling), opened.context
+        if loaded.config.headless:
+            render.notice("note: an embedding model: /v1/embeddings and /api/embed answer, the generating ones refuse")
+        elif ChatTemplate.of(loaded).is_fallback:  # what /v1/chat/completions renders
+            render.notice(FALLBACK_NOTICE)
+        return Server(
+            lambda: Scheduler(loaded, batch_size, context, opened.decoding, INTERVAL_S),
+            Parser(loaded, context, max_tokens, opened.decoding.speculating, chat),
+            _served_name(spec),
+            api_key,
+            max_queue,
+        )
+
+    server = Router({name: partial(make, spec) for name, spec in names.items()}, models_max, api_key)
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -90,7 +115,7 @@ def serve(
                 sys.stderr.flush()
                 os._exit(128 + sig)
             if not self.should_exit:
-                running = server.scheduler.busy + len(server.inbox)
+                running = server.running
                 if sig == signal.SIGINT:  # Ctrl-C: stop now, answering what was made; SIGTERM drains
                     server.cancel_all()
                 render.notice(f"{'stopping' if sig == signal.SIGINT else 'draining'}: {running} requests to finish")
@@ -100,14 +125,25 @@ def serve(
             await super().startup(sockets)
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname()
-                render.notice(f"serving {loaded.path.name} on http://{bound[0]}:{bound[1]}/v1 ({batch_size} slots)")
+                served = ", ".join(names)
+                render.notice(f"serving {served} on http://{bound[0]}:{bound[1]}/v1 ({batch_size} slots)")
 
-    config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning", lifespan="off")
-    server.start()
+    config = uvicorn.Config(server, host=host, port=port, log_level="warning", lifespan="off")
     try:
         _Uvicorn(config).run()
     finally:
         server.stop()
+
+
+def _served_name(spec: Optional[str]) -> str:
+    """The name a model is served under (and requests name it by): a directory's or file's name,
+    else the hub id or ollama name as given."""
+    from jaxinfer.modeldir import bundled_model_dir
+
+    if spec is None:
+        return bundled_model_dir().name
+    local = Path(spec).expanduser()
+    return local.name if local.exists() else spec
 
 
 def _check_port(host: str, port: int) -> None:

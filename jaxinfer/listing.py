@@ -46,11 +46,11 @@ def find(models_dirs: list[Path] = ()) -> list[Found]:
     for directory in models_dirs:
         if not Path(directory).is_dir():
             raise JaxinferError(f"{directory} is not a directory: --models-dir names one holding models")
-        found += [_read(str(p), "directory", p) for p in _models_in(Path(directory))]
+        found += [_read(str(p), "directory", p) for p in models_in(Path(directory))]
     return found
 
 
-def _models_in(directory: Path) -> list[Path]:
+def models_in(directory: Path) -> list[Path]:
     """A directory's models: its subdirectories with a config.json, its GGUF files (not a vision
     projector's, which runs nothing alone)."""
     kept = []
@@ -95,7 +95,7 @@ def _hub() -> list[Found]:
         if (snapshot / "config.json").is_file():
             found.append(_read(name, "hub", snapshot))
         else:
-            found += [_read(name, "hub", snapshot, p.name) for p in _models_in(snapshot) if p.suffix == ".gguf"]
+            found += [_read(name, "hub", snapshot, p.name) for p in models_in(snapshot) if p.suffix == ".gguf"]
     return found
 
 

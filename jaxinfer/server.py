@@ -21,6 +21,7 @@ rows stop at the scheduler's next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import sys
@@ -168,6 +169,11 @@ class Server:
         return on_text
 
     # the HTTP side -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def asgi(self):
+        """Its app (`app`), made once."""
+        return self.app()
 
     def app(self):
         from starlette.applications import Starlette

@@ -1,0 +1,203 @@
+"""Several models behind one address (`jaxinfer serve -m A -m B`, `--models-dir DIR`), as
+llama-server's router mode and ollama serve them: each model a `Server` of its own (its weights,
+scheduler and slots), made on its first request; where more than `models_max` would be held, the
+least recently used one with no request in flight is stopped first, and a request for another
+model waits until one is. A request goes to the model its body's `model` names (GET: the `model`
+query parameter: /props, /metrics), the first model where it names none; with one model served,
+the name is not checked (clients send any). GET /v1/models and /api/tags list every model, /api/ps
+those held; /health answers for the router.
+
+The router is an ASGI app in front of the servers' own: it reads a POST body to find the model,
+then hands the request to that server's app with the body replayed, so each endpoint, protocol and
+error shape is the server's, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Callable
+
+from jaxinfer import ollama
+from jaxinfer.server import Server
+
+
+class Router:
+    """`models`: name → a function making its Server (loading its weights: called in a thread);
+    the first is the default, made at once."""
+
+    def __init__(
+        self,
+        models: dict[str, Callable[[], Server]],
+        models_max: int = 2,
+        api_key: str | None = None,
+        max_body: int = 16 << 20,
+    ):
+        self.makers, self.models_max, self.api_key, self.max_body = models, max(1, models_max), api_key, max_body
+        self.default = next(iter(models))
+        self.servers: dict[str, Server] = {}
+        self.used: dict[str, float] = {}  # name → when its last request ended
+        self.in_flight: dict[str, int] = {name: 0 for name in models}
+        self._switch = asyncio.Lock()  # one load or unload at a time
+        self._freed: asyncio.Event | None = None  # set as a model's last request ends
+        self.closed = False
+        self._start(self.default, self.makers[self.default]())
+
+    def _start(self, name: str, server: Server) -> None:
+        server.start()
+        self.servers[name], self.used[name] = server, time.monotonic()
+
+    # what `serve` asks of it on SIGTERM and Ctrl-C ----------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return sum(s.scheduler.busy + len(s.inbox) for s in self.servers.values())
+
+    def cancel_all(self) -> None:
+        for server in self.servers.values():
+            server.cancel_all()
+
+    def stop(self) -> None:
+        self.closed = True
+        for server in list(self.servers.values()):
+            server.stop()
+
+    # the ASGI app -------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path in ("/v1/models", "/api/tags", "/api/ps", "/health"):
+            return await self._listed(scope, send, path)
+        body = b""
+        if method == "POST":
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if len(body) > self.max_body:
+                    error = {
+                        "message": f"the request body is over {self.max_body} bytes",
+                        "type": "invalid_request_error",
+                    }
+                    return await _send_json(send, 413, {"error": error})
+                if message["type"] == "http.disconnect" or not message.get("more_body"):
+                    break
+        name = self._named(scope, body)
+        if name is None:
+            said = self.makers if len(self.makers) < 16 else []
+            known = f" (served: {', '.join(said)})" if said else ": GET /v1/models lists them"
+            message = f"model {self._asked(scope, body)!r} is not served here{known}"
+            return await _send_json(
+                send,
+                404,
+                {
+                    "error": {
+                        "message": message,
+                        "type": "invalid_request_error",
+                        "param": "model",
+                        "code": "model_not_found",
+                    }
+                },
+            )
+        try:
+            server = await self._server(name)
+        except Exception as e:  # its weights could not be read (the disk, memory): this request's answer
+            error = {"message": f"model {name!r} could not be loaded: {e}", "type": "server_error", "code": None}
+            return await _send_json(send, 500, {"error": error})
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # what comes next: the client's going away
+
+        try:
+            await server.asgi(scope, replay, send)
+        finally:
+            self.in_flight[name] -= 1
+            self.used[name] = time.monotonic()
+            if self.in_flight[name] == 0 and self._freed is not None:
+                self._freed.set()
+
+    def _asked(self, scope, body: bytes) -> str | None:
+        if scope["method"] == "POST":
+            try:
+                said = json.loads(body)
+            except ValueError:
+                return None  # the server answers the bad body
+            return said.get("model") if isinstance(said, dict) and isinstance(said.get("model"), str) else None
+        query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
+        return query.get("model")
+
+    def _named(self, scope, body: bytes) -> str | None:
+        """The model a request is for: the one it names (also as `ollama:NAME`), the default where
+        it names none or one model is served; None: one not served."""
+        asked = self._asked(scope, body)
+        if len(self.makers) == 1 or asked is None or asked == "":
+            return self.default
+        return asked if asked in self.makers else ("ollama:" + asked if "ollama:" + asked in self.makers else None)
+
+    async def _server(self, name: str) -> Server:
+        """The model's server, made where it is not held (another stopped first where `models_max`
+        are); its request counted in flight before any other request can stop it."""
+        if name not in self.servers:
+            async with self._switch:
+                while name not in self.servers:
+                    if len(self.servers) < self.models_max:
+                        from starlette.concurrency import run_in_threadpool
+
+                        self._start(name, await run_in_threadpool(self.makers[name]))
+                        break
+                    idle = [n for n in self.servers if self.in_flight[n] == 0]
+                    if not idle:  # every model held is answering: wait for one to finish
+                        self._freed = self._freed or asyncio.Event()
+                        self._freed.clear()
+                        await self._freed.wait()
+                        continue
+                    await self._unload(min(idle, key=self.used.__getitem__))
+        self.in_flight[name] += 1
+        return self.servers[name]
+
+    async def _unload(self, name: str) -> None:
+        import gc
+
+        from starlette.concurrency import run_in_threadpool
+
+        server = self.servers.pop(name)  # no request reaches it from here on
+        await run_in_threadpool(server.stop)
+        del server
+        gc.collect()  # its weights and cache go now, before the next model's are read
+
+    async def _listed(self, scope, send, path: str) -> None:
+        if path == "/health":
+            return await _send_json(send, 200, {"status": "draining" if self.closed else "ok"})
+        given = dict(scope["headers"]).get(b"authorization", b"").decode()
+        if self.api_key is not None and not secrets.compare_digest(given, f"Bearer {self.api_key}"):
+            message = "a valid API key is needed: Authorization: Bearer KEY"
+            return await _send_json(send, 401, {"error": {"message": message, "type": "authentication_error"}})
+        if path == "/v1/models":
+            data = [
+                {"id": n, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer"} for n in self.makers
+            ]
+            return await _send_json(send, 200, {"object": "list", "data": data})
+        held = [ollama.listed(s.parser.model, n) for n, s in self.servers.items()]
+        if path == "/api/ps":  # those held now
+            return await _send_json(send, 200, {"models": held})
+        others = [
+            {"name": n, "model": n, "modified_at": ollama.now(), "size": 0, "digest": "", "details": {}}
+            for n in self.makers
+            if n not in self.servers
+        ]
+        return await _send_json(send, 200, {"models": held + others})
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,69 @@
+"""Several models behind one server (`serve -m A -m B`, `jaxinfer.router`): each request answered by
+the model it names, as that model alone answers it (greedy); with room for one model at a time,
+requests alternating between two under load are all answered (each switch waits for the other
+model's requests to end); an unknown model is a 404; /v1/models and /api/tags list both."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_server import WAIT_S, Served
+
+from jaxinfer.api import Parser
+from jaxinfer.loading import load_model
+from jaxinfer.scheduler import Scheduler
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France", "Def fibonacci(n):", "Emoji 🙂 and", "x"]
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    return {path.name: path for path in (tiny("llama"), tiny("qwen3"))}
+
+
+def alone(path, prompt: str) -> str:
+    model = load_model(path)
+    records = []
+    request = Parser(model, 256).parse(0, {"prompt": prompt, "temperature": 0, "max_tokens": 12})
+    Scheduler(model, 1, 256).run([request], records.append)
+    return records[0]["text"]
+
+
+def test_each_request_goes_to_the_model_it_names(models):
+    expected = {(name, p): alone(path, p) for name, path in models.items() for p in PROMPTS}
+    (first, a), (second, b) = models.items()
+    served = Served("-m", str(a), "-m", str(b), "--models-max", "1", "-b", "2", "-c", "256")
+    try:
+        listed = httpx.get(served.url + "/v1/models", timeout=WAIT_S).json()
+        assert [m["id"] for m in listed["data"]] == [first, second]
+        tags = httpx.get(served.url + "/api/tags", timeout=WAIT_S).json()
+        assert {m["name"] for m in tags["models"]} == {first, second}
+        assert [m["name"] for m in httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"]] == [first]
+
+        def ask(name_prompt):
+            name, prompt = name_prompt
+            body = {"model": name, "prompt": prompt, "temperature": 0, "max_tokens": 12}
+            answer = httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT_S)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["text"]
+
+        asked = [(name, p) for p in PROMPTS for name in models] * 2  # alternating: a switch every request
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, asked))
+        assert answers == [expected[key] for key in asked]
+        assert expected[(first, PROMPTS[0])] != expected[(second, PROMPTS[0])]  # the models differ: it can fail
+        missing = httpx.post(served.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=WAIT_S)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert "nope" in missing.json()["error"]["message"]
+    finally:
+        served.stop()
+    assert "Traceback" not in "".join(served.stderr)
+
+
+def test_a_model_that_cannot_be_served_is_said_before_serving(models):
+    from cli_helpers import assert_one_line_error, jaxinfer_here
+
+    first = str(next(iter(models.values())))
+    assert_one_line_error(jaxinfer_here("serve", "-m", first, "-m", "/nonexistent", "--port", "0"), "/nonexistent")
+    assert_one_line_error(jaxinfer_here("serve", "-m", first, "-m", first, "--port", "0"), "under one name")
