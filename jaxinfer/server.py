@@ -13,9 +13,9 @@ POST /v1/chat/completions and /v1/completions (server-sent events with `"stream"
 (`jaxinfer.anthropic`), ollama's /api/chat, /api/generate, /api/show and GET /api/tags, /api/ps,
 /api/version (`jaxinfer.ollama`), llama-server's /tokenize, /detokenize, /apply-template and GET
 /props (`jaxinfer.utilities`), POST /v1/embeddings and ollama's /api/embed (`jaxinfer.embeddings`:
-texts embedded in the scheduler's rounds), GET /v1/models, /health (open without the key) and
-/metrics (Prometheus text: `jaxinfer.metrics`). A client that goes away cancels its requests: their
-rows stop at the scheduler's next step.
+texts embedded in the scheduler's rounds), GET /v1/models, / (a chat page: `jaxinfer/web`), /health
+(open without the key) and /metrics (Prometheus text: `jaxinfer.metrics`). A client that goes away
+cancels its requests: their rows stop at the scheduler's next step.
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ class Server:
             Route("/apply-template", self._utility("apply_template"), methods=["POST"]),
             Route("/props", self._props, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/", self._page, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics_text, methods=["GET"]),
         ]
@@ -206,6 +207,14 @@ class Server:
             given = f"Bearer {request.headers['x-api-key']}"
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+
+    async def _page(self, request):
+        """The chat page (`jaxinfer/web/index.html`): open without the key, which it asks for."""
+        from importlib import resources
+
+        from starlette.responses import HTMLResponse
+
+        return HTMLResponse((resources.files("jaxinfer") / "web" / "index.html").read_text())
 
     async def _health(self, request):
         return JSONResponse({"status": "draining" if self.inbox.closed else "ok"})
