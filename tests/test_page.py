@@ -118,3 +118,31 @@ def test_html_a_model_writes_never_reaches_the_page(page):
     assert not answer.find_elements(By.TAG_NAME, "img") and not answer.find_elements(By.TAG_NAME, "a")
     assert "&lt;img" in html and "<strong>bold</strong>" in html and "<code>code</code>" in html
     assert "&lt;b&gt;hi&lt;/b&gt;" in answer.find_element(By.TAG_NAME, "pre").get_attribute("innerHTML")
+
+
+def test_reasoning_shows_dim_then_folds_when_the_answer_starts(page):
+    from selenium.webdriver.common.by import By
+
+    chunks = [
+        {"reasoning_content": "Paris is the capital"},
+        {"reasoning_content": " of France."},
+        {"content": "Paris."},
+    ]
+    stream = "".join(f"data: {json.dumps({'choices': [{'delta': c}]})}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.execute_script(
+        "const body = arguments[0]; window.fetch = async () => new Response(new Blob([body]), {status: 200});", stream
+    )
+    page.find_element(By.ID, "new").click()
+    ask(page, "Capital of France?")
+    until(lambda: not page.find_element(By.ID, "send").get_attribute("hidden"))
+    reply = page.find_elements(By.CSS_SELECTOR, ".message.assistant")[-1]
+    folded = reply.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert (
+        folded.get_attribute("open") is None and folded.find_element(By.TAG_NAME, "summary").text == "thought (6 words)"
+    )
+    assert reply.find_element(By.CSS_SELECTOR, ".answer").text == "Paris."
+    assert conversations(page)[0]["messages"][1] == {
+        "role": "assistant",
+        "content": "Paris.",
+        "reasoning": "Paris is the capital of France.",
+    }
