@@ -58,6 +58,10 @@ FLAGS = {
     "reasoning_budget": "--reasoning-budget",
     "chat_template_kwargs": "--chat-template-kwargs",
     "chat_template": "--chat-template-file",
+    "truncate": "--truncate",  # embed's
+    "dimensions": "--dimensions",
+    "prompt_name": "--prompt-name",
+    "models_dir": "--models-dir",
     "stop": "--stop",
     # request fields with no flag (batch lines, the server's bodies): said as they are
     "tools": "tools",
@@ -73,6 +77,12 @@ FLAGS = {
     "n": "n",
     "stream": "stream",
     "stream_options": "stream_options",
+    "input": "input",  # embeddings'
+    "encoding_format": "encoding_format",
+    "suffix": "suffix",  # fill-in-the-middle's
+    "input_extra": "input_extra",
+    "input_prefix": "input_prefix",
+    "prompt": "prompt",
 }
 
 MODEL = typer.Option(

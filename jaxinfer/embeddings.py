@@ -113,7 +113,9 @@ class Pooler:
             return ""
         if name not in self.prompts:
             known = ", ".join(self.prompts) or "none"
-            raise JaxinferError(f"the model has no prompt named {name!r} (its prompts: {known})", "prompt_name")
+            raise JaxinferError(
+                f"prompt_name {name!r}: the model has no prompt of that name (its: {known})", "prompt_name"
+            )
         return self.prompts[name]
 
     def dimensions(self, hidden_size: int) -> int:
@@ -177,9 +179,8 @@ def encode(tokenizer, text: str, pooler: Pooler, limit: int, prompt: str = "", t
     if len(ids) > limit:
         if not truncate:
             raise JaxinferError(
-                f"an input has {len(ids)} tokens, over the {limit} this model embeds: shorten it, or truncate it "
-                '(--truncate; the request\'s "truncate": true)',
-                "input",
+                f"an input has {len(ids)} tokens, over the {limit} this model embeds: shorten it, or truncate it",
+                "truncate",
             )
         ids = tokenizer.encode(prompt + text, max_length=limit)
     if not ids:

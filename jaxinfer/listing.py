@@ -45,7 +45,7 @@ def find(models_dirs: list[Path] = ()) -> list[Found]:
     found += _ollama()
     for directory in models_dirs:
         if not Path(directory).is_dir():
-            raise JaxinferError(f"{directory} is not a directory: --models-dir names one holding models")
+            raise JaxinferError(f"models_dir {directory} is not a directory", "models_dir")
         found += [_read(str(p), "directory", p) for p in models_in(Path(directory))]
     return found
 

@@ -123,7 +123,7 @@ def test_the_model_s_own_files_are_read(made):
     assert model.config.headless and "lm_head" not in model.params
     with pytest.raises(JaxinferError, match="embedding model"):
         model.check_generates()
-    with pytest.raises(JaxinferError, match="no prompt named 'passage'"):
+    with pytest.raises(JaxinferError, match="prompt_name 'passage': the model has no prompt"):
         pooler.prompt("passage")
 
 
