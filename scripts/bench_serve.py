@@ -6,6 +6,7 @@ scheduler on the same requests, and a leak check over many requests with some cl
     python scripts/bench_serve.py --clients 16 --requests 64 --tokens 64
     python scripts/bench_serve.py --leak 2000          # 10% of clients leave mid-stream; RSS and slots
     python scripts/bench_serve.py --protocols chat,messages,ollama   # each protocol's tok/s over chat's
+    python scripts/bench_serve.py --protocols chat,messages,ollama --models 2 --models-max 1  # switches
 
 The requests: seeded slices of this repository's Python source as prompts (16–64 tokens), greedy, EOS
 off so every request makes `--tokens`. The server runs as `jaxinfer serve -b CLIENTS` (a process of its
@@ -184,10 +185,11 @@ PROTOCOLS = {
 }
 
 
-async def one_protocol(url: str, protocol: str, prompt: str, tokens: int, seen: dict) -> int:
-    """`one_raw` in `protocol`'s shape (greedy, streamed): the tokens its last event says were made."""
+async def one_protocol(url: str, protocol: str, prompt: str, tokens: int, seen: dict, model: str = "any") -> int:
+    """`one_raw` in `protocol`'s shape (greedy, streamed) to `model`: the tokens its last event says
+    were made (0: none came)."""
     path, shape, mark, count = PROTOCOLS[protocol]
-    body = shape([{"role": "user", "content": prompt}], tokens) | {"temperature": 0, "stream": True}
+    body = shape([{"role": "user", "content": prompt}], tokens) | {"temperature": 0, "stream": True, "model": model}
     if protocol == "ollama":
         body["options"]["temperature"] = body.pop("temperature")
     watch, made = _Watch(seen), 0
@@ -207,8 +209,17 @@ async def one_protocol(url: str, protocol: str, prompt: str, tokens: int, seen: 
 
 
 async def load(
-    url: str, texts: list[str], tokens: int, clients: int, leave_every: int = 0, raw: bool = False, protocol=None
+    url: str,
+    texts: list[str],
+    tokens: int,
+    clients: int,
+    leave_every: int = 0,
+    raw: bool = False,
+    protocol=None,
+    mixed: list[tuple[str, str]] | None = None,
 ) -> tuple[int, float, dict]:
+    """Every text sent by at most `clients` at once; `mixed`: each text's (protocol, model), and the
+    tokens made by each request in `seen["made"]`."""
     seen = {"ttft": [], "gaps": [], "itl": []}
     gate = asyncio.Semaphore(clients)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -217,6 +228,10 @@ async def load(
         async def gated(i: int, text: str) -> int:
             leave = bool(leave_every) and i % leave_every == 0
             async with gate:
+                if mixed:
+                    made = await one_protocol(url, mixed[i][0], text, tokens, seen, mixed[i][1])
+                    seen.setdefault("made", []).append(made)
+                    return made
                 if protocol:
                     return await one_protocol(url, protocol, text, tokens, seen)
                 if raw:
@@ -274,10 +289,19 @@ def main() -> None:
         help="the same chat requests through each protocol (OpenAI's chat, Anthropic's messages, ollama's "
         "chat), alternated; each one's tok/s over the first's",
     )
-    args = parser.parse_args()
-    server = Server(
-        ["-b", str(args.clients), "-c", str(args.context), "--max-queue", str(max(args.requests, args.leak))]
+    parser.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help="serve the bundled model under this many names (each a server of its own): the requests, spread "
+        "over them and over --protocols, must all be answered",
     )
+    parser.add_argument("--models-max", type=int, default=2, help="models held at once (serve's --models-max)")
+    args = parser.parse_args()
+    flags = ["-b", str(args.clients), "-c", str(args.context), "--max-queue", str(max(args.requests, args.leak))]
+    if args.models > 1:
+        return several_models(flags, args)
+    server = Server(flags)
     try:
         if args.leak:
             texts = prompts(args.leak)
@@ -345,6 +369,45 @@ def main() -> None:
                 "chunk_gap_ms": {
                     q: round(1000 * percentile(seen["gaps"], p), 2) for q, p in (("p50", 0.5), ("p99", 0.99))
                 },
+            }
+        )
+    )
+
+
+def several_models(flags: list[str], args) -> None:
+    """The bundled model served under `--models` names (links to its directory) with `--models-max`
+    held: the requests spread round-robin over the protocols and the models, twice (the first
+    loads and compiles); every one must be answered."""
+    import tempfile
+
+    from jaxinfer.modeldir import bundled_model_dir
+
+    names = (args.protocols or "chat").split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        links = [Path(tmp) / f"model-{i}" for i in range(args.models)]
+        for link in links:
+            link.symlink_to(bundled_model_dir(), target_is_directory=True)
+        server = Server(
+            [*flags, "--models-max", str(args.models_max), *(f for link in links for f in ("-m", str(link)))]
+        )
+        try:
+            texts = prompts(args.requests)
+            mixed = [(names[i % len(names)], links[(i // len(names)) % len(links)].name) for i in range(len(texts))]
+            for _ in range(2):
+                made, seconds, seen = asyncio.run(load(server.url, texts, args.tokens, args.clients, mixed=mixed))
+        finally:
+            server.stop()
+    print(
+        json.dumps(
+            {
+                "clients": args.clients,
+                "requests": args.requests,
+                "protocols": names,
+                "models": args.models,
+                "models_max": args.models_max,
+                "answered": sum(m > 0 for m in seen["made"]),
+                "tok_s": round(made / seconds, 1),
+                "ttft_ms_p99": round(1000 * percentile(seen["ttft"], 0.99), 1),
             }
         )
     )
