@@ -176,7 +176,10 @@ class Router:
     async def _listed(self, scope, send, path: str) -> None:
         if path == "/health":
             return await _send_json(send, 200, {"status": "draining" if self.closed else "ok"})
-        given = dict(scope["headers"]).get(b"authorization", b"").decode()
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode()
+        if b"x-api-key" in headers:  # Anthropic's clients say it so
+            given = f"Bearer {headers[b'x-api-key'].decode()}"
         if self.api_key is not None and not secrets.compare_digest(given, f"Bearer {self.api_key}"):
             message = "a valid API key is needed: Authorization: Bearer KEY"
             return await _send_json(send, 401, {"error": {"message": message, "type": "authentication_error"}})
