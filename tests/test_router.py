@@ -22,16 +22,16 @@ def models(tiny):
     return {path.name: path for path in (tiny("llama"), tiny("qwen3"))}
 
 
-def alone(path, prompt: str) -> str:
-    model = load_model(path)
-    records = []
-    request = Parser(model, 256).parse(0, {"prompt": prompt, "temperature": 0, "max_tokens": 12})
-    Scheduler(model, 1, 256).run([request], records.append)
-    return records[0]["text"]
+def alone(path) -> dict[str, str]:
+    """Each prompt's greedy text from the model alone."""
+    model, records = load_model(path), []
+    requests = [Parser(model, 256).parse(p, {"prompt": p, "temperature": 0, "max_tokens": 12}) for p in PROMPTS]
+    Scheduler(model, 1, 256).run(requests, records.append)
+    return {r["id"]: r["text"] for r in records}
 
 
 def test_each_request_goes_to_the_model_it_names(models):
-    expected = {(name, p): alone(path, p) for name, path in models.items() for p in PROMPTS}
+    expected = {(name, p): text for name, path in models.items() for p, text in alone(path).items()}
     (first, a), (second, b) = models.items()
     served = Served("-m", str(a), "-m", str(b), "--models-max", "1", "-b", "2", "-c", "256")
     try:
