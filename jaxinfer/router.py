@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from typing import Callable
 
 from jaxinfer import ollama
-from jaxinfer.server import Server
+from jaxinfer.server import HTTPError, Server, authorize
 
 
 class Router:
@@ -176,13 +175,12 @@ class Router:
     async def _listed(self, scope, send, path: str) -> None:
         if path == "/health":
             return await _send_json(send, 200, {"status": "draining" if self.closed else "ok"})
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode()
-        if b"x-api-key" in headers:  # Anthropic's clients say it so
-            given = f"Bearer {headers[b'x-api-key'].decode()}"
-        if self.api_key is not None and not secrets.compare_digest(given, f"Bearer {self.api_key}"):
-            message = "a valid API key is needed: Authorization: Bearer KEY"
-            return await _send_json(send, 401, {"error": {"message": message, "type": "authentication_error"}})
+        from starlette.datastructures import Headers
+
+        try:
+            authorize(Headers(scope=scope), self.api_key)
+        except HTTPError as e:
+            return await _send_json(send, e.status, e.body())
         if path == "/v1/models":
             data = [
                 {"id": n, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer"} for n in self.makers

@@ -61,6 +61,18 @@ class HTTPError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def authorize(headers, api_key: str | None) -> None:
+    """Refuse a request (its case-insensitive `headers`) without `api_key` as a bearer token, or as
+    Anthropic's clients say it (x-api-key); None: every request passes."""
+    if api_key is None:
+        return
+    given = headers.get("authorization", "")
+    if "x-api-key" in headers:
+        given = f"Bearer {headers['x-api-key']}"
+    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+
+
 @dataclass
 class _Pending:
     """One HTTP request's choices on their way: the scheduler's thread posts ("text", index, piece,
@@ -200,13 +212,7 @@ class Server:
         return Starlette(routes=routes, exception_handlers={HTTPException: http_exception})
 
     def _authorize(self, request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if "x-api-key" in request.headers:  # Anthropic's clients say it so
-            given = f"Bearer {request.headers['x-api-key']}"
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise HTTPError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error")
+        authorize(request.headers, self.api_key)
 
     async def _page(self, request):
         """The chat page (`jaxinfer/web/index.html`): open without the key, which it asks for."""
