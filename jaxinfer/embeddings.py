@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,36 @@ def embed(
     for dense in pooler.dense:
         out = dense(out)
     return normalized(out) if pooler.normalize else out
+
+
+@dataclass
+class Job:
+    """Texts to embed (their ids; the leading tokens a mean leaves out of each: `embed`'s skips),
+    put in a scheduler's inbox beside requests: the scheduler embeds every one waiting in its next
+    round, between decode steps (`run_jobs`), and `done` is called from its thread with their
+    vectors [N, D] or what failed."""
+
+    inputs: list[list[int]]
+    skips: list[int]
+    done: Callable[[np.ndarray | Exception], None]
+
+
+def run_jobs(model, jobs: list[Job]) -> None:
+    """Every job's texts embedded together (`embed` groups them into passes), each job handed its
+    own vectors; a failure (the device's) handed to each instead."""
+    if not jobs:
+        return
+    inputs, skips = [ids for job in jobs for ids in job.inputs], [n for job in jobs for n in job.skips]
+    try:
+        vectors = embed(model.params, model.config, model.pooler, inputs, skips)
+    except Exception as e:
+        for job in jobs:
+            job.done(e)
+        return
+    at = 0
+    for job in jobs:
+        job.done(vectors[at : at + len(job.inputs)])
+        at += len(job.inputs)
 
 
 def shortened(vectors: np.ndarray, dimensions: int | None, pooler: Pooler) -> np.ndarray:

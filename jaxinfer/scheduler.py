@@ -83,36 +83,25 @@ class Request:
     timings: Timings | None = None  # where the client holds it: the row's, kept current as it runs
 
 
-@dataclass
-class Embedding:
-    """Texts to embed (their ids; the leading tokens a mean leaves out of each: `embeddings.embed`),
-    put in the inbox beside requests: the scheduler embeds every one waiting in its next round,
-    between decode steps, and calls `done` (from its thread) with their vectors [N, D] or what failed."""
-
-    inputs: list[list[int]]
-    skips: list[int]
-    done: Callable[[np.ndarray | Exception], None]
-
-
 class Inbox:
     """Requests arriving from other threads (a server's handlers), taken by the scheduler as slots
     free up, and texts to embed. `close` ends the scheduler's `run` once what was put is done."""
 
     def __init__(self):
         self._queue: deque[Request] = deque()
-        self._embeddings: deque[Embedding] = deque()
+        self._embeddings: deque[embeddings.Job] = deque()
         self._ready = threading.Condition()
         self.closed = False
         self.on_dropped: Callable[[Request], None] | None = None
 
-    def put(self, request: Request | Embedding) -> None:
+    def put(self, request: Request | embeddings.Job) -> None:
         with self._ready:
             if self.closed:
                 raise JaxinferError("the scheduler is shutting down")
-            (self._embeddings if isinstance(request, Embedding) else self._queue).append(request)
+            (self._embeddings if isinstance(request, embeddings.Job) else self._queue).append(request)
             self._ready.notify()
 
-    def take_embeddings(self) -> list[Embedding]:
+    def take_embeddings(self) -> list[embeddings.Job]:
         with self._ready:
             taken, self._embeddings = list(self._embeddings), deque()
         return taken
@@ -257,7 +246,7 @@ class Scheduler:
         Texts waiting to be embedded are embedded first, all in the same passes. The dispatch runs
         on while the caller goes on (it waits at the next round's collect). False where no row
         runs: nothing to wait for but the inbox."""
-        self._embed(inbox.take_embeddings())
+        embeddings.run_jobs(self.model, inbox.take_embeddings())
         if continuous or not self.busy:
             self._admit(inbox, wait_for_mates=continuous)
         if not self.busy:
@@ -268,24 +257,6 @@ class Scheduler:
         if self.busy:
             self._dispatch(made)
         return True
-
-    def _embed(self, waiting: list[Embedding]) -> None:
-        """Every waiting text embedded together (`embeddings.embed` groups them into passes), each
-        client handed its own vectors; a failure (the device's) handed to each instead."""
-        if not waiting:
-            return
-        inputs, skips = [ids for e in waiting for ids in e.inputs], [n for e in waiting for n in e.skips]
-        model = self.model
-        try:
-            vectors = embeddings.embed(model.params, model.config, model.pooler, inputs, skips)
-        except Exception as e:
-            for embedding in waiting:
-                embedding.done(e)
-            return
-        at = 0
-        for embedding in waiting:
-            embedding.done(vectors[at : at + len(embedding.inputs)])
-            at += len(embedding.inputs)
 
     def _dispatch(self, made: int) -> None:
         """The next decode steps of every live row, sized by `pace` from the last dispatch's time

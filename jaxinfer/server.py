@@ -39,7 +39,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.metrics import Metrics
 from jaxinfer.protocols import PROTOCOLS, Protocol
 from jaxinfer.replies import Reading
-from jaxinfer.scheduler import Embedding, Inbox, Request, Scheduler
+from jaxinfer.scheduler import Inbox, Request, Scheduler
 
 # decode steps per dispatch: about this long, so text streams and new requests start that often (0.1 s
 # measured no faster: 64 clients, bundled model, two A/B rounds, ×0.80–0.84 against ×0.87 of batch)
@@ -275,7 +275,7 @@ class Server:
     def _embeddings(self, url: str):
         """An embedding endpoint, OpenAI's (/v1/embeddings) or ollama's (/api/embed, the older
         /api/embeddings): the body read (an `embeddings.Asked`), its texts tokenized (in a thread)
-        and embedded in the scheduler's next round beside every other waiting (`Scheduler._embed`),
+        and embedded in the scheduler's next round beside every other waiting (`embeddings.run_jobs`),
         the vectors answered in the endpoint's shape."""
         from starlette.concurrency import run_in_threadpool
 
@@ -323,7 +323,7 @@ class Server:
                 pass
 
         try:
-            self.inbox.put(Embedding(ids, skips, done))
+            self.inbox.put(embeddings.Job(ids, skips, done))
         except JaxinferError:  # closed (SIGTERM)
             raise HTTPError(503, "the server is shutting down", "server_error") from None
         return await vectors

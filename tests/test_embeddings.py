@@ -25,7 +25,7 @@ from jaxinfer.embeddings import Asked
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
-from jaxinfer.scheduler import Embedding, Inbox, Request, Scheduler
+from jaxinfer.scheduler import Inbox, Request, Scheduler
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -176,7 +176,7 @@ def test_the_scheduler_embeds_between_decode_steps(tiny):
     inbox.put(request())
     worker = threading.Thread(target=scheduler.run, args=(inbox, records.append))
     worker.start()
-    inbox.put(Embedding(ids, [0] * 3, vectors.append))
+    inbox.put(embeddings.Job(ids, [0] * 3, vectors.append))
     inbox.close()
     worker.join(WAIT_S)
     assert records[0]["text"] == plain[0]["text"] and records[0]["generated_tokens"] == 40
