@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, boolean
 
 # the ollama API these endpoints follow: clients check it (Copilot asks for a recent one)
 VERSION = "0.13.0"
@@ -117,9 +117,7 @@ def embed_request(body: dict, legacy: bool = False):
             raise JaxinferError('"prompt" must be the text to embed', "prompt")
         return Asked([body["prompt"]], truncate=True)
     body = _known(body, {"input", "truncate", "dimensions", "options"})
-    if not isinstance(body.get("truncate", True), bool):
-        raise JaxinferError('"truncate" must be true or false', "truncate")
-    return Asked(inputs_of(body.get("input")), dimensions_of(body), body.get("truncate", True))
+    return Asked(inputs_of(body.get("input")), dimensions_of(body), boolean(body, "truncate", True))
 
 
 def embed_answer(name: str, vectors, tokens: int, seconds: float, legacy: bool = False) -> dict:
