@@ -1,5 +1,8 @@
 """transformers as the reference: its logits and greedy output, and ours to compare with them."""
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -23,8 +26,15 @@ def hf_logits(hf, ids):
 def our_prompt_logits(model, ids, S=64):
     """Logits [T, V] of one fresh prefill, and the cache it filled."""
     cache = KVCache.zeros(model.config, 1, S, M.compute_dtype(model.params))
-    hidden, cache = M.forward(model.params, model.config, jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, S)
-    return np.asarray(M.logits(model.params, hidden, model.config))[0], cache
+    logits, cache = _prefill(model.params, jnp.asarray([ids]), cache, cfg=model.config, S=S)
+    return np.asarray(logits)[0], cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "S"))
+def _prefill(params, ids, cache, *, cfg, S):
+    """Compiled: op by op, a pass dispatches hundreds of programs (test_gguf's logits test ×N slower)."""
+    hidden, cache = M.forward(params, cfg, ids, jnp.arange(ids.shape[1])[None], cache, S)
+    return M.logits(params, hidden, cfg), cache
 
 
 def assert_close(ours, ref, rel=1e-4):

@@ -1,10 +1,9 @@
-"""Tensor parallelism (`--devices`): the same greedy tokens on 1, 2 and 4 CPU devices, through run's
-engine and batch's runner, with the weights and the cache really split. The devices are XLA's CPU
+"""Tensor parallelism (`--devices`): the same greedy tokens on 1 and 4 CPU devices (-q int8's on 2),
+through run's engine and batch's runner, with the weights and the cache really split. The devices are XLA's CPU
 devices, which must be asked for before JAX starts: the runs happen in a process of their own
 (`tests/sharded.py`); two processes join one mesh through `jax.distributed`."""
 
 import json
-import os
 import re
 import signal
 import socket
@@ -58,7 +57,7 @@ def test_devices_give_the_same_tokens(sharded, arch):
     one = by_devices["1"]
     assert len(one["run"]) == 60 and len(one["batch"]) == len(BATCH)
     assert "4" in by_devices
-    for devices in by_devices.keys() - {"1"}:
+    for devices in by_devices.keys() - {"1", "2"}:  # at 2 devices, -q int8 only
         assert by_devices[devices]["run"] == by_devices[devices]["again"] == one["run"], devices
         assert by_devices[devices]["batch"] == one["batch"], devices
 
@@ -141,7 +140,6 @@ def test_processes_join_one_mesh(sharded, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "JAXINFER_CACHE_DIR": ""},
         )
 
     run = ("run", "-m", paths["llama"], *RUN, "--json", "-")
