@@ -216,7 +216,7 @@ def run(
     from jaxinfer.errors import JaxinferError
     from jaxinfer.generate import Generation
     from jaxinfer.processes import share
-    from jaxinfer.replies import Reading
+    from jaxinfer.replies import Reading, bounded
     from jaxinfer.runtime import check_backend
     from jaxinfer.sampling import check_logprobs
     from jaxinfer.text import check_echo, check_stops
@@ -261,11 +261,13 @@ def run(
     special = system is None  # a chat turn's template writes the special tokens itself
     template = ChatTemplate.of(loaded)
     reading = Reading("harmony" if template.is_harmony else None)  # gpt-oss: reasoning apart from the answer
+    thinking = None
     if system is not None:
         if template.is_fallback:
             render.notice(FALLBACK_NOTICE)
         turns = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         text, reading = template.prompt(turns, chat, reading.calls, **template.reasoning(reasoning_effort))
+        thinking = bounded(chat.reasoning_budget, template.source, reading.opened, loaded.tokenizer)
         stops += template.stop
     check_text_fits(text, loaded.tokenizer, context)
     prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=special)
@@ -285,6 +287,7 @@ def run(
         constraint=constraint,
         echo=echo,
         logit_bias=bias,
+        thinking=thinking,
     )
     try:
         if json_output:

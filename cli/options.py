@@ -216,7 +216,7 @@ REASONING_BUDGET = typer.Option(
     "--reasoning-budget",
     metavar="N",
     help="-1: a thinking model thinks as it will; 0: it does not (its template's enable_thinking off, else an "
-    "empty thinking block), as llama.cpp's.",
+    "empty thinking block); N: its thinking block is closed after N tokens, and it answers. As llama.cpp's.",
 )
 CHAT_TEMPLATE_FILE = typer.Option(
     None,

@@ -9,8 +9,9 @@ earlier turns are dropped, as the templates drop earlier reasoning; a last assis
 reply begun, which the answer continues), `system` (a string or text
 blocks), `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` ({name, description,
 input_schema}), `tool_choice` (auto, any, tool, none), `thinking` ({"type": "disabled"} turns a
-thinking model's thinking off; enabled is its default), `output_config` (`format`: a JSON schema
-the answer is decoded to match; `effort`: the template's reasoning effort, where it takes one), and
+thinking model's thinking off; enabled is its default, its `budget_tokens` the tokens the thinking
+block may hold), `output_config` (`format`: a JSON schema the answer is decoded to match; `effort`:
+the template's reasoning effort, where it takes one), and
 the older `temperature`, `top_p`, `top_k` (today's client sends them as `extra_body`). Accepted and
 ignored: `IGNORED`, and `stream` (the server's). Images, documents, containers and the server-side
 tools (web search, code execution, MCP) are refused in one line; so is any other field.
@@ -72,6 +73,8 @@ def to_item(body: dict) -> dict:
             raise JaxinferError('"thinking" must be {"type": "enabled" | "disabled", ...}', "thinking")
         if thinking["type"] == "disabled":
             item["chat_template_kwargs"] = {"enable_thinking": False}
+        elif "budget_tokens" in thinking:  # the thinking block closed after that many tokens
+            item["thinking_budget_tokens"] = thinking["budget_tokens"]
     return item
 
 

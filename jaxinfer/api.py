@@ -28,7 +28,7 @@ from jaxinfer.errors import JaxinferError, boolean, refuse_unknown
 from jaxinfer.loading import LoadedModel
 from jaxinfer.matchers import check_for
 from jaxinfer.processes import shared_seed
-from jaxinfer.replies import Reading
+from jaxinfer.replies import Reading, Thinking, bounded
 from jaxinfer.sampling import check_logprobs
 from jaxinfer.scheduler import Request
 from jaxinfer.slots import penalized
@@ -51,6 +51,8 @@ FIELDS = {
     "tool_choice",
     "reasoning_effort",
     "reasoning_format",
+    "thinking_budget_tokens",  # llama-server's: a thinking block closed after this many tokens
+    "min_tokens",  # vLLM's: no EOS before this many tokens
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
@@ -89,7 +91,6 @@ ACCEPTED = {
 REFUSED = {
     "web_search_options": "searching the web is not offered: the model answers from what it knows",
     "audio": "audio output is not offered: the models here write text",
-    "min_tokens": "min_tokens is not offered: use ignore_eos with max_tokens for a fixed length",
 }
 
 
@@ -127,7 +128,7 @@ class Parser:
         tokenizer = self.model.tokenizer
         if ("prompt" in item) == ("messages" in item):
             raise JaxinferError('a request needs exactly one of "prompt" and "messages"')
-        (tools, forced), reading = check_tools(item.get("tools"), item.get("tool_choice")), None
+        (tools, forced), reading, thinking = check_tools(item.get("tools"), item.get("tool_choice")), None, None
         if "prompt" in item:
             if not isinstance(item["prompt"], str) or not (item["prompt"] or "suffix" in item):
                 raise JaxinferError('"prompt" must be a non-empty string')  # before a suffix it may be empty
@@ -136,6 +137,7 @@ class Parser:
             for name in (
                 "reasoning_effort",
                 "reasoning_format",
+                "thinking_budget_tokens",
                 "chat_template_kwargs",
                 "add_generation_prompt",
                 "continue_final_message",
@@ -150,7 +152,7 @@ class Parser:
         elif "suffix" in item or "input_extra" in item:
             raise JaxinferError('"suffix" goes with "prompt": the code before and after the gap to fill', "suffix")
         else:
-            text, reading = self.chat_prompt(item, tools, forced)
+            text, reading, thinking = self.chat_prompt(item, tools, forced)
             check_text_fits(text, tokenizer, self.context)
             ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = _whole(item, "max_tokens", self.max_tokens) if "max_tokens" in item else self.max_tokens
@@ -159,6 +161,9 @@ class Parser:
             max_tokens = max(1, min(default, self.context - len(ids)))
         seed = _whole(item, "seed", shared_seed(), minimum=None)
         check_fits(len(ids), max_tokens, self.context)
+        min_tokens = _whole(item, "min_tokens", 0, minimum=0)
+        if min_tokens > max_tokens:
+            raise JaxinferError(f'"min_tokens" ({min_tokens}) must not pass "max_tokens" ({max_tokens})', "min_tokens")
         given = {k: item[k] for k in SAMPLING_FIELDS if k in item}
         for name, value in given.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -189,7 +194,8 @@ class Parser:
             check_one_process()
             check_for(constraint, tokenizer, self.model.config.sampled_ids, self.model.eos_ids)
         logit_bias = self._logit_bias(item.get("logit_bias"))
-        speculate &= not logit_bias and not penalized(sampling)  # a penalized row drafts nothing
+        # a penalized or guarded row drafts nothing
+        speculate &= not logit_bias and not penalized(sampling) and not min_tokens and thinking is None
         return Request(
             request_id,
             ids,
@@ -202,6 +208,8 @@ class Parser:
             logprobs,
             constraint,
             logit_bias=logit_bias,
+            min_tokens=min_tokens,
+            thinking=thinking,
             reading=reading,
             echo=item["prompt"] if echo else None,
         )
@@ -220,9 +228,12 @@ class Parser:
         room = self.context - (asked if isinstance(asked, int) and 0 < asked < self.context else self.context // 4)
         return infill.prompt_ids(self.model.tokenizer, item["prompt"][-most:], suffix[:most], files, room)
 
-    def chat_prompt(self, item: dict, tools: list[dict] | None = None, forced=None) -> tuple[str, Reading]:
+    def chat_prompt(
+        self, item: dict, tools: list[dict] | None = None, forced=None
+    ) -> tuple[str, Reading, Thinking | None]:
         """A chat request's conversation rendered by the template (with `tools` offered, where a call
-        is `forced` or not), and how its reply reads (`ChatTemplate.prompt`)."""
+        is `forced` or not), how its reply reads (`ChatTemplate.prompt`), and the bound its reasoning
+        budget sets (`replies.bounded`)."""
         found = format_of(self.template.source)
         if tools and found is None:
             raise JaxinferError("this model's chat template offers no tools (in a format parsed here)", "tools")
@@ -236,7 +247,9 @@ class Parser:
         if "chat_template_kwargs" in item or "reasoning_format" in item:
             kwargs = {**chat.kwargs, **check_kwargs(item.get("chat_template_kwargs", {}))}
             chat = replace(chat, kwargs=kwargs, reasoning_format=item.get("reasoning_format", chat.reasoning_format))
-        return self.template.prompt(
+        if "thinking_budget_tokens" in item:
+            chat = replace(chat, reasoning_budget=_whole(item, "thinking_budget_tokens", -1, minimum=-1))
+        text, reading = self.template.prompt(
             template_messages(_messages(item.get("messages"))),
             chat,
             calls=found if tools or found == "harmony" else None,  # harmony: the reasoning read apart
@@ -245,6 +258,7 @@ class Parser:
             add_generation_prompt=boolean(item, "add_generation_prompt", not item.get("continue_final_message")),
             **self.template.reasoning(item.get("reasoning_effort"), strict=False),
         )
+        return text, reading, bounded(chat.reasoning_budget, self.template.source, reading.opened, self.model.tokenizer)
 
     def _logit_bias(self, given) -> dict[int, float] | None:
         """OpenAI's logit_bias: {token id (as a string): a bias from -100 (banned) to 100 (forced)}."""

@@ -17,7 +17,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.generate import Generation
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import share
-from jaxinfer.replies import Reading
+from jaxinfer.replies import Reading, bounded
 from jaxinfer.sampling import Sampling
 
 ON_FULL = ("drop-oldest", "error")
@@ -88,6 +88,9 @@ class ChatSession:
             ignore_eos=self.ignore_eos,
             constraint=self.constraint,
             logit_bias=self.logit_bias,
+            thinking=bounded(
+                self.options.reasoning_budget, self.template.source, self.reading.opened, self.model.tokenizer
+            ),
         )
         return gen, notices
 

@@ -127,7 +127,8 @@ class ChatOptions:
     and fields of the same names): `kwargs`, more variables for the template (`chat_template_kwargs`:
     Qwen3's `enable_thinking`); `reasoning_format` "auto" (a thinking model's reasoning read apart
     from its answer: `jaxinfer.replies`) or "none" (left in the content); `reasoning_budget` -1 (the
-    model thinks as it will) or 0 (it does not: the template's switch off, else an empty block)."""
+    model thinks as it will), 0 (it does not: the template's switch off, else an empty block) or N
+    (a thinking block is closed after N tokens: `replies.bounded`)."""
 
     kwargs: dict = field(default_factory=dict)
     reasoning_format: str = "auto"
@@ -140,9 +141,11 @@ class ChatOptions:
                 f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {self.reasoning_format!r}",
                 "reasoning_format",
             )
-        if self.reasoning_budget not in (-1, 0):
+        budget = self.reasoning_budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < -1:
             raise JaxinferError(
-                "reasoning_budget must be -1 (unrestricted) or 0 (no thinking), as llama.cpp's", "reasoning_budget"
+                "reasoning_budget must be -1 (unrestricted), 0 (no thinking) or the tokens a thinking block may hold",
+                "reasoning_budget",
             )
 
 
@@ -238,8 +241,7 @@ class ChatTemplate:
         if options.reasoning_budget == 0 and markers and replying and (opened or "enable_thinking" not in self.source):
             text += ("" if opened else markers[0] + "\n\n") + markers[1] + "\n\n"
             opened = False
-        think = markers if options.reasoning_format == "auto" else None
-        return text, Reading(calls, think, opened and think is not None)
+        return text, Reading(calls, markers if options.reasoning_format == "auto" else None, opened)
 
     def render(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **extra

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxinfer import model
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.kvcache import KVCache
-from jaxinfer.sampling import Penalties, SamplerArrays, logprobs, sample
+from jaxinfer.sampling import Guards, Penalties, SamplerArrays, logprobs, sample
 from jaxinfer.state import DecodeState, Logprobs, Speculation
 
 MAX_BACKOFF = 64  # steps a row with failing drafts waits at most before drafting again
@@ -51,9 +51,12 @@ def _sample_at(
     record: bool = False,
     allowed: jax.Array | None = None,
     penalties: Penalties | None = None,
+    guards: Guards | None = None,
+    eos: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple | None]:
     """One token per row, among the ids the tokenizer has (and its mask `allowed` [B, W] lets it
-    take), after its logit bias and presence/frequency penalties where the state has them, and
+    take), after its logit bias and presence/frequency penalties where the state has them, its
+    `guards` (no `eos` id below its floor, a thinking block's forced end), and
     (`record`) its log-probabilities (`sampling.logprobs`: chosen [B], ids [B, N], top [B, N]; a
     masked row's over the tokens it may take), else None. Keys come from the row's own seed and
     position only: a result never depends on chunking, on other rows, or on which slot it occupies."""
@@ -62,6 +65,8 @@ def _sample_at(
     logits = logits[:, :n]
     if penalties is not None:
         logits = penalties.apply(logits, sampler)
+    if guards is not None:
+        logits = guards.apply(logits, position, eos)
     if allowed is not None:
         bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
         logits = jnp.where(bits.reshape(bits.shape[0], -1)[:, :n] > 0, logits, -jnp.inf)
@@ -104,6 +109,8 @@ def _append(
     if state.penalties is not None:
         counts = state.penalties.counts.at[rows, tokens].add(made.astype(jnp.int32))
         state = replace(state, penalties=replace(state.penalties, counts=counts))
+    if state.guards is not None:
+        state = replace(state, guards=state.guards.advance(state.tokens, state.length, made.sum(1)))
     if constrain is not None:  # one array each way: each costs the callback a conversion
         W = state.allowed.shape[1]
         fed = constrain.advance(jax.ShapeDtypeStruct((B, W + 1), jnp.int32), jnp.where(made, tokens, -1))
@@ -130,6 +137,7 @@ def prefill(
     sampler: SamplerArrays,
     allowed: jax.Array | None = None,
     bias: jax.Array | None = None,
+    guards: tuple[jax.Array, ...] | None = None,
     draft_params: model.Params | None = None,
     *,
     cfg: ModelConfig,
@@ -158,7 +166,8 @@ def prefill(
 
     Where rows are constrained, `allowed` [R, W] masks the new rows' first token and `constrain`
     (static) is the host's callback (`_append`). Where the state is penalized, `bias` [R, V] is the
-    new rows' logit bias (their counts start at zero).
+    new rows' logit bias (their counts start at zero); where it is guarded, `guards` their (floor,
+    budget, left) [R] each.
     """
     R, T = chunk.shape
     B, S = state.tokens.shape
@@ -193,6 +202,8 @@ def prefill(
             record,
             state.allowed,
             state.penalties,
+            state.guards,
+            state.eos,
         )
     length = start + chunk_len  # [R]
     tokens = state.tokens.at[rows[:, None], positions].set(chunk, mode="drop")  # padding lands past `length`
@@ -221,7 +232,14 @@ def prefill(
     if state.penalties is not None:
         penalties = Penalties(bias, jnp.zeros_like(bias, jnp.int32))
         state = replace(state, penalties=jax.tree.map(lambda a, new: a.at[rows].set(new), state.penalties, penalties))
-    first, first_lp = _sample_at(seeds, seen, sampler, logits[:R], length, cfg, record, allowed, penalties)
+    new_guards = None
+    if state.guards is not None:
+        given = dict(zip(("floor", "budget", "left"), guards))
+        new_guards = state.guards.per_row(lambda name, _: given[name])
+        state = replace(state, guards=state.guards.per_row(lambda name, a: a.at[rows].set(given[name])))
+    first, first_lp = _sample_at(
+        seeds, seen, sampler, logits[:R], length, cfg, record, allowed, penalties, new_guards, state.eos
+    )
     started = jnp.zeros(B, bool).at[rows].set(final)
     token = jnp.zeros(B, jnp.int32).at[rows].set(first)
     lp = first_lp and tuple(jnp.zeros((B, *x.shape[1:]), x.dtype).at[rows].set(x) for x in first_lp)
@@ -280,6 +298,8 @@ def decode_step(
         state.logprobs is not None,
         state.allowed,
         state.penalties,
+        state.guards,
+        state.eos,
     )
     return _append(state, token[:, None], active[:, None], lp and tuple(x[:, None] for x in lp), constrain)[0]
 
@@ -407,6 +427,8 @@ def verify_step(
         state.logprobs is not None,
         None if allowed is None else flat(allowed),
         None if state.penalties is None else jax.tree.map(each, state.penalties),  # a penalized row drafts nothing
+        None if state.guards is None else state.guards.per_row(lambda _, a: each(a)),  # a guarded row drafts nothing
+        state.eos,
     )
     target = target.reshape(B, K + 1)
     lp = lp and tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)

@@ -21,6 +21,7 @@ from jaxinfer.buckets import check_fits
 from jaxinfer.config import ModelConfig
 from jaxinfer.constrain import Constraint
 from jaxinfer.processes import shared_seed
+from jaxinfer.replies import Thinking
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling, check_logit_bias
 from jaxinfer.scheduler import Inbox, Request, Scheduler
@@ -111,13 +112,15 @@ class Engine:
         constraint: Constraint | None = None,
         tokenizer=None,
         logit_bias: dict[int, float] | None = None,
+        thinking: Thinking | None = None,
     ) -> TokenStream:
         """Start generating after `prompt`. `stream=False` runs the whole decode as one loop (one
         call per kv bucket the sequence passes through). With `logprobs`, the stream's `logprobs`
         gather each token's (`sampling.logprobs`); the first such request compiles its programs again.
         A `constraint` (`jaxinfer.constrain`, with the model's `tokenizer`) makes the output match it;
         the stream's finish reason is then "stop" where the match ended it, "unfinished" where the
-        budget ran out inside it. `logit_bias`: token id → added to its logit at every step."""
+        budget ran out inside it. `logit_bias`: token id → added to its logit at every step.
+        `thinking`: a thinking block's budget (`replies.bounded`)."""
         check_fits(len(prompt), max_tokens, self.max_context)
         check_logit_bias(logit_bias, self.cfg.sampled_ids)
         seed = shared_seed() if seed is None else seed
@@ -135,6 +138,7 @@ class Engine:
             logprobs=0 if logprobs else None,
             constraint=constraint,
             logit_bias=logit_bias,
+            thinking=thinking,
             timings=result.timings,
         )
         result.chunks = self._run(request, result, stream)

@@ -14,6 +14,7 @@ from typing import Iterator
 from jaxinfer.constrain import Constraint
 from jaxinfer.engine import Engine
 from jaxinfer.loading import LoadedModel
+from jaxinfer.replies import Thinking
 from jaxinfer.sampling import Sampling
 from jaxinfer.text import TextStream, check_echo, logprob_entries, prompt_logprob_entries
 
@@ -34,12 +35,14 @@ class Generation:
         constraint: Constraint | None = None,
         echo: bool = False,
         logit_bias: dict[int, float] | None = None,
+        thinking: Thinking | None = None,
     ):
         """`logprobs`: None, or how many most likely alternatives (≤ `sampling.TOP_LOGPROBS`) the
         result gives beside each token's own log-probability; `echo`: the prompt's tokens' too
         (`prompt_logprobs`, under the model's own distribution: `perplexity.prompt_logprobs`).
         `constraint`: what the output must match (`jaxinfer.constrain`); `logit_bias`: token id →
-        added to its logit at every step (-inf: never)."""
+        added to its logit at every step (-inf: never); `thinking`: a thinking block's budget
+        (`replies.bounded`)."""
         check_echo(echo, logprobs)
         self.prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._echoed = model if echo else None
@@ -56,6 +59,7 @@ class Generation:
             constraint,
             model.tokenizer,
             logit_bias,
+            thinking,
         )
         self._text = TextStream(model.tokenizer, self.prompt_ids, stop)
 

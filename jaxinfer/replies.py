@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxinfer import harmony, tools
+from jaxinfer.errors import JaxinferError
 
 THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 REASONING_FORMATS = ("auto", "none")  # llama.cpp's --reasoning-format: read apart, or left in the content
@@ -32,7 +33,7 @@ def think_markers(template: str | None) -> tuple[str, str] | None:
 class Reading:
     """`calls`: the tool calls' format (`tools.FORMATS`; None: none offered; "harmony" also holds the
     reasoning); `think`: the (open, close) markers of a thinking block, where reasoning is read
-    apart; `opened`: the prompt ended inside such a block."""
+    apart; `opened`: the prompt ended inside a thinking block (read apart or not)."""
 
     calls: str | None = None
     think: tuple[str, str] | None = None
@@ -87,6 +88,38 @@ class Reading:
                 body = _less_partial(body, close)
             return body.strip(), ""
         return body[:end].strip(), body[end + len(close) :].lstrip()
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking block bounded in the decode loop (llama.cpp's `--reasoning-budget N`): once a block
+    holds `tokens` tokens its closing marker is written, and the model goes on to its answer. The
+    block is open from the reply's start where the prompt opened it (`opened`), else from when the
+    model writes the `opener`; one the model closes itself (`closer`) ends the count. Markers as
+    token ids (`sampling.Guards` applies them)."""
+
+    tokens: int
+    opened: bool
+    opener: tuple[int, ...]
+    closer: tuple[int, ...]
+
+
+def bounded(budget: int, template: str | None, opened: bool, tokenizer) -> Thinking | None:
+    """The bound a reasoning budget sets on a reply to a prompt of this template: None for -1 (none)
+    and 0 (the template already turned thinking off), and for a model that does not think."""
+    if budget <= 0:
+        return None
+    if harmony.is_harmony(template):
+        raise JaxinferError(
+            "reasoning_budget N is not offered in harmony's format (gpt-oss): its reasoning_effort says how "
+            "long it thinks",
+            "reasoning_budget",
+        )
+    markers = think_markers(template)
+    if markers is None:
+        return None
+    opener, closer = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in markers)
+    return Thinking(budget, opened, opener, closer)
 
 
 def _less_partial(text: str, marker: str) -> str:

@@ -8,7 +8,7 @@ temperature, top-k, top-p, min-p.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +236,70 @@ class Penalties:
         counts = self.counts[:, :n].astype(jnp.float32)
         penalty = p.frequency_penalty[:, None] * counts + p.presence_penalty[:, None] * (counts > 0)
         return logits + self.bias[:, :n] - penalty
+
+
+# A row's `Guards.left` outside a thinking block: more tokens than any context holds
+UNBOUNDED = 2**30
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Guards:
+    """Where a state bars or forces tokens by a row's own count (only states that ask carry it):
+    - `floor` [B] int32: below this position the row samples no EOS id (vLLM's `min_tokens`);
+    - `budget` [B] int32: the tokens a thinking block of the row may hold (UNBOUNDED: no budget);
+    - `left` [B] int32: those it may still write in the block it is in (UNBOUNDED outside one);
+      at 0 and below, the closer is forced a token at a time: `closer[-left]` (llama.cpp's
+      `--reasoning-budget N`);
+    - `opener` [O], `closer` [C]: the markers that open and close a block (the row's last tokens
+      matching one starts or ends its count)."""
+
+    floor: jax.Array
+    budget: jax.Array
+    left: jax.Array
+    opener: jax.Array
+    closer: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, markers: tuple[tuple[int, ...], tuple[int, ...]]) -> Guards:
+        """No row guarded; `markers` the (opener, closer) token ids (empty: -1, never made)."""
+        ids = [np.asarray(m or (-1,), np.int32) for m in markers]
+        return cls(*(np.full(batch, v, np.int32) for v in (0, UNBOUNDED, UNBOUNDED)), *ids)
+
+    @staticmethod
+    def rows(rows: list[tuple[int, int, bool]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(floor, budget, left) [R] of rows admitted as (floor, budget or -1, opened by the prompt)."""
+        budget = [UNBOUNDED if b < 0 else b for _, b, _ in rows]
+        left = [b if opened else UNBOUNDED for b, (*_, opened) in zip(budget, rows)]
+        return tuple(np.asarray(x, np.int32) for x in ([f for f, *_ in rows], budget, left))
+
+    def per_row(self, change) -> Guards:
+        """The per-row fields (floor, budget, left) as `change(name, array)` gives them."""
+        return replace(self, **{name: change(name, getattr(self, name)) for name in ("floor", "budget", "left")})
+
+    def apply(self, logits: jax.Array, position: jax.Array, eos: jax.Array) -> jax.Array:
+        """logits [B, n] of tokens for `position` [B]: a row forced to end its block may take only the
+        closer's next token, a row below its floor no EOS id."""
+        ids = jnp.arange(logits.shape[1])
+        next_forced = self.closer[jnp.clip(-self.left, 0, self.closer.shape[0] - 1)]
+        logits = jnp.where((self.left <= 0)[:, None] & (ids != next_forced[:, None]), -jnp.inf, logits)
+        return jnp.where((position < self.floor)[:, None] & jnp.isin(ids, eos)[None], -jnp.inf, logits)
+
+    def advance(self, tokens: jax.Array, length: jax.Array, made: jax.Array) -> Guards:
+        """After rows made `made` [B] tokens, now `length` [B] long (`tokens` [B, S] every row's): a
+        forced token moves the forcing on (the last ends it), a row whose tokens end in the opener
+        starts counting its budget, in the closer stops, and any other token counts one down. A
+        guarded row makes one token a step (it drafts nothing)."""
+
+        def ends_in(marker: jax.Array) -> jax.Array:
+            at = jnp.maximum(length[:, None] - marker.shape[0] + jnp.arange(marker.shape[0]), 0)
+            return jnp.all(jnp.take_along_axis(tokens, at, axis=1) == marker, axis=1) & (length >= marker.shape[0])
+
+        forcing = jnp.where(-self.left >= self.closer.shape[0] - 1, UNBOUNDED, self.left - 1)
+        closed = jnp.where(ends_in(self.closer), UNBOUNDED, self.left - made)
+        counted = jnp.where(ends_in(self.opener), self.budget, closed)
+        left = jnp.where(made == 0, self.left, jnp.where(self.left <= 0, forcing, counted))
+        return replace(self, left=left)
 
 
 def _penalized(logits: jax.Array, seen: jax.Array, p: SamplerArrays) -> jax.Array:

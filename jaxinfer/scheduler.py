@@ -35,7 +35,7 @@ from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
 from jaxinfer.processes import agree, stop_point
-from jaxinfer.replies import Reading
+from jaxinfer.replies import Reading, Thinking
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.slots import Admission, Decoding, Slots, penalized
@@ -67,6 +67,8 @@ class Request:
     logprobs: int | None = None  # alternatives per token beside its own log-probability (None: none given)
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit
+    min_tokens: int = 0  # no EOS id before this many tokens (vLLM's)
+    thinking: Thinking | None = None  # a thinking block's budget (`replies.bounded`)
     reading: Reading | None = None  # how a chat reply reads: reasoning, content, tool calls (`jaxinfer.replies`)
     # OpenAI's echo: the prompt's text, given back in the record ("prompt"), with its tokens'
     # log-probabilities where logprobs are asked for ("prompt_logprobs": `perplexity.prompt_logprobs`)
@@ -340,6 +342,8 @@ class Scheduler:
             self.slots.constrain(self.model.tokenizer)
         if any(r.logit_bias or penalized(r.sampling) for *_, r in admitted):
             self.slots.penalize()
+        if any(r.min_tokens or r.thinking for *_, r in admitted):
+            self.slots.guard(next((r.thinking for *_, r in admitted if r.thinking), None))
         timings: list[Timings] = []  # known before the prefill runs: an interrupted one (chat's Ctrl-C) says them too
         for i, start, *_, request in admitted:
             self._held[i] = np.asarray(request.prompt_ids[:start], np.int32)  # prefill overwrites what follows
@@ -360,6 +364,8 @@ class Scheduler:
                     speculate=r.speculate,
                     constraint=r.constraint,
                     logit_bias=r.logit_bias,
+                    min_tokens=r.min_tokens,
+                    thinking=r.thinking,
                     source=source,
                     restore=restore,
                 )

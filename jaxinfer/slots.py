@@ -46,9 +46,10 @@ from jaxinfer.decode import decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.matchers import HostCall, Matchers
 from jaxinfer.processes import agree
+from jaxinfer.replies import Thinking
 from jaxinfer.roofline import Storage
 from jaxinfer.runtime import CompileReport, Programs, check_backend, interrupts_held
-from jaxinfer.sampling import Penalties, Sampling
+from jaxinfer.sampling import Guards, Penalties, Sampling
 from jaxinfer.sharding import mesh_of, state_shardings
 from jaxinfer.state import DecodeState, Logprobs, Speculation, admission, copy_rows, initial_state, restore_rows, retire
 
@@ -104,6 +105,8 @@ class Admission:
     speculate: bool = False  # draft, where the Slots speculate
     constraint: Constraint | None = None  # what the output must match (`jaxinfer.constrain`; the Slots `constrain`)
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (the Slots `penalize`)
+    min_tokens: int = 0  # no EOS id before this many tokens (the Slots `guard`)
+    thinking: Thinking | None = None  # a thinking block's budget (the Slots `guard`)
     source: int | None = None  # the row holding the first `start` tokens' K/V, where not this one
     # a hybrid's row takes the DeltaNet state it kept after its last prompt (the first `start`
     # tokens), not the one after all it holds (`DeltaState.keep`)
@@ -113,6 +116,11 @@ class Admission:
     def penalized(self) -> bool:
         """Needs the Slots' `penalize`: a logit bias, or presence/frequency penalties."""
         return bool(self.logit_bias) or penalized(self.sampling)
+
+    @property
+    def guarded(self) -> bool:
+        """Needs the Slots' `guard`: a floor under EOS, or a thinking budget."""
+        return self.min_tokens > 0 or self.thinking is not None
 
 
 def penalized(sampling: Sampling) -> bool:
@@ -161,6 +169,7 @@ class Slots:
         check_memory(cfg, Storage.of_params(params), batch, max_context, draft, mesh_of(params))
         self.recording = False  # each token's log-probabilities (`record_logprobs`)
         self.penalizing = False  # rows may have a logit bias or presence/frequency penalties (`penalize`)
+        self.markers: tuple | None = None  # rows may have guards, with these thinking markers (`guard`)
         self.matchers: Matchers | None = None  # where rows may be constrained (`constrain`)
         self._shape()
         self.reset()
@@ -194,6 +203,7 @@ class Slots:
             self.recording,
             self.matchers is not None,
             self.penalizing,
+            self.markers,
         )
         mesh = mesh_of(self.params)
         self._placed = (
@@ -218,6 +228,19 @@ class Slots:
         if not self.penalizing:
             self.penalizing = True
             self._grow(penalties=Penalties.zeros(self.batch, self.cfg.vocab_size))
+
+    def guard(self, thinking: Thinking | None = None) -> None:
+        """Let admissions carry a floor under EOS and a thinking budget (`thinking`'s markers) from
+        now on: the state gains every row's guards ([B] each, with the markers: `sampling.Guards`)
+        and the programs compile once more (again where other markers come: running rows keep
+        theirs). A guarded row drafts nothing (its count would move inside a verifying pass)."""
+        markers = (thinking.opener, thinking.closer) if thinking is not None else self.markers or ((), ())
+        if markers != self.markers:
+            guards = Guards.zeros(self.batch, markers)
+            if self.markers is not None:
+                guards = replace(self.state.guards, opener=guards.opener, closer=guards.closer)
+            self.markers = markers
+            self._grow(guards=guards)
 
     def constrain(self, tokenizer) -> None:
         """Let admissions carry a `constraint` from now on: the state gains every row's token mask
@@ -293,6 +316,11 @@ class Slots:
             raise ValueError("a constraint needs Slots.constrain first")
         if not self.penalizing and any(a.penalized for a in admissions):
             raise ValueError("a logit bias or presence/frequency penalties need Slots.penalize first")
+        if any(a.guarded for a in admissions) and (
+            self.markers is None
+            or any(a.thinking and (a.thinking.opener, a.thinking.closer) != self.markers for a in admissions)
+        ):
+            raise ValueError("a floor under EOS or a thinking budget needs Slots.guard first, with its markers")
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use
             holder = lambda a: a.row if a.source is None else a.source  # noqa: E731
             admissions = [
@@ -354,10 +382,11 @@ class Slots:
             [a.seed for a in admissions],
             [a.sampling for a in admissions],
             [a.ignore_eos for a in admissions],
-            [a.speculate and not a.penalized for a in admissions],  # a penalized row drafts nothing
+            [a.speculate and not (a.penalized or a.guarded) for a in admissions],  # neither drafts
             bucket,
             None if self.matchers is None else self.matchers.masks[[a.row for a in admissions]],
             self._bias(admissions) if self.penalizing else None,
+            None if self.markers is None else Guards.rows([_guards(a) for a in admissions]),
         )
         args += (self.draft_params,)
         fresh = not any(starts)
@@ -509,3 +538,9 @@ class Slots:
         with interrupts_held():  # as `_call`
             self.state = retire(self.state, placed)
         self._live &= ~rows
+
+
+def _guards(a: Admission) -> tuple[int, int, bool]:
+    """An admission's (floor, thinking budget or -1, opened by the prompt): `Guards.rows`."""
+    floor = len(a.prompt) + a.min_tokens
+    return (floor, -1, False) if a.thinking is None else (floor, a.thinking.tokens, a.thinking.opened)

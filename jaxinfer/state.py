@@ -16,7 +16,7 @@ from jaxinfer import model
 from jaxinfer.config import ModelConfig
 from jaxinfer.constrain import mask_words
 from jaxinfer.kvcache import KVCache
-from jaxinfer.sampling import TOP_LOGPROBS, Penalties, SamplerArrays, Sampling
+from jaxinfer.sampling import TOP_LOGPROBS, Guards, Penalties, SamplerArrays, Sampling
 from jaxinfer.sharding import mesh_of
 
 
@@ -74,6 +74,8 @@ class DecodeState:
     allowed: jax.Array | None = None
     # where rows may have a logit bias or presence/frequency penalties (`sampling.Penalties`)
     penalties: Penalties | None = None
+    # where rows may have a floor under EOS (min_tokens) or a thinking budget (`sampling.Guards`)
+    guards: Guards | None = None
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,12 @@ def initial_state(
     record_logprobs: bool = False,
     constrained: bool = False,
     penalized: bool = False,
+    markers: tuple[tuple[int, ...], ...] | None = None,
 ) -> DecodeState:
     """An empty state: zero caches in the weights' dtypes, every row done; with `record_logprobs`,
     room for each position's log-probabilities; with `constrained`, every row's token mask; with
-    `penalized`, every row's logit bias and counts of generated tokens."""
+    `penalized`, every row's logit bias and counts of generated tokens; with `markers` (a thinking
+    block's opener and closer: `Guards`), every row's guards."""
     whole = mesh_of(params) is None
     draft_cache = (
         KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None
@@ -135,6 +139,7 @@ def initial_state(
         logprobs=Logprobs.zeros(batch, max_context, cfg) if record_logprobs else None,
         allowed=jnp.full((batch, mask_words(cfg.sampled_ids)), -1, jnp.int32) if constrained else None,
         penalties=Penalties.zeros(batch, cfg.vocab_size) if penalized else None,
+        guards=None if markers is None else jax.device_put(Guards.zeros(batch, markers)),
     )
 
 
@@ -151,10 +156,12 @@ def admission(
     bucket: int,
     allowed: np.ndarray | None = None,
     bias: np.ndarray | None = None,
+    guards: tuple[np.ndarray, ...] | None = None,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
     `bucket`; the chunk is final where `end` is the prompt's end; where rows are constrained, their
-    first token's masks `allowed` [R, W]; where the state is penalized, their logit bias [R, V].
+    first token's masks `allowed` [R, W]; where the state is penalized, their logit bias [R, V];
+    where it is guarded, their (floor, budget, left) [R] each (`Guards.rows`).
     Host values go over with one device_put (jnp.asarray would compile a conversion program per call)."""
     chunk = np.zeros((len(rows), bucket), np.int32)
     for i, (prompt, start, end) in enumerate(zip(prompts, starts, ends)):
@@ -169,6 +176,7 @@ def admission(
         SamplerArrays.from_settings(samplings),
         None if allowed is None else jax.device_put(allowed),
         None if bias is None else jax.device_put(bias),
+        None if guards is None else jax.device_put(guards),
     )
 
 

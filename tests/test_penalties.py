@@ -1,7 +1,8 @@
 """OpenAI's presence and frequency penalties and logit_bias: greedy tokens and log-probabilities
 equal to transformers' logits on the same weights put through OpenAI's documented rule
 (logit − frequency × count − presence × [count > 0] + bias, counts over the generated tokens);
-the same alone, in a batch beside free and speculating rows, and through `run`'s engine."""
+the same alone, in a batch beside free and speculating rows, and through `run`'s engine. vLLM's
+min_tokens as transformers' min_new_tokens."""
 
 import dataclasses
 
@@ -96,6 +97,40 @@ def test_a_penalized_row_beside_free_and_speculating_rows(setup):
     assert records["penalized"]["text"] != records["free"]["text"]  # the penalties act in the batch
     for r in requests:  # each row as it is alone, without speculation (plain greedy is what it verifies against)
         assert records[r.id]["text"] == one(single, r)["text"], r.id
+
+
+def test_min_tokens_is_transformers_min_new_tokens(setup):
+    """vLLM's min_tokens bars EOS ids until that many tokens are made, as transformers'
+    `min_new_tokens`: with the model's third greedy token as its EOS it runs past it, token for token
+    transformers' greedy; beside it a row without a floor and a speculating row are unchanged."""
+    hf, model, _ = setup
+    ids = model.tokenizer.encode(PROMPT)
+    eos = openai_greedy(hf, ids, 3, Sampling(), {})[0][2]
+
+    def transformers_greedy(floor: int) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=24, min_new_tokens=floor, do_sample=False, eos_token_id=eos
+            )
+        return out[0, len(ids) :].tolist()
+
+    floored, unfloored = transformers_greedy(10), transformers_greedy(0)
+    assert len(unfloored) == 3 and len(floored) > 10 and eos not in floored[:10]
+    made = {name: ([], []) for name in ("floored", "unfloored", "speculating")}  # tokens, finish reasons
+
+    def client(name: str):
+        return lambda tokens, logprobs, reason: (made[name][0].extend(tokens), made[name][1].append(reason))
+
+    requests = [
+        Request("floored", ids, Sampling(), 24, seed=0, min_tokens=10, on_tokens=client("floored")),
+        Request("unfloored", ids, Sampling(), 24, seed=0, on_tokens=client("unfloored")),
+        Request("speculating", ids, Sampling(), 24, seed=0, speculate=True, on_tokens=client("speculating")),
+    ]
+    scheduler = Scheduler(dataclasses.replace(model, eos_ids=(eos,)), 3, 128, Decoding(speculation=Speculation(3)))
+    scheduler.run(requests, None)
+    assert made["floored"][0] == floored and made["floored"][1][-1] == ("eos" if floored[-1] == eos else "length")
+    assert made["unfloored"][0] == made["speculating"][0] == unfloored
+    assert made["unfloored"][1][-1] == made["speculating"][1][-1] == "eos"
 
 
 def test_bad_values_are_refused(setup):

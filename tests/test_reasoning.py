@@ -141,6 +141,99 @@ def test_requests_say_the_templates_variables_and_the_reading(tiny):
             parser.parse(9, item)
 
 
+def test_a_budget_closes_the_thinking_block_after_n_tokens():
+    """--reasoning-budget N (llama.cpp's): once a thinking block holds N tokens its closer is written,
+    then the model goes on. Markers taken from what the bundled model writes greedily, so the block
+    opens in the loop as well as in the prompt: the tokens before the closer are the free run's and
+    the closer follows the N-th; a budgeted row beside a speculating one changes neither."""
+    from jaxinfer.engine import Engine
+    from jaxinfer.loading import load_model
+    from jaxinfer.replies import Thinking
+    from jaxinfer.sampling import Sampling
+    from jaxinfer.scheduler import Request, Scheduler
+    from jaxinfer.slots import Decoding
+    from jaxinfer.state import Speculation
+
+    model = load_model()
+    ids = model.tokenizer.encode("def fibonacci(n):")
+    closer = tuple(model.tokenizer.encode(" END", add_special_tokens=False))
+    engine = Engine(model.config, model.params, 256, model.eos_ids)
+
+    def tokens(thinking=None):
+        return [
+            t for chunk in engine.generate(ids, Sampling(), 40, 0, ignore_eos=True, thinking=thinking) for t in chunk
+        ]
+
+    free = tokens()
+    assert not set(closer) & set(free[:16])  # the closer is the budget's, not the model's own
+    opened_in_loop = Thinking(6, False, tuple(free[3:5]), closer)
+    assert tokens(opened_in_loop)[:13] == free[:11] + list(closer)
+    assert tokens(Thinking(4, True, (), closer))[:6] == free[:4] + list(closer)  # the prompt opened it
+    budgeted = tokens(opened_in_loop)
+    records = {}
+    requests = [
+        Request("budgeted", ids, Sampling(), 40, 0, ignore_eos=True, speculate=True, thinking=opened_in_loop),
+        Request("free", ids, Sampling(), 40, 0, ignore_eos=True, speculate=True),
+    ]
+    scheduler = Scheduler(model, 2, 256, Decoding(speculation=Speculation(draft=3)))
+    floored = Request("floored", ids, Sampling(), 40, 0, ignore_eos=True, min_tokens=8)  # guards without markers
+    scheduler.run([floored], lambda r: records.__setitem__(r["id"], r["text"]))
+    scheduler.run(requests, lambda r: records.__setitem__(r["id"], r["text"]))  # the markers join them
+    assert records == {"budgeted": model.tokenizer.decode(budgeted)} | dict.fromkeys(
+        ("free", "floored"), model.tokenizer.decode(free)
+    )
+
+
+def test_a_requests_budget_bounds_its_block_with_the_templates_markers():
+    """`thinking_budget_tokens` (llama-server's field; Anthropic's `thinking.budget_tokens`) and
+    `--reasoning-budget N` give the template's markers as tokens; harmony's format has its own bound."""
+    from jaxinfer import anthropic
+    from jaxinfer.api import Parser
+    from jaxinfer.loading import load_model
+    from jaxinfer.replies import Thinking, bounded
+
+    model = load_model(chat_template=R1.read_text())
+    encode = lambda text: tuple(model.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    messages = [{"role": "user", "content": "Hi"}]
+    asked = Parser(model, 256).parse(0, {"messages": messages, "thinking_budget_tokens": 5})
+    assert asked.thinking == Thinking(5, True, encode("<think>"), encode("</think>")) and not asked.speculate
+    item = anthropic.to_item(
+        {"messages": messages, "max_tokens": 9, "thinking": {"type": "enabled", "budget_tokens": 5}}
+    )
+    assert Parser(model, 256).parse(0, item).thinking == asked.thinking
+    for budget in (-1, 0):  # unbounded, or the template's switch
+        assert Parser(model, 256).parse(0, {"messages": messages, "thinking_budget_tokens": budget}).thinking is None
+    with pytest.raises(JaxinferError, match="reasoning_budget N is not offered in harmony's format"):
+        bounded(5, "<|start|>{{ m }}<|channel|>final<|message|>", False, model.tokenizer)
+
+
+@pytest.mark.slow
+def test_run_closes_the_block_at_the_budget():
+    from jaxinfer.loading import load_model
+
+    ran = jaxinfer(
+        "run",
+        "Say hello.",
+        "--system",
+        "Be brief.",
+        "--chat-template-file",
+        R1,
+        "--reasoning-budget",
+        5,
+        "-n",
+        24,
+        "--temp",
+        0,
+        "--ignore-eos",
+        "--json",
+    )
+    assert ran.returncode == 0, ran.stderr
+    result, tokenizer = json.loads(ran.stdout), load_model().tokenizer
+    closer = tokenizer.encode("</think>", add_special_tokens=False)
+    assert result["token_ids"][5 : 5 + len(closer)] == closer  # R1's prompt opens the block: 5 tokens in it
+    assert result["reasoning"] == tokenizer.decode(result["token_ids"][:5]).strip()
+
+
 # a reply that thinks and then answers, whatever the weights: the server's constraint writes its shape
 SHAPE = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){1,3}\."
 

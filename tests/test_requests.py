@@ -1,6 +1,8 @@
 """What a request body may say (`jaxinfer.api`): the fields clients send as null, roles, stop
 lists. The parser is what batch lines and served bodies both go through."""
 
+from dataclasses import replace
+
 import pytest
 from test_chat_template import TEMPLATES
 
@@ -72,9 +74,16 @@ def test_the_fields_clients_send_are_honoured_ignored_or_refused(parser):
         "chat_template_kwargs": {"unread": 1},
     }
     assert parser.parse(0, from_openai(CHAT, {"messages": HI, "seed": 1} | harmless)) == plain
+    # vLLM's min_tokens is read (the row then drafts nothing); a budget for a model that does not think
+    # changes nothing
+    floor = parser.parse(0, from_openai(CHAT, {"messages": HI, "seed": 1, "min_tokens": 8}))
+    assert floor.min_tokens == 8 and floor == replace(plain, min_tokens=8, speculate=False)
+    assert parser.parse(0, from_openai(CHAT, {"messages": HI, "seed": 1, "thinking_budget_tokens": 16})) == plain
     for field, value, said in [
         ("web_search_options", {}, "searching the web is not offered"),
-        ("min_tokens", 8, "min_tokens is not offered"),
+        ("min_tokens", -1, "must be a whole number ≥ 0"),
+        ("min_tokens", 10**6, r'"min_tokens" \(1000000\) must not pass "max_tokens"'),
+        ("thinking_budget_tokens", -2, "must be a whole number ≥ -1"),
         ("modalities", ["text", "audio"], r'only \["text"\]'),
         ("skip_special_tokens", False, "only true"),
         ("guided_decoding_backend", "x", "unknown field"),
