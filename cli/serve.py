@@ -62,6 +62,21 @@ def serve(
     models_max: int = typer.Option(
         2, "--models-max", help="Models held at once (the least recently used idle one is stopped for another)."
     ),
+    models_memory: Optional[str] = typer.Option(
+        None,
+        "--models-memory",
+        metavar="SIZE",
+        help="Memory the models held may take together, weights and caches (24G, 512M): the least recently used "
+        "idle ones are stopped for another [default: no bound but --models-max].",
+    ),
+    alias: Optional[list[str]] = typer.Option(
+        None,
+        "--alias",
+        "-a",
+        metavar="NAME[=MODEL]",
+        help="Another name requests may give a model (the first model's, or MODEL's: its served name or -m); again "
+        "for more.",
+    ),
 ) -> None:
     """Serve OpenAI's, Anthropic's and ollama's APIs to many clients at once, batched continuously."""
     import uvicorn
@@ -70,8 +85,8 @@ def serve(
     from jaxinfer.chat_template import FALLBACK_NOTICE, ChatTemplate
     from jaxinfer.errors import JaxinferError
     from jaxinfer.forms import layout_for_batch
-    from jaxinfer.listing import models_in
-    from jaxinfer.modeldir import load_config
+    from jaxinfer.listing import disk_bytes, models_in
+    from jaxinfer.modeldir import load_config, model_directory
     from jaxinfer.router import Router
     from jaxinfer.scheduler import Scheduler
     from jaxinfer.server import INTERVAL_S, Server
@@ -87,6 +102,9 @@ def serve(
     flags = options.model_flags(locals())
     for spec in specs[1:]:  # each model's config read now: a bad one is said before serving, not on its first request
         load_config(spec, gguf_file)
+    aliases = _aliases(alias or [], names)
+    memory = None if models_memory is None else _size(models_memory)
+    sizes = {name: disk_bytes(model_directory(spec, gguf_file)) for name, spec in names.items()} if memory else {}
 
     def make(spec: Optional[str]) -> Server:
         """A model's server: its weights loaded (the first at once, the others on their first request)."""
@@ -106,7 +124,8 @@ def serve(
             max_queue,
         )
 
-    server = Router({name: partial(make, spec) for name, spec in names.items()}, models_max, api_key)
+    makers = {name: partial(make, spec) for name, spec in names.items()}
+    server = Router(makers, models_max, api_key, aliases=aliases, memory=memory, sizes=sizes)
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -144,6 +163,41 @@ def _served_name(spec: Optional[str]) -> str:
         return bundled_model_dir().name
     local = Path(spec).expanduser()
     return local.name if local.exists() else spec
+
+
+def _aliases(given: list[str], names: dict[str, Optional[str]]) -> dict[str, str]:
+    """`--alias NAME[=MODEL]` as alias → served name: MODEL a served name or a -m as given, else the first."""
+    from jaxinfer.errors import JaxinferError
+
+    aliases: dict[str, str] = {}
+    for text in given:
+        alias, _, model = text.partition("=")
+        target = model and next((n for n, spec in names.items() if model in (n, spec)), None)
+        if not alias or target is None:
+            raise JaxinferError(
+                f"--alias {text}: NAME, or NAME=MODEL with MODEL one of those served ({', '.join(names)})"
+            )
+        if alias in names or alias in aliases:
+            raise JaxinferError(f"--alias {alias}: that name is taken (a model's, or an earlier alias)")
+        aliases[alias] = target or next(iter(names))
+    return aliases
+
+
+def _size(text: str) -> int:
+    """A size in bytes from 24G, 512M, 1.5T, 4096K or a number of bytes."""
+    from jaxinfer.errors import JaxinferError
+
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    number, unit = text.strip().upper().removesuffix("IB").removesuffix("B"), ""
+    if number[-1:] in units and number[-1:]:
+        number, unit = number[:-1], number[-1]
+    try:
+        size = float(number) * units[unit]
+    except ValueError:
+        size = -1
+    if not size > 0:
+        raise JaxinferError(f"--models-memory {text}: a size such as 24G, 512M or a number of bytes")
+    return int(size)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -64,7 +64,7 @@ def models_in(directory: Path) -> list[Path]:
 
 def _read(name: str, source: str, path: Path, gguf_file: str | None = None) -> Found:
     """What the model at `path` is, from its config (no weights read)."""
-    size = _size(path / gguf_file if gguf_file else path)
+    size = disk_bytes(path / gguf_file if gguf_file else path)
     try:
         cfg = load_config(path / gguf_file if gguf_file else path)[1]
     except JaxinferError as e:
@@ -74,7 +74,8 @@ def _read(name: str, source: str, path: Path, gguf_file: str | None = None) -> F
     return Found(name, source, path, size, cfg.multimodal or cfg.architecture, cfg.headless, gguf_file=gguf_file)
 
 
-def _size(path: Path) -> int:
+def disk_bytes(path: Path) -> int:
+    """A model's size on disk: its file's, or its directory's files'."""
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -1,11 +1,13 @@
 """Several models behind one address (`jaxinfer serve -m A -m B`, `--models-dir DIR`), as
 llama-server's router mode and ollama serve them: each model a `Server` of its own (its weights,
-scheduler and slots), made on its first request; where more than `models_max` would be held, the
-least recently used one with no request in flight is stopped first, and a request for another
-model waits until one is. A request goes to the model its body's `model` names (GET: the `model`
-query parameter: /props, /metrics), the first model where it names none; with one model served,
-the name is not checked (clients send any). GET /v1/models and /api/tags list every model, /api/ps
-those held; /health answers for the router.
+scheduler and slots), made on its first request; where more than `models_max` would be held, or
+their bytes would pass `memory` (weights and cache: as measured once a model was held, before that
+its files' size), the least recently used ones with no request in flight are stopped first, and a
+request for another model waits until they are (one model alone is always held). A request goes to
+the model its body's `model` names or one of its `aliases` does (GET: the `model` query parameter:
+/props, /metrics), the first model where it names none; with one model served, the name is not
+checked (clients send any). GET /v1/models and /api/tags list every model and alias, /api/ps those
+held; /health answers for the router.
 
 The router is an ASGI app in front of the servers' own: it reads a POST body to find the model,
 then hands the request to that server's app with the body replayed, so each endpoint, protocol and
@@ -25,7 +27,9 @@ from jaxinfer.server import HTTPError, Server, authorize
 
 class Router:
     """`models`: name → a function making its Server (loading its weights: called in a thread);
-    the first is the default, made at once."""
+    the first is the default, made at once. `aliases`: another name → a model's; `memory`: the bytes
+    the models held may take together (None: no bound but `models_max`), `sizes` each model's bytes
+    before it was first held (its files')."""
 
     def __init__(
         self,
@@ -33,8 +37,12 @@ class Router:
         models_max: int = 2,
         api_key: str | None = None,
         max_body: int = 16 << 20,
+        aliases: dict[str, str] | None = None,
+        memory: int | None = None,
+        sizes: dict[str, int] | None = None,
     ):
         self.makers, self.models_max, self.api_key, self.max_body = models, max(1, models_max), api_key, max_body
+        self.aliases, self.memory, self.sizes = aliases or {}, memory, dict(sizes or {})
         self.default = next(iter(models))
         self.servers: dict[str, Server] = {}
         self.used: dict[str, float] = {}  # name → when its last request ended
@@ -47,6 +55,14 @@ class Router:
     def _start(self, name: str, server: Server) -> None:
         server.start()
         self.servers[name], self.used[name] = server, time.monotonic()
+        self.sizes[name] = held_bytes(server)
+
+    def _fits(self, name: str) -> bool:
+        """Whether the model may be made beside those held: within `models_max`, and `memory`."""
+        if len(self.servers) >= self.models_max:
+            return False
+        held = sum(self.sizes.get(n, 0) for n in self.servers)
+        return self.memory is None or not self.servers or held + self.sizes.get(name, 0) <= self.memory
 
     # what `serve` asks of it on SIGTERM and Ctrl-C ----------------------------------------------
 
@@ -134,20 +150,21 @@ class Router:
         return query.get("model")
 
     def _named(self, scope, body: bytes) -> str | None:
-        """The model a request is for: the one it names (also as `ollama:NAME`), the default where
-        it names none or one model is served; None: one not served."""
+        """The model a request is for: the one it names (also as `ollama:NAME`, or by an alias), the
+        default where it names none or one model is served; None: one not served."""
         asked = self._asked(scope, body)
         if len(self.makers) == 1 or asked is None or asked == "":
             return self.default
+        asked = self.aliases.get(asked, asked)
         return asked if asked in self.makers else ("ollama:" + asked if "ollama:" + asked in self.makers else None)
 
     async def _server(self, name: str) -> Server:
-        """The model's server, made where it is not held (another stopped first where `models_max`
-        are); its request counted in flight before any other request can stop it."""
+        """The model's server, made where it is not held (others stopped first where it would not
+        fit: `_fits`); its request counted in flight before any other request can stop it."""
         if name not in self.servers:
             async with self._switch:
                 while name not in self.servers:
-                    if len(self.servers) < self.models_max:
+                    if self._fits(name):
                         from starlette.concurrency import run_in_threadpool
 
                         self._start(name, await run_in_threadpool(self.makers[name]))
@@ -181,20 +198,38 @@ class Router:
             authorize(Headers(scope=scope), self.api_key)
         except HTTPError as e:
             return await _send_json(send, e.status, e.body())
-        if path == "/v1/models":
+        if path == "/v1/models":  # an alias says its model (vLLM's `parent`)
+            names = [(n, None) for n in self.makers] + list(self.aliases.items())
             data = [
-                {"id": n, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer"} for n in self.makers
+                {"id": n, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer"}
+                | ({"parent": model} if model else {})
+                for n, model in names
             ]
             return await _send_json(send, 200, {"object": "list", "data": data})
         held = [ollama.listed(s.parser.model, n) for n, s in self.servers.items()]
         if path == "/api/ps":  # those held now
             return await _send_json(send, 200, {"models": held})
         others = [
-            {"name": n, "model": n, "modified_at": ollama.now(), "size": 0, "digest": "", "details": {}}
-            for n in self.makers
+            {
+                "name": n,
+                "model": n,
+                "modified_at": ollama.now(),
+                "size": self.sizes.get(n, 0),
+                "digest": "",
+                "details": {},
+            }
+            for n in [*self.makers, *self.aliases]
             if n not in self.servers
         ]
         return await _send_json(send, 200, {"models": held + others})
+
+
+def held_bytes(server: Server) -> int:
+    """What a model's server holds: its weights and its slots' state (the cache), in bytes."""
+    import jax
+
+    leaves = jax.tree.leaves((server.parser.model.params, server.scheduler.slots.state))
+    return sum(leaf.nbytes for leaf in leaves)
 
 
 async def _send_json(send, status: int, body: dict) -> None:

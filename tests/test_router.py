@@ -1,7 +1,8 @@
 """Several models behind one server (`serve -m A -m B`, `jaxinfer.router`): each request answered by
-the model it names, as that model alone answers it (greedy); with room for one model at a time,
-requests alternating between two under load are all answered (each switch waits for the other
-model's requests to end); an unknown model is a 404; /v1/models and /api/tags list both."""
+the model it names (or an alias of it names), as that model alone answers it (greedy); with memory
+for one model at a time, requests alternating between two under load are all answered (each switch
+waits for the other model's requests to end), with room for both both stay held; an unknown model
+is a 404; /v1/models and /api/tags list both and the alias."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,12 +34,18 @@ def alone(path) -> dict[str, str]:
 def test_each_request_goes_to_the_model_it_names(models):
     expected = {(name, p): text for name, path in models.items() for p, text in alone(path).items()}
     (first, a), (second, b) = models.items()
-    served = Served("-m", str(a), "-m", str(b), "--models-max", "1", "-b", "2", "-c", "256")
+    expected |= {("other", p): expected[(second, p)] for p in PROMPTS}
+    # each tiny model's weights and cache pass 1K: one held at a time, though --models-max is 2
+    served = Served("-m", a, "-m", b, "--models-memory", "1K", "-a", f"other={second}", "-b", "2", "-c", "256")
     try:
         listed = httpx.get(served.url + "/v1/models", timeout=WAIT_S).json()
-        assert [m["id"] for m in listed["data"]] == [first, second]
+        assert [(m["id"], m.get("parent")) for m in listed["data"]] == [
+            (first, None),
+            (second, None),
+            ("other", second),
+        ]
         tags = httpx.get(served.url + "/api/tags", timeout=WAIT_S).json()
-        assert {m["name"] for m in tags["models"]} == {first, second}
+        assert {m["name"] for m in tags["models"]} == {first, second, "other"}
         assert [m["name"] for m in httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"]] == [first]
 
         def ask(name_prompt):
@@ -48,11 +55,12 @@ def test_each_request_goes_to_the_model_it_names(models):
             assert answer.status_code == 200, answer.text
             return answer.json()["choices"][0]["text"]
 
-        asked = [(name, p) for p in PROMPTS for name in models] * 2  # alternating: a switch every request
+        asked = [(name, p) for p in PROMPTS for name in (first, "other")] * 2  # alternating: a switch every request
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, asked))
         assert answers == [expected[key] for key in asked]
         assert expected[(first, PROMPTS[0])] != expected[(second, PROMPTS[0])]  # the models differ: it can fail
+        assert len(httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"]) == 1  # the memory's bound
         missing = httpx.post(served.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=WAIT_S)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert "nope" in missing.json()["error"]["message"]
@@ -61,9 +69,24 @@ def test_each_request_goes_to_the_model_it_names(models):
     assert "Traceback" not in "".join(served.stderr)
 
 
+def test_models_that_fit_the_memory_stay_held(models):
+    a, b = models.values()
+    served = Served("-m", a, "-m", b, "--models-memory", "1G", "-c", "256")
+    try:
+        for name in [*models, *models]:
+            body = {"model": name, "prompt": "x", "max_tokens": 2}
+            assert httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+        held = httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"]
+        assert sorted(m["name"] for m in held) == sorted(models)
+    finally:
+        served.stop()
+
+
 def test_a_model_that_cannot_be_served_is_said_before_serving(models):
     from cli_helpers import assert_one_line_error, jaxinfer_here
 
     first = str(next(iter(models.values())))
     assert_one_line_error(jaxinfer_here("serve", "-m", first, "-m", "/nonexistent", "--port", "0"), "/nonexistent")
     assert_one_line_error(jaxinfer_here("serve", "-m", first, "-m", first, "--port", "0"), "under one name")
+    assert_one_line_error(jaxinfer_here("serve", "-m", first, "-a", "x=nope", "--port", "0"), "--alias x=nope")
+    assert_one_line_error(jaxinfer_here("serve", "-m", first, "--models-memory", "lots", "--port", "0"), "24G")
