@@ -2,7 +2,8 @@
 
 Thinking models write their reasoning before the answer. Two ways are read here:
 - in marked blocks the chat template names: `<think>…</think>` (Qwen3 and 3.5, QwQ, DeepSeek-R1 and
-  its distills, SmolLM3, GLM-4.5 and later) or `[THINK]…[/THINK]` (Magistral). A template may open
+  its distills, SmolLM3, GLM-4.5 and later), `[THINK]…[/THINK]` (Magistral) or Gemma 4's thought
+  channel, `<|channel>thought…<channel|>`. A template may open
   the block itself (DeepSeek-R1's and Qwen3-Thinking's generation prompts end in `<think>`): the
   reply then starts inside it (`Reading.opened`), as llama.cpp's "thinking forced open";
 - harmony's `analysis` channel (gpt-oss: `jaxinfer.harmony`).
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from jaxinfer import harmony, tools
 from jaxinfer.errors import JaxinferError
 
-THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+# Gemma 4's block is its `thought` channel: `<|channel>thought\n…<channel|>` (its switch, enable_thinking,
+# writes `<|think|>` into the system turn; off, the generation prompt closes an empty block)
+THINK_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<|channel>thought", "<channel|>"))
 REASONING_FORMATS = ("auto", "none")  # llama.cpp's --reasoning-format: read apart, or left in the content
 
 

@@ -228,11 +228,17 @@ class Tokenizer:
                 ids += self._sp.encode(part)
         return ids
 
-    def keep(self, tokens) -> None:
-        """Decoding keeps these special tokens' text (those the vocabulary has), beside those kept
-        before: a format's markers that say what the text around them is (`jaxinfer.harmony`, a
-        thinking block's: `jaxinfer.replies`)."""
-        self._kept |= {i: t for t in tokens if (i := self.token_id(t)) is not None}
+    def keep(self, markers) -> None:
+        """Decoding keeps the text of the special tokens these markers are made of (Gemma 4's
+        `<|channel>thought` of `<|channel>`), beside those kept before: a format's markers that say
+        what the text around them is (`jaxinfer.harmony`, a thinking block's: `jaxinfer.replies`)."""
+        for marker in markers:
+            if (i := self.token_id(marker)) is not None:
+                self._kept[i] = marker
+                continue
+            special = set(self.special_ids)
+            pieces = [i for i in self.encode(marker, add_special_tokens=False) if i in special]
+            self._kept |= {i: self.token_bytes(i).decode("utf-8", "replace") for i in pieces}
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, special tokens left out (but those kept: `keep`), and ids outside the

@@ -23,7 +23,9 @@ from jaxinfer.tokenizer import Tokenizer
 
 QWEN3 = Path(__file__).parent / "data" / "thinking" / "qwen3.jinja"  # in Qwen3's way, written for these tests
 R1 = QWEN3.with_name("deepseek-r1.jinja")
+GEMMA4 = QWEN3.with_name("gemma4.jinja")  # in Gemma 4's way: a thought channel, written for these tests
 THINK = ("<think>", "</think>")
+THOUGHT = ("<|channel>thought", "<channel|>")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 # (reading, reply, reasoning, content, calls)
@@ -45,6 +47,8 @@ REPLIES = [
     (Reading("hermes", THINK), "<think>\nCall it.\n</think>\n\nLet me see.\n" + CALL, "Call it.", "Let me see.", 1),
     (Reading(None, ("[THINK]", "[/THINK]")), "[THINK]Hmm.[/THINK]Bonjour.", "Hmm.", "Bonjour.", 0),
     (Reading(None, None), "<think>\nformat none\n</think>\n\nHi", None, "<think>\nformat none\n</think>\n\nHi", 0),
+    (Reading(None, THOUGHT), "<|channel>thought\nThe user greets.<channel|>Hello!", "The user greets.", "Hello!", 0),
+    (Reading(None, THOUGHT), "<|channel>thought\n<channel|>Hello!", None, "Hello!", 0),
 ]
 
 
@@ -73,7 +77,23 @@ def test_what_streams_only_grows_and_ends_as_the_reply(reading, text):
 
 def test_the_markers_are_the_templates():
     assert think_markers(QWEN3.read_text()) == THINK == think_markers(R1.read_text())
+    assert think_markers(GEMMA4.read_text()) == THOUGHT
     assert think_markers((TEMPLATES / "qwen2.5.jinja").read_text()) is None
+
+
+def test_a_markers_special_tokens_stay_in_the_text(tiny, tmp_path):
+    """Gemma 4's `<|channel>thought` is a special token and a word: decoding keeps the special one's
+    text (it drops other special tokens), so the reply reads apart."""
+    hf = transformers.AutoTokenizer.from_pretrained(tiny("llama"))
+    hf.add_special_tokens({"additional_special_tokens": ["<|channel>", "<channel|>"]})
+    hf.save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    text = "<|channel>thought\nHmm.<channel|>Hi"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == "thought\nHmm.Hi"  # special tokens left out
+    tokenizer.keep(THOUGHT)
+    assert tokenizer.decode(ids) == text
+    assert Reading(None, THOUGHT).reply(tokenizer.decode(ids)) == ("Hmm.", "Hi", [])
 
 
 @pytest.mark.parametrize(
@@ -83,6 +103,9 @@ def test_the_markers_are_the_templates():
         (QWEN3, ChatOptions({"enable_thinking": False}), {"enable_thinking": False}, False),
         (QWEN3, ChatOptions(reasoning_budget=0), {"enable_thinking": False}, False),  # the template's switch
         (R1, ChatOptions(), {}, True),
+        (GEMMA4, ChatOptions(), {}, False),  # off by default: the generation prompt closes an empty channel
+        (GEMMA4, ChatOptions({"enable_thinking": True}), {"enable_thinking": True}, False),
+        (GEMMA4, ChatOptions(reasoning_budget=0), {"enable_thinking": False}, False),
     ],
 )
 def test_prompts_render_as_transformers_with_the_templates_switch(tiny, path, options, kwargs, opened):
@@ -90,9 +113,10 @@ def test_prompts_render_as_transformers_with_the_templates_switch(tiny, path, op
     apply_chat_template(**kwargs) passes them; an earlier turn's reasoning is the template's to drop."""
     source = path.read_text()
     hf = transformers.AutoTokenizer.from_pretrained(tiny("llama"))
+    markers = think_markers(source)
     messages = [
         {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
+        {"role": "assistant", "content": f"{markers[0]}\nGreet back.\n{markers[1]}\n\nHello."},
         {"role": "user", "content": "Weather?"},
     ]
     expected = hf.apply_chat_template(
@@ -100,7 +124,7 @@ def test_prompts_render_as_transformers_with_the_templates_switch(tiny, path, op
     )
     text, reading = ChatTemplate(source, Tokenizer(tiny("llama")).special_tokens).prompt(messages, options)
     assert text == expected and "Greet back" not in text
-    assert reading == Reading(None, THINK, opened)
+    assert reading == Reading(None, markers, opened)
 
 
 def test_a_budget_of_0_closes_a_block_the_template_opens():
