@@ -56,6 +56,7 @@ FLAGS = {
     "reasoning_effort": "--reasoning-effort",
     "reasoning_format": "--reasoning-format",
     "reasoning_budget": "--reasoning-budget",
+    "keep_alive": "--keep-alive",
     "chat_template_kwargs": "--chat-template-kwargs",
     "chat_template": "--chat-template-file",
     "truncate": "--truncate",  # embed's

@@ -69,6 +69,13 @@ def serve(
         help="Memory the models held may take together, weights and caches (24G, 512M): the least recently used "
         "idle ones are stopped for another [default: no bound but --models-max].",
     ),
+    keep_alive: Optional[str] = typer.Option(
+        None,
+        "--keep-alive",
+        metavar="DURATION",
+        help="How long a model stays held after its last request (5m, 1h, 0; ollama's; a request's keep_alive says it "
+        "for its model) [default: for ever].",
+    ),
     alias: Optional[list[str]] = typer.Option(
         None,
         "--alias",
@@ -81,6 +88,7 @@ def serve(
     """Serve OpenAI's, Anthropic's and ollama's APIs to many clients at once, batched continuously."""
     import uvicorn
 
+    from jaxinfer import ollama
     from jaxinfer.api import Parser
     from jaxinfer.chat_template import FALLBACK_NOTICE, ChatTemplate
     from jaxinfer.errors import JaxinferError
@@ -104,6 +112,7 @@ def serve(
         load_config(spec, gguf_file)
     aliases = _aliases(alias or [], names)
     memory = None if models_memory is None else _size(models_memory)
+    keep = None if keep_alive is None else ollama.keep_alive(keep_alive)
     sizes = {name: disk_bytes(model_directory(spec, gguf_file)) for name, spec in names.items()} if memory else {}
 
     def make(spec: Optional[str]) -> Server:
@@ -125,7 +134,7 @@ def serve(
         )
 
     makers = {name: partial(make, spec) for name, spec in names.items()}
-    server = Router(makers, models_max, api_key, aliases=aliases, memory=memory, sizes=sizes)
+    server = Router(makers, models_max, api_key, aliases=aliases, memory=memory, sizes=sizes, keep_alive=keep)
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -11,7 +11,7 @@ earlier turn's `thinking` dropped, as the templates drop earlier reasoning), `pr
 `format` ("json" or a JSON schema: the answer decoded to match it), `think` (false turns a thinking
 model's thinking off; "low", "medium", "high" its template's effort) and `options` (`OPTIONS`;
 the runner's own settings, such as `num_ctx` or `num_thread`, are accepted and change nothing:
-the server's flags set them). Accepted and ignored: `model` (one model is served), `keep_alive`.
+the server's flags set them). `model` and `keep_alive` are the router's (`jaxinfer.router`).
 `suffix` makes a generate request fill in the middle between `prompt` and it (`jaxinfer.infill`).
 Images, `template` and `context` are refused in one line.
 """
@@ -19,6 +19,7 @@ Images, `template` and `context` are refused in one line.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 
 from jaxinfer.errors import JaxinferError, boolean
@@ -225,6 +226,34 @@ def _message(m) -> dict:
     if m.get("tool_name"):
         out["name"] = m["tool_name"]
     return out
+
+
+def loads(body: dict) -> bool:
+    """A generate request that asks for nothing but the model (held, or with `keep_alive` 0 stopped)."""
+    return not any(body.get(k) for k in ("prompt", "system", "suffix"))
+
+
+def loaded(body: dict, reason: str) -> dict:
+    """The answer to such a request: `reason` "load" or "unload"."""
+    return {"model": body.get("model", ""), "created_at": now(), "response": "", "done": True, "done_reason": reason}
+
+
+def keep_alive(value) -> float | None:
+    """ollama's `keep_alive` (and `serve --keep-alive`): how long a model stays held after its last
+    request, in seconds; None: for ever (a negative value). Seconds as a number, or a duration of
+    Go's kind ("5m", "1h30m", "90s", "0")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"-?(\d+(\.\d+)?(ms|s|m|h)?)+", value.strip()):
+        sign = -1 if value.strip().startswith("-") else 1
+        units = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600, "": 1}
+        parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value)
+        seconds = sign * sum(float(n) * units[u] for n, u in parts)
+    else:
+        raise JaxinferError(
+            '"keep_alive" must be seconds or a duration such as "5m" (negative: for ever)', "keep_alive"
+        )
+    return None if seconds < 0 else seconds
 
 
 def _known(body: dict, fields: set[str]) -> dict:

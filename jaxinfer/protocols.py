@@ -155,9 +155,8 @@ def _responses_stream(url: str, call: Call, pieces: AsyncIterator) -> AsyncItera
 def _ollama_read(url: str, body: dict) -> Call:
     stream = _flag(body, "stream", True)  # ollama streams unless told not to
     kind = url.removeprefix("/api/")
-    if kind == "generate" and not any(body.get(k) for k in ("prompt", "system", "suffix")):  # a client loading it
-        answer = {"model": body.get("model", ""), "created_at": ollama.now(), "response": "", "done": True}
-        return Call(None, "", answer=answer | {"done_reason": "load"})
+    if kind == "generate" and ollama.loads(body):  # a client loading it
+        return Call(None, "", answer=ollama.loaded(body, "load"))
     item = ollama.chat_item(body) if kind == "chat" else ollama.generate_item(body)
     return Call(item, f"ollama-{secrets.token_hex(12)}", 1, stream, {"kind": kind})
 

@@ -6,8 +6,10 @@ its files' size), the least recently used ones with no request in flight are sto
 request for another model waits until they are (one model alone is always held). A request goes to
 the model its body's `model` names or one of its `aliases` does (GET: the `model` query parameter:
 /props, /metrics), the first model where it names none; with one model served, the name is not
-checked (clients send any). GET /v1/models and /api/tags list every model and alias, /api/ps those
-held; /health answers for the router.
+checked (clients send any). A model idle for `keep_alive` seconds (ollama's; its requests' own
+`keep_alive` says it for that model from then on, 0 stopping it once answered) is stopped, to be
+made again on its next request. GET /v1/models and /api/tags list every model and alias, /api/ps
+those held; /health answers for the router.
 
 The router is an ASGI app in front of the servers' own: it reads a POST body to find the model,
 then hands the request to that server's app with the body replayed, so each endpoint, protocol and
@@ -22,6 +24,7 @@ import time
 from typing import Callable
 
 from jaxinfer import ollama
+from jaxinfer.errors import JaxinferError
 from jaxinfer.server import HTTPError, Server, authorize
 
 
@@ -29,7 +32,8 @@ class Router:
     """`models`: name → a function making its Server (loading its weights: called in a thread);
     the first is the default, made at once. `aliases`: another name → a model's; `memory`: the bytes
     the models held may take together (None: no bound but `models_max`), `sizes` each model's bytes
-    before it was first held (its files')."""
+    before it was first held (its files'); `keep_alive`: the seconds an idle model stays held (None:
+    for ever)."""
 
     def __init__(
         self,
@@ -40,9 +44,11 @@ class Router:
         aliases: dict[str, str] | None = None,
         memory: int | None = None,
         sizes: dict[str, int] | None = None,
+        keep_alive: float | None = None,
     ):
         self.makers, self.models_max, self.api_key, self.max_body = models, max(1, models_max), api_key, max_body
         self.aliases, self.memory, self.sizes = aliases or {}, memory, dict(sizes or {})
+        self.keep = dict.fromkeys(models, keep_alive)  # name → seconds it stays held idle (None: for ever)
         self.default = next(iter(models))
         self.servers: dict[str, Server] = {}
         self.used: dict[str, float] = {}  # name → when its last request ended
@@ -117,6 +123,16 @@ class Router:
                     }
                 },
             )
+        if path.startswith("/api/") and (asked := _json(body)) and "keep_alive" in asked:
+            try:
+                self.keep[name] = ollama.keep_alive(asked["keep_alive"])
+            except JaxinferError as e:
+                return await _send_json(send, 400, {"error": str(e)})
+            if self.keep[name] == 0 and path == "/api/generate" and ollama.loads(asked):  # ollama's "unload it"
+                async with self._switch:
+                    if name in self.servers and self.in_flight[name] == 0:
+                        await self._unload(name)
+                return await _send_json(send, 200, ollama.loaded(asked, "unload"))
         try:
             server = await self._server(name)
         except Exception as e:  # its weights could not be read (the disk, memory): this request's answer
@@ -138,14 +154,21 @@ class Router:
             self.used[name] = time.monotonic()
             if self.in_flight[name] == 0 and self._freed is not None:
                 self._freed.set()
+            if (keep := self.keep[name]) is not None:
+                asyncio.get_running_loop().call_later(keep, lambda: asyncio.ensure_future(self._expire(name)))
+
+    async def _expire(self, name: str) -> None:
+        """Stop the model if it has been idle its `keep_alive` (a later request moved that on)."""
+        async with self._switch:
+            keep = self.keep[name]
+            idle = time.monotonic() - self.used.get(name, 0)
+            if name in self.servers and self.in_flight[name] == 0 and keep is not None and idle >= keep - 1e-3:
+                await self._unload(name)
 
     def _asked(self, scope, body: bytes) -> str | None:
         if scope["method"] == "POST":
-            try:
-                said = json.loads(body)
-            except ValueError:
-                return None  # the server answers the bad body
-            return said.get("model") if isinstance(said, dict) and isinstance(said.get("model"), str) else None
+            said = _json(body)  # None: the server answers the bad body
+            return said.get("model") if said and isinstance(said.get("model"), str) else None
         query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
         return query.get("model")
 
@@ -222,6 +245,15 @@ class Router:
             if n not in self.servers
         ]
         return await _send_json(send, 200, {"models": held + others})
+
+
+def _json(body: bytes) -> dict | None:
+    """A POST body's JSON object, or None."""
+    try:
+        said = json.loads(body)
+    except ValueError:
+        return None
+    return said if isinstance(said, dict) else None
 
 
 def held_bytes(server: Server) -> int:

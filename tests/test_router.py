@@ -4,6 +4,7 @@ for one model at a time, requests alternating between two under load are all ans
 waits for the other model's requests to end), with room for both both stay held; an unknown model
 is a 404; /v1/models and /api/tags list both and the alias."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -82,6 +83,38 @@ def test_models_that_fit_the_memory_stay_held(models):
         served.stop()
 
 
+def test_an_idle_model_is_stopped_after_its_keep_alive(models):
+    """--keep-alive (ollama's): a model idle that long is stopped, and made again when asked for; a
+    request's keep_alive says it for its model (-1: for ever), and ollama's empty generate loads a
+    model or, with keep_alive 0, stops it."""
+    (first, a), (second, b) = models.items()
+    served = Served("-m", a, "-m", b, "--keep-alive", "1s", "-c", "256")
+
+    def held() -> list[str]:
+        return sorted(m["name"] for m in httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"])
+
+    def generate(body: dict) -> dict:
+        answer = httpx.post(served.url + "/api/generate", json=body | {"stream": False}, timeout=WAIT_S)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    try:
+        assert generate({"model": second, "prompt": "x", "options": {"num_predict": 2}})["done"]
+        deadline = time.monotonic() + WAIT_S
+        while second in held() and time.monotonic() < deadline:  # stopped a second after its answer
+            time.sleep(0.1)
+        assert held() == [first]  # the first was held from the start, and never asked for
+        assert generate({"model": second, "keep_alive": -1})["done_reason"] == "load"
+        assert generate({"model": first, "keep_alive": 0})["done_reason"] == "unload"
+        assert held() == [second]
+        assert generate({"model": first, "prompt": "x", "options": {"num_predict": 2}})["done"]  # made again
+        bad = httpx.post(served.url + "/api/generate", json={"model": first, "keep_alive": "soon"}, timeout=WAIT_S)
+        assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+    finally:
+        served.stop()
+    assert "Traceback" not in "".join(served.stderr)
+
+
 def test_a_model_that_cannot_be_served_is_said_before_serving(models):
     from cli_helpers import assert_one_line_error, jaxinfer_here
 
@@ -90,3 +123,4 @@ def test_a_model_that_cannot_be_served_is_said_before_serving(models):
     assert_one_line_error(jaxinfer_here("serve", "-m", first, "-m", first, "--port", "0"), "under one name")
     assert_one_line_error(jaxinfer_here("serve", "-m", first, "-a", "x=nope", "--port", "0"), "--alias x=nope")
     assert_one_line_error(jaxinfer_here("serve", "-m", first, "--models-memory", "lots", "--port", "0"), "24G")
+    assert_one_line_error(jaxinfer_here("serve", "-m", first, "--keep-alive", "soon", "--port", "0"), "--keep-alive")
