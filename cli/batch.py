@@ -48,6 +48,7 @@ def batch(
     resume: bool = typer.Option(False, "--resume", help="Skip the ids OUTPUT already has, and append to it."),
     reasoning_format: str = options.REASONING_FORMAT,
     reasoning_budget: int = options.REASONING_BUDGET,
+    reasoning_budget_message: str = options.REASONING_BUDGET_MESSAGE,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
 ) -> None:
@@ -59,7 +60,7 @@ def batch(
     from jaxinfer.scheduler import Scheduler
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens)
-    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs, reasoning_budget_message)
     to_stdout = output_path == "-"
     if resume and to_stdout:
         raise JaxinferError("--resume needs an output file (-o FILE) to resume")

@@ -30,6 +30,7 @@ def chat(
     reasoning_effort: Optional[str] = options.REASONING_EFFORT,
     reasoning_format: str = options.REASONING_FORMAT,
     reasoning_budget: int = options.REASONING_BUDGET,
+    reasoning_budget_message: str = options.REASONING_BUDGET_MESSAGE,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     max_tokens: Optional[int] = typer.Option(
@@ -82,7 +83,9 @@ def chat(
     from jaxinfer.text import check_stops
 
     options.check_positive(max_tokens=max_tokens)
-    chat_flags = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
+    chat_flags = options.chat_options(
+        reasoning_format, reasoning_budget, chat_template_kwargs, reasoning_budget_message
+    )
     constraint = options.constraint(json_schema, json_object, regex, choice, grammar)
     bias = options.logit_bias(logit_bias)
     mesh = options.mesh(devices, coordinator, num_processes, process_id, join_timeout)

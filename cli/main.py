@@ -158,6 +158,7 @@ def run(
     reasoning_effort: Optional[str] = options.REASONING_EFFORT,
     reasoning_format: str = options.REASONING_FORMAT,
     reasoning_budget: int = options.REASONING_BUDGET,
+    reasoning_budget_message: str = options.REASONING_BUDGET_MESSAGE,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     max_tokens: Optional[int] = typer.Option(
@@ -234,7 +235,7 @@ def run(
     if reasoning_effort is not None and system is None:
         raise JaxinferError("reasoning_effort goes through the chat template: give a system prompt", "reasoning_effort")
     options.check_positive(max_tokens=max_tokens)
-    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs, reasoning_budget_message)
     check_logprobs(logprobs)
     check_echo(echo, logprobs)
     bias = options.logit_bias(logit_bias)
@@ -267,7 +268,9 @@ def run(
             render.notice(FALLBACK_NOTICE)
         turns = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         text, reading = template.prompt(turns, chat, reading.calls, **template.reasoning(reasoning_effort))
-        thinking = bounded(chat.reasoning_budget, template.source, reading.opened, loaded.tokenizer)
+        thinking = bounded(
+            chat.reasoning_budget, template.source, reading.opened, loaded.tokenizer, chat.reasoning_budget_message
+        )
         stops += template.stop
     check_text_fits(text, loaded.tokenizer, context)
     prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=special)

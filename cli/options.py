@@ -56,6 +56,7 @@ FLAGS = {
     "reasoning_effort": "--reasoning-effort",
     "reasoning_format": "--reasoning-format",
     "reasoning_budget": "--reasoning-budget",
+    "reasoning_budget_message": "--reasoning-budget-message",
     "keep_alive": "--keep-alive",
     "chat_template_kwargs": "--chat-template-kwargs",
     "chat_template": "--chat-template-file",
@@ -218,6 +219,13 @@ REASONING_BUDGET = typer.Option(
     metavar="N",
     help="-1: a thinking model thinks as it will; 0: it does not (its template's enable_thinking off, else an "
     "empty thinking block); N: its thinking block is closed after N tokens, and it answers. As llama.cpp's.",
+)
+REASONING_BUDGET_MESSAGE = typer.Option(
+    "",
+    "--reasoning-budget-message",
+    metavar="TEXT",
+    help='Written before the closing marker where --reasoning-budget ends a thinking block ("... time to answer."), '
+    "as llama.cpp's.",
 )
 CHAT_TEMPLATE_FILE = typer.Option(
     None,
@@ -395,7 +403,12 @@ def constraint(
     )
 
 
-def chat_options(reasoning_format: str, reasoning_budget: int, chat_template_kwargs: Optional[str]):
+def chat_options(
+    reasoning_format: str,
+    reasoning_budget: int,
+    chat_template_kwargs: Optional[str],
+    reasoning_budget_message: str,
+):
     """The chat flags as `chat_template.ChatOptions`."""
     import json
 
@@ -406,7 +419,7 @@ def chat_options(reasoning_format: str, reasoning_budget: int, chat_template_kwa
         kwargs = {} if chat_template_kwargs is None else json.loads(chat_template_kwargs)
     except ValueError as e:
         raise JaxinferError(f"chat_template_kwargs is not JSON ({e})", "chat_template_kwargs") from None
-    return ChatOptions(kwargs, reasoning_format, reasoning_budget)
+    return ChatOptions(kwargs, reasoning_format, reasoning_budget, reasoning_budget_message)
 
 
 def check_positive(**flags: Optional[int]) -> None:

@@ -53,6 +53,7 @@ def serve(
     devices: Optional[int] = options.DEVICES,
     reasoning_format: str = options.REASONING_FORMAT,
     reasoning_budget: int = options.REASONING_BUDGET,
+    reasoning_budget_message: str = options.REASONING_BUDGET_MESSAGE,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template_file: Optional[Path] = options.CHAT_TEMPLATE_FILE,
     pooling: Optional[str] = embed.POOLING,
@@ -100,7 +101,7 @@ def serve(
     from jaxinfer.server import INTERVAL_S, Server
 
     options.check_positive(batch_size=batch_size, max_tokens=max_tokens, max_queue=max_queue, models_max=models_max)
-    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs)
+    chat = options.chat_options(reasoning_format, reasoning_budget, chat_template_kwargs, reasoning_budget_message)
     _check_port(host, port)  # before the model loads: a port in use is known in a moment
     mesh = options.mesh(devices)
     specs = [*(model or []), *(str(p) for p in (models_in(models_dir) if models_dir else []))] or [None]

@@ -258,7 +258,8 @@ class Parser:
             add_generation_prompt=boolean(item, "add_generation_prompt", not item.get("continue_final_message")),
             **self.template.reasoning(item.get("reasoning_effort"), strict=False),
         )
-        return text, reading, bounded(chat.reasoning_budget, self.template.source, reading.opened, self.model.tokenizer)
+        budget, message = chat.reasoning_budget, chat.reasoning_budget_message
+        return text, reading, bounded(budget, self.template.source, reading.opened, self.model.tokenizer, message)
 
     def _logit_bias(self, given) -> dict[int, float] | None:
         """OpenAI's logit_bias: {token id (as a string): a bias from -100 (banned) to 100 (forced)}."""

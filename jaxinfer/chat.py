@@ -89,7 +89,11 @@ class ChatSession:
             constraint=self.constraint,
             logit_bias=self.logit_bias,
             thinking=bounded(
-                self.options.reasoning_budget, self.template.source, self.reading.opened, self.model.tokenizer
+                self.options.reasoning_budget,
+                self.template.source,
+                self.reading.opened,
+                self.model.tokenizer,
+                self.options.reasoning_budget_message,
             ),
         )
         return gen, notices

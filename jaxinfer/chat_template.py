@@ -128,11 +128,13 @@ class ChatOptions:
     Qwen3's `enable_thinking`); `reasoning_format` "auto" (a thinking model's reasoning read apart
     from its answer: `jaxinfer.replies`) or "none" (left in the content); `reasoning_budget` -1 (the
     model thinks as it will), 0 (it does not: the template's switch off, else an empty block) or N
-    (a thinking block is closed after N tokens: `replies.bounded`)."""
+    (a thinking block is closed after N tokens, `reasoning_budget_message` written before its closing
+    marker: `replies.bounded`)."""
 
     kwargs: dict = field(default_factory=dict)
     reasoning_format: str = "auto"
     reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
 
     def __post_init__(self):
         check_kwargs(self.kwargs)

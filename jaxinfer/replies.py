@@ -96,20 +96,27 @@ class Reading:
 @dataclass(frozen=True)
 class Thinking:
     """A thinking block bounded in the decode loop (llama.cpp's `--reasoning-budget N`): once a block
-    holds `tokens` tokens its closing marker is written, and the model goes on to its answer. The
-    block is open from the reply's start where the prompt opened it (`opened`), else from when the
-    model writes the `opener`; one the model closes itself (`closer`) ends the count. Markers as
-    token ids (`sampling.Guards` applies them)."""
+    holds `tokens` tokens, a `message` and its closing marker are written (`forced`), and the model
+    goes on to its answer. The block is open from the reply's start where the prompt opened it
+    (`opened`), else from when the model writes the `opener`; one the model closes itself (`closer`)
+    ends the count. Markers as token ids (`sampling.Guards` applies them)."""
 
     tokens: int
     opened: bool
     opener: tuple[int, ...]
     closer: tuple[int, ...]
+    message: tuple[int, ...] = ()
+
+    @property
+    def markers(self) -> tuple[tuple[int, ...], ...]:
+        """(opener, closer, forced): what `sampling.Guards` holds for every row."""
+        return self.opener, self.closer, self.message + self.closer
 
 
-def bounded(budget: int, template: str | None, opened: bool, tokenizer) -> Thinking | None:
-    """The bound a reasoning budget sets on a reply to a prompt of this template: None for -1 (none)
-    and 0 (the template already turned thinking off), and for a model that does not think."""
+def bounded(budget: int, template: str | None, opened: bool, tokenizer, message: str = "") -> Thinking | None:
+    """The bound a reasoning budget sets on a reply to a prompt of this template (`message`: written
+    before the closer): None for -1 (none) and 0 (the template already turned thinking off), and for
+    a model that does not think."""
     if budget <= 0:
         return None
     if harmony.is_harmony(template):
@@ -121,8 +128,8 @@ def bounded(budget: int, template: str | None, opened: bool, tokenizer) -> Think
     markers = think_markers(template)
     if markers is None:
         return None
-    opener, closer = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in markers)
-    return Thinking(budget, opened, opener, closer)
+    opener, closer, said = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (*markers, message))
+    return Thinking(budget, opened, opener, closer, said if message else ())
 
 
 def _less_partial(text: str, marker: str) -> str:

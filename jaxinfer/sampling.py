@@ -249,20 +249,22 @@ class Guards:
     - `floor` [B] int32: below this position the row samples no EOS id (vLLM's `min_tokens`);
     - `budget` [B] int32: the tokens a thinking block of the row may hold (UNBOUNDED: no budget);
     - `left` [B] int32: those it may still write in the block it is in (UNBOUNDED outside one);
-      at 0 and below, the closer is forced a token at a time: `closer[-left]` (llama.cpp's
+      at 0 and below, its end is forced a token at a time: `forced[-left]` (llama.cpp's
       `--reasoning-budget N`);
     - `opener` [O], `closer` [C]: the markers that open and close a block (the row's last tokens
-      matching one starts or ends its count)."""
+      matching one starts or ends its count); `forced` [F]: what ends a block at its budget (a
+      message, then the closer)."""
 
     floor: jax.Array
     budget: jax.Array
     left: jax.Array
     opener: jax.Array
     closer: jax.Array
+    forced: jax.Array
 
     @classmethod
-    def zeros(cls, batch: int, markers: tuple[tuple[int, ...], tuple[int, ...]]) -> Guards:
-        """No row guarded; `markers` the (opener, closer) token ids (empty: -1, never made)."""
+    def zeros(cls, batch: int, markers: tuple[tuple[int, ...], ...]) -> Guards:
+        """No row guarded; `markers` the (opener, closer, forced) token ids (empty: -1, never made)."""
         ids = [np.asarray(m or (-1,), np.int32) for m in markers]
         return cls(*(np.full(batch, v, np.int32) for v in (0, UNBOUNDED, UNBOUNDED)), *ids)
 
@@ -279,9 +281,9 @@ class Guards:
 
     def apply(self, logits: jax.Array, position: jax.Array, eos: jax.Array) -> jax.Array:
         """logits [B, n] of tokens for `position` [B]: a row forced to end its block may take only the
-        closer's next token, a row below its floor no EOS id."""
+        next forced token, a row below its floor no EOS id."""
         ids = jnp.arange(logits.shape[1])
-        next_forced = self.closer[jnp.clip(-self.left, 0, self.closer.shape[0] - 1)]
+        next_forced = self.forced[jnp.clip(-self.left, 0, self.forced.shape[0] - 1)]
         logits = jnp.where((self.left <= 0)[:, None] & (ids != next_forced[:, None]), -jnp.inf, logits)
         return jnp.where((position < self.floor)[:, None] & jnp.isin(ids, eos)[None], -jnp.inf, logits)
 
@@ -295,7 +297,7 @@ class Guards:
             at = jnp.maximum(length[:, None] - marker.shape[0] + jnp.arange(marker.shape[0]), 0)
             return jnp.all(jnp.take_along_axis(tokens, at, axis=1) == marker, axis=1) & (length >= marker.shape[0])
 
-        forcing = jnp.where(-self.left >= self.closer.shape[0] - 1, UNBOUNDED, self.left - 1)
+        forcing = jnp.where(-self.left >= self.forced.shape[0] - 1, UNBOUNDED, self.left - 1)
         closed = jnp.where(ends_in(self.closer), UNBOUNDED, self.left - made)
         counted = jnp.where(ends_in(self.opener), self.budget, closed)
         left = jnp.where(made == 0, self.left, jnp.where(self.left <= 0, forcing, counted))

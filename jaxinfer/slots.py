@@ -234,11 +234,11 @@ class Slots:
         now on: the state gains every row's guards ([B] each, with the markers: `sampling.Guards`)
         and the programs compile once more (again where other markers come: running rows keep
         theirs). A guarded row drafts nothing (its count would move inside a verifying pass)."""
-        markers = (thinking.opener, thinking.closer) if thinking is not None else self.markers or ((), ())
+        markers = thinking.markers if thinking is not None else self.markers or ((), (), ())
         if markers != self.markers:
             guards = Guards.zeros(self.batch, markers)
             if self.markers is not None:
-                guards = replace(self.state.guards, opener=guards.opener, closer=guards.closer)
+                guards = replace(self.state.guards, opener=guards.opener, closer=guards.closer, forced=guards.forced)
             self.markers = markers
             self._grow(guards=guards)
 
@@ -317,8 +317,7 @@ class Slots:
         if not self.penalizing and any(a.penalized for a in admissions):
             raise ValueError("a logit bias or presence/frequency penalties need Slots.penalize first")
         if any(a.guarded for a in admissions) and (
-            self.markers is None
-            or any(a.thinking and (a.thinking.opener, a.thinking.closer) != self.markers for a in admissions)
+            self.markers is None or any(a.thinking and a.thinking.markers != self.markers for a in admissions)
         ):
             raise ValueError("a floor under EOS or a thinking budget needs Slots.guard first, with its markers")
         if switch := longrope_switch(self.cfg):  # cached keys rotated with the other factors are of no use

@@ -113,7 +113,7 @@ def initial_state(
     """An empty state: zero caches in the weights' dtypes, every row done; with `record_logprobs`,
     room for each position's log-probabilities; with `constrained`, every row's token mask; with
     `penalized`, every row's logit bias and counts of generated tokens; with `markers` (a thinking
-    block's opener and closer: `Guards`), every row's guards."""
+    block's opener, closer and forced end: `Guards`), every row's guards."""
     whole = mesh_of(params) is None
     draft_cache = (
         KVCache.zeros(spec.model, batch, max_context, model.compute_dtype(draft_params), whole) if spec.model else None

@@ -193,6 +193,9 @@ def test_a_budget_closes_the_thinking_block_after_n_tokens():
     opened_in_loop = Thinking(6, False, tuple(free[3:5]), closer)
     assert tokens(opened_in_loop)[:13] == free[:11] + list(closer)
     assert tokens(Thinking(4, True, (), closer))[:6] == free[:4] + list(closer)  # the prompt opened it
+    message = tuple(model.tokenizer.encode(" Enough.", add_special_tokens=False))  # --reasoning-budget-message
+    forced = list(message + closer)
+    assert tokens(Thinking(4, True, (), closer, message))[: 4 + len(forced)] == free[:4] + forced
     budgeted = tokens(opened_in_loop)
     records = {}
     requests = [
@@ -244,6 +247,8 @@ def test_run_closes_the_block_at_the_budget():
         R1,
         "--reasoning-budget",
         5,
+        "--reasoning-budget-message",
+        " Enough.",
         "-n",
         24,
         "--temp",
@@ -253,9 +258,9 @@ def test_run_closes_the_block_at_the_budget():
     )
     assert ran.returncode == 0, ran.stderr
     result, tokenizer = json.loads(ran.stdout), load_model().tokenizer
-    closer = tokenizer.encode("</think>", add_special_tokens=False)
-    assert result["token_ids"][5 : 5 + len(closer)] == closer  # R1's prompt opens the block: 5 tokens in it
-    assert result["reasoning"] == tokenizer.decode(result["token_ids"][:5]).strip()
+    forced = [t for text in (" Enough.", "</think>") for t in tokenizer.encode(text, add_special_tokens=False)]
+    assert result["token_ids"][5 : 5 + len(forced)] == forced  # R1's prompt opens the block: 5 tokens in it
+    assert result["reasoning"] == tokenizer.decode(result["token_ids"][:5]).strip() + " Enough."
 
 
 # a reply that thinks and then answers, whatever the weights: the server's constraint writes its shape
