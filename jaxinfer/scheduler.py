@@ -116,6 +116,11 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def texts_waiting(self) -> int:
+        """Embedding jobs put and not taken yet."""
+        return len(self._embeddings)
+
     def put_back(self, requests: list[Request]) -> None:
         """Requests taken but not admitted yet: first again, in their order."""
         with self._ready:

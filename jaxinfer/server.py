@@ -99,7 +99,8 @@ class _Pending:
 class Server:
     """`make_scheduler()`: a fresh scheduler (its thread makes another where one fails).
     `api_key`: required as a bearer token on every endpoint but /health; `max_queue`: requests
-    waiting for a slot at most (more are refused with 429); `max_body`: bytes a request body may hold."""
+    waiting for a slot at most, and embedding requests waiting for the next round (more are refused
+    with 429); `max_body`: bytes a request body may hold."""
 
     def __init__(
         self,
@@ -322,6 +323,9 @@ class Server:
             except RuntimeError:  # the loop is closed: the server stopped, and no one waits for it
                 pass
 
+        if self.inbox.texts_waiting >= self.max_queue:
+            waiting = self.inbox.texts_waiting
+            raise HTTPError(429, f"{waiting} embedding requests are waiting (the queue holds {self.max_queue})")
         try:
             self.inbox.put(embeddings.Job(ids, skips, done))
         except JaxinferError:  # closed (SIGTERM)

@@ -244,6 +244,22 @@ def test_the_server_refuses_in_one_line(served):
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
 
 
+def test_embedding_requests_past_the_queue_are_refused(made):
+    """--max-queue bounds the embedding requests waiting for the scheduler's next round too: one
+    more is a 429 at once (the scheduler here never runs, so the waiting ones stay)."""
+    from starlette.testclient import TestClient
+
+    from jaxinfer.api import Parser
+    from jaxinfer.server import Server
+
+    model = load_model(made["last"][0])
+    server = Server(lambda: Scheduler(model, 1, 256), Parser(model, 256), "m", max_queue=2)
+    for _ in range(2):
+        server.inbox.put(embeddings.Job([[1]], [], lambda result: None))
+    refused = TestClient(server.asgi).post("/v1/embeddings", json={"input": "hello"})
+    assert refused.status_code == 429 and "2 embedding requests are waiting" in refused.json()["error"]["message"]
+
+
 def test_bidirectional_and_other_poolings_are_refused_in_one_line(made, tmp_path):
     from jaxinfer.families import config_from_hf
 
