@@ -35,6 +35,10 @@ MIXTRAL = "MixtralForCausalLM"  # a "llama" file with experts (`hf_architecture`
 # Those whose q/k rows llama.cpp's converter permuted (its LlamaModel's), put back as transformers holds them
 PERMUTED = (MIXTRAL, *(ARCHITECTURES[arch] for arch in ("llama", "smollm3", "granite", "mistral3")))
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
+# An embedding model's file says how to pool (`{arch}.pooling_type`, llama.cpp's enum): carried in the
+# config as this key, read by `modeldir.load_config` (the body headless) and `loading` (its Pooler)
+POOLING_KEY = "gguf_pooling"
+POOLINGS = {1: "mean", 2: "cls", 3: "last"}
 # Whether llama.cpp renormalises the chosen experts' weights (its `build_moe_ffn`'s norm_w, fixed per
 # architecture: the file does not say)
 NORM_TOPK = {
@@ -96,6 +100,15 @@ def config_json(file: GGUFFile) -> dict:
     ends = {meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("eos", "eot", "eom")} - {None}
     if ends:  # llama.cpp ends generation at any of them
         d["eos_token_id"] = sorted(int(e) for e in ends)
+    pooling = int(meta.get(f"{arch}.pooling_type", 0))
+    if pooling == 4:
+        raise JaxinferError(
+            f"{file.path}: a reranking model (its pooling type is rank): jaxinfer does not run rerankers"
+        )
+    if pooling:
+        if pooling not in POOLINGS:
+            raise JaxinferError(f"{file.path}: its pooling type {pooling} is not one jaxinfer runs")
+        d[POOLING_KEY] = POOLINGS[pooling]
     if arch == "gemma4":  # its own keys for all it adds (its mixture's too)
         d.update(_gemma4(file, key, d))
     elif int(meta.get(f"{arch}.expert_count", 0)):

@@ -20,6 +20,7 @@ from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.embeddings import Pooler
 from jaxinfer.errors import JaxinferError
+from jaxinfer.gguf_config import POOLING_KEY
 from jaxinfer.kvcache import check_kv_dtype
 from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import METHODS, check_method
@@ -203,7 +204,8 @@ def load_model(
         cfg = replace(cfg, matmul_inputs="bfloat16")
     if compute_dtype(chosen, layout) == "float32":
         float32_products()
-    pooler = Pooler() if gguf else Pooler.read(model_dir, tokenizer.config)
+    # a GGUF embedding model's pooling is its file's (normalized, as llama.cpp's embeddings are by default)
+    pooler = Pooler(config_json.get(POOLING_KEY, "last")) if gguf else Pooler.read(model_dir, tokenizer.config)
     sampling, eos_ids = Sampling.from_generation_config(generation), _eos_ids(config_json, generation, tokenizer)
     if speaks_harmony:  # a reply ends at its answer or a call, whatever EOS the file names (a GGUF file's one)
         eos_ids = tuple(dict.fromkeys(eos_ids + harmony.stop_ids(tokenizer)))

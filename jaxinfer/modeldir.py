@@ -154,6 +154,6 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
     else:
         config_json = read_json(model_dir / "config.json")
     cfg = config_from_hf(config_json)
-    if (model_dir / "modules.json").is_file():  # a sentence-transformers model: its body, pooled (`embeddings`)
-        cfg = replace(cfg, headless=True)
+    if (model_dir / "modules.json").is_file() or gguf_config.POOLING_KEY in config_json:
+        cfg = replace(cfg, headless=True)  # an embedding model (sentence-transformers', a GGUF file's): its body
     return model_dir, cfg, config_json

@@ -261,6 +261,51 @@ def answers(path: Path, checkpoint: Path | None = None) -> dict:
     return answer
 
 
+# An embedding model as llama.cpp's converter reads one: Qwen3-Embedding's kind (a sentence-transformers
+# directory: the last token pooled, normalized; EOS appended to every text by the tokenizer). Its file
+# says how it pools (`qwen3.pooling_type`), and its answers are each text's vector from llama.cpp and
+# from sentence-transformers on the directory it was made of.
+EMBEDDING = "qwen3embed-bpe"
+EMBEDDED = TOKENIZED[:6] + ["a"]
+
+
+def embedding_model(directory: Path) -> Path:
+    """A tiny Qwen3 saved as sentence-transformers saves Qwen3-Embedding."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from tokenizers import Tokenizer, processors
+
+    def tokenizer(path: Path) -> None:
+        bpe_writer("qwen2")(path)
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))]
+        )
+        tok.save(str(path / "tokenizer.json"))
+        # no chat template: sentence-transformers 6 would render every text through it (the "message"
+        # modality it infers for a tokenizer with one), where Qwen3-Embedding's saved config says text
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config = {k: v for k, v in config.items() if k != "chat_template"} | {"padding_side": "left"}
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    body = make_model(directory / "body", "qwen3", tokenizer, bos_token_id=None, eos_token_id=2)
+    word = Transformer(str(body), max_seq_length=128)
+    model = SentenceTransformer(modules=[word, Pooling(64, pooling_mode="lasttoken"), Normalize()], device="cpu")
+    model.save(str(directory / "st"))
+    return directory / "st"
+
+
+def embedding_answers(path: Path, checkpoint: Path) -> dict:
+    """Each of EMBEDDED's vectors from llama.cpp (normalized, as llama-server's) and sentence-transformers."""
+    import llama_cpp
+    from sentence_transformers import SentenceTransformer
+
+    llm = llama_cpp.Llama(str(path), embedding=True, n_ctx=128, verbose=False, n_threads=2, seed=0)
+    theirs = np.array([llm.embed(text, normalize=True) for text in EMBEDDED], np.float32)
+    reference = SentenceTransformer(str(checkpoint), device="cpu").encode(EMBEDDED)
+    return {"texts": np.array(EMBEDDED), "llama_cpp": theirs, "sentence_transformers": reference}
+
+
 def tokens(path: Path) -> list[list[int]]:
     import llama_cpp
 
@@ -276,6 +321,8 @@ def main(only: list[str]) -> None:
     for old in OUT.iterdir():
         if not only or old.name.split(".")[0] in only:
             old.unlink()
+    embedding = not only or EMBEDDING in only
+    only = [name for name in only if name != EMBEDDING] or (["-"] if only else [])  # the causal ones asked for
     recorded = OUT / "tokens.json"  # each tokenizer's answers, those of the kinds made now replaced
     recorded_tokens = json.loads(recorded.read_text())["by_tokenizer"] if only and recorded.is_file() else {}
     made = set()
@@ -299,12 +346,18 @@ def main(only: list[str]) -> None:
             if tokenizer not in made:
                 recorded_tokens[tokenizer] = {"file": f"{name}.{kinds[0]}.gguf", "tokens": tokens(base)}
                 made.add(tokenizer)
+        if embedding:
+            checkpoint = embedding_model(Path(work) / EMBEDDING)
+            out = OUT / f"{EMBEDDING}.F32.gguf"
+            convert(checkpoint, out, "f32", BPE_KINDS["qwen2"][5], tree)
+            np.savez(OUT / f"{EMBEDDING}.F32.llama_cpp.npz", **embedding_answers(out, checkpoint))
+            print(f"{out.name}: {out.stat().st_size / 1e3:.0f} kB")
     fixture = {"prompt": PROMPT, "lines": TOKENIZED, "by_tokenizer": recorded_tokens}
     recorded.write_text(json.dumps(fixture, indent=1))
 
 
 if __name__ == "__main__":
-    unknown = set(sys.argv[1:]) - set(MODELS)
+    unknown = set(sys.argv[1:]) - set(MODELS) - {EMBEDDING}
     if unknown:
         sys.exit(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     main(sys.argv[1:])

@@ -10,6 +10,7 @@ import json
 import shutil
 import threading
 from functools import partial
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -242,6 +243,24 @@ def test_the_server_refuses_in_one_line(served):
     assert refused.status_code == 400 and "over the 64" in refused.json()["error"]
     chat = httpx.post(served.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
+
+
+GGUF = Path(__file__).parent / "data" / "gguf" / "qwen3embed-bpe.F32.gguf"  # scripts/make_gguf_fixtures.py
+
+
+def test_a_gguf_embedding_model_embeds_as_llama_cpp_and_sentence_transformers():
+    """llama.cpp's converter writes how a sentence-transformers model pools (`qwen3.pooling_type`): the
+    file loads headless with that pooling, and its vectors are llama.cpp's and sentence-transformers'
+    (on the directory the file was made of, recorded beside it)."""
+    answer = np.load(GGUF.with_suffix(".llama_cpp.npz"))
+    texts = [str(t) for t in answer["texts"]]
+    model = load_model(GGUF)
+    assert model.config.headless and model.pooler.pooling == "last" and model.pooler.normalize
+    vectors = ours(GGUF, texts)
+    np.testing.assert_allclose(vectors, answer["sentence_transformers"], atol=2e-6)
+    # llama.cpp's own float32 rounding: 2.5e-4 from sentence-transformers' on this file
+    np.testing.assert_allclose(vectors, answer["llama_cpp"], atol=5e-4)
+    assert_one_line_error(jaxinfer("run", "-m", GGUF, "hi"), "embedding model")
 
 
 def test_embedding_requests_past_the_queue_are_refused(made):

@@ -24,6 +24,7 @@ from jaxinfer.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data" / "gguf"
 FILES = sorted(p.name for p in DATA.glob("*.gguf"))
+GENERATING = [name for name in FILES if not name.startswith("qwen3embed")]  # its vectors: test_embeddings
 # How far llama.cpp's logits sit from the file's exact model, as a share of max|logit|: it rounds
 # activations to the weights' 16-bit type, or quantizes them to 8 bits for quantized weights (we keep
 # them float32, but in our own W8A8 q8_0/q4_0 kernel, which rounds differently); these random models
@@ -103,7 +104,7 @@ def test_every_tensor_is_the_files_own_values(name):
         np.testing.assert_array_equal(ours, values.astype(np.float32), err_msg=hf_name)
 
 
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", GENERATING)
 def test_logits_and_greedy_text_are_llama_cpp_s(name):
     """Over the prompt and llama.cpp's greedy continuation (teacher-forced): logits within the
     activation rounding llama.cpp does (`TOLERANCE`) and the same next token at ≥ 90% of the positions
