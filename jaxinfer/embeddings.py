@@ -93,8 +93,16 @@ class Pooler:
                 raise JaxinferError(f"{model_dir}: its sentence-transformers module {kind!r} is not one jaxinfer runs")
         if pooling is None:
             raise JaxinferError(f"{model_dir}: modules.json lists no Pooling module: how to pool is not said")
-        settings = _json(model_dir / "config_sentence_transformers.json")
-        limit = _json(model_dir / "sentence_bert_config.json").get("max_seq_length")
+        settings, transformer = (
+            _json(model_dir / "config_sentence_transformers.json"),
+            _json(model_dir / "sentence_bert_config.json"),
+        )
+        if "message" in (transformer.get("modality_config") or {}):  # sentence-transformers 6 then always takes it
+            raise JaxinferError(
+                f"{model_dir}: its sentence-transformers config renders every text through the chat template "
+                "(the 'message' modality): jaxinfer embeds plain text only, and would not give its vectors"
+            )
+        limit = transformer.get("max_seq_length")
         limit = limit or tokenizer_config.get("model_max_length")
         return cls(
             pooling,

@@ -279,6 +279,19 @@ def test_embedding_requests_past_the_queue_are_refused(made):
     assert refused.status_code == 429 and "2 embedding requests are waiting" in refused.json()["error"]["message"]
 
 
+def test_a_model_that_embeds_through_its_chat_template_is_refused(made, tmp_path):
+    """sentence-transformers 6 saves a 'message' modality for a tokenizer with a chat template and then
+    renders every text through it: not done here, so such a model is refused, not answered otherwise."""
+    copy = tmp_path / "message"
+    shutil.copytree(made["last"][0], copy)
+    config = json.loads((copy / "sentence_bert_config.json").read_text())
+    formats = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+    formats["message"] = formats["text"] | {"format": "flat"}
+    (copy / "sentence_bert_config.json").write_text(json.dumps(config | {"modality_config": formats}))
+    with pytest.raises(JaxinferError, match="'message' modality"):
+        load_model(copy)
+
+
 def test_bidirectional_and_other_poolings_are_refused_in_one_line(made, tmp_path):
     from jaxinfer.families import config_from_hf
 
