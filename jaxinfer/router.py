@@ -55,6 +55,8 @@ class Router:
         self.in_flight: dict[str, int] = {name: 0 for name in models}
         self._switch = asyncio.Lock()  # one load or unload at a time
         self._freed: asyncio.Event | None = None  # set as a model's last request ends
+        self.wanting = dict.fromkeys(models, 0)  # name → requests waiting for it to be made
+        self._changed: asyncio.Event | None = None  # set as such a request stops waiting
         self.closed = False
         self._start(self.default, self.makers[self.default]())
 
@@ -183,7 +185,27 @@ class Router:
 
     async def _server(self, name: str) -> Server:
         """The model's server, made where it is not held (others stopped first where it would not
-        fit: `_fits`); its request counted in flight before any other request can stop it."""
+        fit: `_fits`); its request counted in flight before any other request can stop it. While a
+        request waits for another model to be made, a held model takes no new ones: its requests in
+        flight end, and it can be stopped for the other (a model asked for without pause would keep
+        another waiting for ever)."""
+        while name in self.servers and any(n not in self.servers for n, k in self.wanting.items() if k):
+            self._changed = self._changed or asyncio.Event()
+            await self._changed.wait()
+        if name not in self.servers:
+            self.wanting[name] += 1
+            try:
+                await self._make(name)
+            finally:
+                self.wanting[name] -= 1
+                if self._changed is not None:  # the requests held back look again
+                    self._changed.set()
+                    self._changed = None
+        self.in_flight[name] += 1
+        return self.servers[name]
+
+    async def _make(self, name: str) -> None:
+        """Make the model's server, stopping the least recently used idle ones until it fits."""
         if name not in self.servers:
             async with self._switch:
                 while name not in self.servers:
@@ -199,8 +221,6 @@ class Router:
                         await self._freed.wait()
                         continue
                     await self._unload(min(idle, key=self.used.__getitem__))
-        self.in_flight[name] += 1
-        return self.servers[name]
 
     async def _unload(self, name: str) -> None:
         import gc

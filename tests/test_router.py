@@ -4,8 +4,11 @@ for one model at a time, requests alternating between two under load are all ans
 waits for the other model's requests to end), with room for both both stay held; an unknown model
 is a 404; /v1/models and /api/tags list both and the alias."""
 
+import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -13,6 +16,7 @@ from test_server import WAIT_S, Served
 
 from jaxinfer.api import Parser
 from jaxinfer.loading import load_model
+from jaxinfer.router import Router
 from jaxinfer.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
@@ -68,6 +72,62 @@ def test_each_request_goes_to_the_model_it_names(models):
     finally:
         served.stop()
     assert "Traceback" not in "".join(served.stderr)
+
+
+class _Gated:
+    """A stand-in model server for the router: each request it answers waits for its gate."""
+
+    def __init__(self, gates: dict, served: list):
+        self.gates, self.served = gates, served
+        self.parser = SimpleNamespace(model=SimpleNamespace(params={}))
+        self.scheduler = SimpleNamespace(slots=SimpleNamespace(state={}))
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    async def asgi(self, scope, receive, send) -> None:
+        tag = json.loads((await receive())["body"])["tag"]
+        await self.gates[tag].wait()
+        self.served.append(tag)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_a_model_asked_for_without_pause_does_not_keep_another_waiting():
+    """Room for one model: while a request waits for the second model to be made, the first model
+    takes no new requests (else one asked for without pause keeps the other waiting for ever): its
+    running request ends, the second is made and answers, then the first's next request."""
+    gates, served = {tag: asyncio.Event() for tag in ("a1", "b1", "a2")}, []
+    servers = {"a": _Gated(gates, served), "b": _Gated(gates, served)}
+    router = Router({name: (lambda s=s: s) for name, s in servers.items()}, models_max=1)
+
+    async def ask(model: str, tag: str) -> None:
+        body = json.dumps({"model": model, "tag": tag}).encode()
+        received = iter([{"type": "http.request", "body": body, "more_body": False}])
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b""}
+
+        async def send(message):
+            pass
+
+        await router(scope, lambda: asyncio.sleep(0, next(received)), send)
+
+    async def scenario() -> None:
+        a1 = asyncio.create_task(ask("a", "a1"))
+        await asyncio.sleep(0.05)
+        b1 = asyncio.create_task(ask("b", "b1"))  # waits for a1
+        await asyncio.sleep(0.05)
+        a2 = asyncio.create_task(ask("a", "a2"))  # the first model asked again meanwhile
+        await asyncio.sleep(0.05)
+        gates["b1"].set(), gates["a2"].set()
+        gates["a1"].set()
+        await asyncio.wait_for(asyncio.gather(a1, b1, a2), WAIT_S)
+
+    asyncio.run(scenario())
+    assert served == ["a1", "b1", "a2"]
+    assert router.servers.keys() == {"a"}  # a2 made the first model again, after b1
 
 
 def test_models_that_fit_the_memory_stay_held(models):
