@@ -3,6 +3,8 @@ TTFT and inter-token latency as clients see them, slots, queue, programs compile
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 # TTFT from a few ms (a cached prompt) to a minute in a deep queue; ITL on any CPU or GPU
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -41,3 +43,18 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def merged(servers: dict) -> bytes:
+    """The metrics of several models' servers (name → server) as one Prometheus text: each family
+    once, each sample with a `model_name` label (vLLM's)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.metrics_core import Metric
+
+    families: dict[str, Metric] = {}
+    for name, server in servers.items():
+        for family in server.metrics.registry.collect():
+            into = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            for sample in family.samples:
+                into.add_sample(sample.name, {**sample.labels, "model_name": name}, sample.value, sample.timestamp)
+    return generate_latest(SimpleNamespace(collect=lambda: list(families.values())))

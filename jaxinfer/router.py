@@ -6,7 +6,8 @@ its files' size), the least recently used ones with no request in flight are sto
 request for another model waits until they are (one model alone is always held). A request goes to
 the model its body's `model` names or one of its `aliases` does (GET: the `model` query parameter:
 /props, /metrics), the first model where it names none; with one model served, the name is not
-checked (clients send any). A model idle for `keep_alive` seconds (ollama's; its requests' own
+checked (clients send any); GET /metrics without `model` gives every held model's, labelled by
+`model_name`. A model idle for `keep_alive` seconds (ollama's; its requests' own
 `keep_alive` says it for that model from then on, 0 stopping it once answered) is stopped, to be
 made again on its next request. GET /v1/models and /api/tags list every model and alias, /api/ps
 those held; /health answers for the router.
@@ -23,7 +24,7 @@ import json
 import time
 from typing import Callable
 
-from jaxinfer import ollama
+from jaxinfer import metrics, ollama
 from jaxinfer.errors import JaxinferError
 from jaxinfer.server import HTTPError, Server, authorize
 
@@ -94,6 +95,8 @@ class Router:
             return
         path, method = scope["path"], scope["method"]
         if method == "GET" and path in ("/v1/models", "/api/tags", "/api/ps", "/health"):
+            return await self._listed(scope, send, path)
+        if method == "GET" and path == "/metrics" and len(self.makers) > 1 and self._asked(scope, b"") is None:
             return await self._listed(scope, send, path)
         body = b""
         if method == "POST":
@@ -241,6 +244,13 @@ class Router:
             authorize(Headers(scope=scope), self.api_key)
         except HTTPError as e:
             return await _send_json(send, e.status, e.body())
+        if path == "/metrics":  # every model held, each sample labelled with its name
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            data = metrics.merged(self.servers)
+            headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(data)).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            return await send({"type": "http.response.body", "body": data})
         if path == "/v1/models":  # an alias says its model (vLLM's `parent`)
             names = [(n, None) for n in self.makers] + list(self.aliases.items())
             data = [

@@ -139,6 +139,13 @@ def test_models_that_fit_the_memory_stay_held(models):
             assert httpx.post(served.url + "/v1/completions", json=body, timeout=WAIT_S).status_code == 200
         held = httpx.get(served.url + "/api/ps", timeout=WAIT_S).json()["models"]
         assert sorted(m["name"] for m in held) == sorted(models)
+        # /metrics: both models' in one text, each family once, each sample named by its model
+        text = httpx.get(served.url + "/metrics", timeout=WAIT_S).text
+        assert text.count("# TYPE jaxinfer_requests_total counter") == 1
+        for name in models:
+            assert f'jaxinfer_requests_total{{endpoint="/v1/completions",model_name="{name}",status="200"}} 2.0' in text
+        own = httpx.get(served.url + "/metrics", params={"model": a.name}, timeout=WAIT_S).text
+        assert "model_name" not in own and 'jaxinfer_requests_total{endpoint="/v1/completions",status="200"} 2.0' in own
     finally:
         served.stop()
 
