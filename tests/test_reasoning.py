@@ -234,28 +234,15 @@ def test_a_requests_budget_bounds_its_block_with_the_templates_markers():
         bounded(5, "<|start|>{{ m }}<|channel|>final<|message|>", False, model.tokenizer)
 
 
+SAY_HELLO = ("run", "Say hello.", "--system", "Be brief.", "--temp", 0, "--json")  # a chat turn through run
+
+
 @pytest.mark.slow
 def test_run_closes_the_block_at_the_budget():
     from jaxinfer.loading import load_model
 
-    ran = jaxinfer(
-        "run",
-        "Say hello.",
-        "--system",
-        "Be brief.",
-        "--chat-template-file",
-        R1,
-        "--reasoning-budget",
-        5,
-        "--reasoning-budget-message",
-        " Enough.",
-        "-n",
-        24,
-        "--temp",
-        0,
-        "--ignore-eos",
-        "--json",
-    )
+    budget = ("--reasoning-budget", 5, "--reasoning-budget-message", " Enough.", "--ignore-eos")
+    ran = jaxinfer(*SAY_HELLO, "--chat-template-file", R1, *budget, "-n", 24)
     assert ran.returncode == 0, ran.stderr
     result, tokenizer = json.loads(ran.stdout), load_model().tokenizer
     forced = [t for text in (" Enough.", "</think>") for t in tokenizer.encode(text, add_special_tokens=False)]
@@ -269,21 +256,7 @@ SHAPE = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[A-Z][a-z]{2,8}( [a
 
 @pytest.mark.slow
 def test_run_json_gives_the_reasoning_apart():
-    ran = jaxinfer(
-        "run",
-        "Say hello.",
-        "--system",
-        "Be brief.",
-        "--chat-template-file",
-        QWEN3,
-        "--regex",
-        SHAPE,
-        "-n",
-        64,
-        "--temp",
-        0,
-        "--json",
-    )
+    ran = jaxinfer(*SAY_HELLO, "--chat-template-file", QWEN3, "--regex", SHAPE, "-n", 64)
     assert ran.returncode == 0, ran.stderr
     result = json.loads(ran.stdout)
     assert result["text"] == f"<think>\n{result['reasoning']}\n</think>\n\n{result['content']}"
