@@ -169,46 +169,38 @@ def test_a_budget_closes_the_thinking_block_after_n_tokens():
     """--reasoning-budget N (llama.cpp's): once a thinking block holds N tokens its closer is written,
     then the model goes on. Markers taken from what the bundled model writes greedily, so the block
     opens in the loop as well as in the prompt: the tokens before the closer are the free run's and
-    the closer follows the N-th; a budgeted row beside a speculating one changes neither."""
-    from jaxinfer.engine import Engine
+    the closer follows the N-th, each row's its own in one batch. (The message before the closer:
+    the CLI's test; a guarded row beside a speculating one: test_penalties' min_tokens.)"""
     from jaxinfer.loading import load_model
     from jaxinfer.replies import Thinking
     from jaxinfer.sampling import Sampling
     from jaxinfer.scheduler import Request, Scheduler
-    from jaxinfer.slots import Decoding
-    from jaxinfer.state import Speculation
 
     model = load_model()
     ids = model.tokenizer.encode("def fibonacci(n):")
-    closer = tuple(model.tokenizer.encode(" END", add_special_tokens=False))
-    engine = Engine(model.config, model.params, 256, model.eos_ids)
+    closer = list(model.tokenizer.encode(" END", add_special_tokens=False))
+    scheduler = Scheduler(model, 2, 256)
 
-    def tokens(thinking=None):
-        return [
-            t for chunk in engine.generate(ids, Sampling(), 40, 0, ignore_eos=True, thinking=thinking) for t in chunk
+    def run(**asked: dict) -> dict[str, list[int]]:
+        """Each named request's 40 greedy tokens, the requests run together."""
+        made: dict[str, list[int]] = {name: [] for name in asked}
+        requests = [
+            Request(name, ids, Sampling(), 40, 0, ignore_eos=True, **settings) for name, settings in asked.items()
         ]
+        for request in requests:
+            request.on_tokens = lambda tokens, logprobs, reason, into=made[request.id]: into.extend(tokens)
+        scheduler.run(requests, None)
+        return made
 
-    free = tokens()
+    free = run(free={})["free"]
     assert not set(closer) & set(free[:16])  # the closer is the budget's, not the model's own
-    opened_in_loop = Thinking(6, False, tuple(free[3:5]), closer)
-    assert tokens(opened_in_loop)[:13] == free[:11] + list(closer)
-    assert tokens(Thinking(4, True, (), closer))[:6] == free[:4] + list(closer)  # the prompt opened it
-    message = tuple(model.tokenizer.encode(" Enough.", add_special_tokens=False))  # --reasoning-budget-message
-    forced = list(message + closer)
-    assert tokens(Thinking(4, True, (), closer, message))[: 4 + len(forced)] == free[:4] + forced
-    budgeted = tokens(opened_in_loop)
-    records = {}
-    requests = [
-        Request("budgeted", ids, Sampling(), 40, 0, ignore_eos=True, speculate=True, thinking=opened_in_loop),
-        Request("free", ids, Sampling(), 40, 0, ignore_eos=True, speculate=True),
-    ]
-    scheduler = Scheduler(model, 2, 256, Decoding(speculation=Speculation(draft=3)))
-    floored = Request("floored", ids, Sampling(), 40, 0, ignore_eos=True, min_tokens=8)  # guards without markers
-    scheduler.run([floored], lambda r: records.__setitem__(r["id"], r["text"]))
-    scheduler.run(requests, lambda r: records.__setitem__(r["id"], r["text"]))  # the markers join them
-    assert records == {"budgeted": model.tokenizer.decode(budgeted)} | dict.fromkeys(
-        ("free", "floored"), model.tokenizer.decode(free)
+    assert run(floored={"min_tokens": 8}, free={}) == {"floored": free, "free": free}  # guards, no markers yet
+    opener = tuple(free[3:5])
+    made = run(  # the markers join the guards: one opener and closer for every row
+        in_loop={"thinking": Thinking(6, False, opener, tuple(closer))},
+        by_prompt={"thinking": Thinking(4, True, opener, tuple(closer))},
     )
+    assert made["in_loop"][:13] == free[:11] + closer and made["by_prompt"][:6] == free[:4] + closer
 
 
 def test_a_requests_budget_bounds_its_block_with_the_templates_markers():
