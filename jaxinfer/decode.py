@@ -234,7 +234,7 @@ def prefill(
         state = replace(state, penalties=jax.tree.map(lambda a, new: a.at[rows].set(new), state.penalties, penalties))
     new_guards = None
     if state.guards is not None:
-        given = dict(zip(("floor", "budget", "left"), guards))
+        given = dict(zip(Guards.ROWS, guards))
         new_guards = state.guards.per_row(lambda name, _: given[name])
         state = replace(state, guards=state.guards.per_row(lambda name, a: a.at[rows].set(given[name])))
     first, first_lp = _sample_at(

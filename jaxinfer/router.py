@@ -96,7 +96,7 @@ class Router:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path in ("/v1/models", "/api/tags", "/api/ps", "/health"):
             return await self._listed(scope, send, path)
-        if method == "GET" and path == "/metrics" and len(self.makers) > 1 and self._asked(scope, b"") is None:
+        if method == "GET" and path == "/metrics" and len(self.makers) > 1 and self._asked(scope, None) is None:
             return await self._listed(scope, send, path)
         body = b""
         if method == "POST":
@@ -111,11 +111,12 @@ class Router:
                     return await _send_json(send, 413, {"error": error})
                 if message["type"] == "http.disconnect" or not message.get("more_body"):
                     break
-        name = self._named(scope, body)
+        said = _json(body) if method == "POST" else None  # None: the server answers a bad body
+        name = self._named(scope, said)
         if name is None:
-            said = self.makers if len(self.makers) < 16 else []
-            known = f" (served: {', '.join(said)})" if said else ": GET /v1/models lists them"
-            message = f"model {self._asked(scope, body)!r} is not served here{known}"
+            served = self.makers if len(self.makers) < 16 else []
+            known = f" (served: {', '.join(served)})" if served else ": GET /v1/models lists them"
+            message = f"model {self._asked(scope, said)!r} is not served here{known}"
             return await _send_json(
                 send,
                 404,
@@ -128,16 +129,16 @@ class Router:
                     }
                 },
             )
-        if path.startswith("/api/") and (asked := _json(body)) and "keep_alive" in asked:
+        if path.startswith("/api/") and said and "keep_alive" in said:
             try:
-                self.keep[name] = ollama.keep_alive(asked["keep_alive"])
+                self.keep[name] = ollama.keep_alive(said["keep_alive"])
             except JaxinferError as e:
                 return await _send_json(send, 400, {"error": str(e)})
-            if self.keep[name] == 0 and path == "/api/generate" and ollama.loads(asked):  # ollama's "unload it"
+            if self.keep[name] == 0 and path == "/api/generate" and ollama.loads(said):  # ollama's "unload it"
                 async with self._switch:
                     if name in self.servers and self.in_flight[name] == 0:
                         await self._unload(name)
-                return await _send_json(send, 200, ollama.loaded(asked, "unload"))
+                return await _send_json(send, 200, ollama.loaded(said, "unload"))
         try:
             server = await self._server(name)
         except Exception as e:  # its weights could not be read (the disk, memory): this request's answer
@@ -170,17 +171,17 @@ class Router:
             if name in self.servers and self.in_flight[name] == 0 and keep is not None and idle >= keep - 1e-3:
                 await self._unload(name)
 
-    def _asked(self, scope, body: bytes) -> str | None:
+    def _asked(self, scope, said: dict | None) -> str | None:
+        """The model a request names: its POST body's (`said`, read once), else its query's."""
         if scope["method"] == "POST":
-            said = _json(body)  # None: the server answers the bad body
             return said.get("model") if said and isinstance(said.get("model"), str) else None
         query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
         return query.get("model")
 
-    def _named(self, scope, body: bytes) -> str | None:
+    def _named(self, scope, said: dict | None) -> str | None:
         """The model a request is for: the one it names (also as `ollama:NAME`, or by an alias), the
         default where it names none or one model is served; None: one not served."""
-        asked = self._asked(scope, body)
+        asked = self._asked(scope, said)
         if len(self.makers) == 1 or asked is None or asked == "":
             return self.default
         asked = self.aliases.get(asked, asked)

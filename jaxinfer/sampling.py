@@ -255,6 +255,8 @@ class Guards:
       matching one starts or ends its count); `forced` [F]: what ends a block at its budget (a
       message, then the closer)."""
 
+    ROWS = ("floor", "budget", "left")  # the per-row fields, in `rows`' order
+
     floor: jax.Array
     budget: jax.Array
     left: jax.Array
@@ -277,7 +279,7 @@ class Guards:
 
     def per_row(self, change) -> Guards:
         """The per-row fields (floor, budget, left) as `change(name, array)` gives them."""
-        return replace(self, **{name: change(name, getattr(self, name)) for name in ("floor", "budget", "left")})
+        return replace(self, **{name: change(name, getattr(self, name)) for name in self.ROWS})
 
     def apply(self, logits: jax.Array, position: jax.Array, eos: jax.Array) -> jax.Array:
         """logits [B, n] of tokens for `position` [B]: a row forced to end its block may take only the
