@@ -75,6 +75,9 @@ class ModelConfig:
     expert_size: int = 0
     norm_topk: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen's norm_topk_prob)
     shared_expert_size: int = 0
+    # the experts' gate and up matrices as one stack "we_gate_up" [E, 2F, D] (all the gates, then all
+    # the ups), as the checkpoint holds them (`jaxinfer.families.moe.FUSED_KEY`), not two
+    fused_experts: bool = False
     # Each layer's mixer (`jaxinfer.model.MIXERS`): "attention", or "delta", a Gated DeltaNet
     # (`jaxinfer.layers.delta_net`: Qwen3-Next, Qwen3.5) with `delta_heads` key heads of
     # `delta_key_dim` and `delta_value_heads` value heads of `delta_value_dim`, after a causal

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import config_from_hf
+from jaxinfer.families import config_from_hf, moe
 from jaxinfer.models import DEFAULT as DEFAULT_MODEL
 
 ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, beside config.json
@@ -52,6 +52,24 @@ def read_json(path: Path, required: bool = True) -> dict:
 
 def is_converted(model_dir: Path) -> bool:
     return (model_dir / ORBAX_DIR).is_dir()
+
+
+def tensor_names(model_dir: Path) -> list[str]:
+    """The names of a directory's safetensors tensors, from its index or its one file's header
+    (nothing else is read); none where it has neither, or they cannot be read (reading the weights
+    says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return list(json.loads(index.read_text())["weight_map"])
+        if (model_dir / "model.safetensors").is_file():
+            with safe_open(str(model_dir / "model.safetensors"), framework="np") as handle:
+                return list(handle.keys())
+    except (ValueError, KeyError, TypeError, SafetensorError, OSError):
+        pass
+    return []
 
 
 def bundled_model_dir() -> Path:
@@ -153,6 +171,8 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
         raise JaxinferError(f"model directory {model_dir} does not exist")
     else:
         config_json = read_json(model_dir / "config.json")
+        if not is_converted(model_dir) and any(name.endswith(moe.FUSED_TENSOR) for name in tensor_names(model_dir)):
+            config_json[moe.FUSED_KEY] = True
     cfg = config_from_hf(config_json)
     if (model_dir / "modules.json").is_file() or gguf_config.POOLING_KEY in config_json:
         cfg = replace(cfg, headless=True)  # an embedding model (sentence-transformers', a GGUF file's): its body

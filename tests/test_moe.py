@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from cli_helpers import jaxinfer
-from reference import alone, our_prompt_logits, reference
+from reference import alone, assert_close, hf_logits, our_prompt_logits, reference
 
 from jaxinfer import forms, roofline
 from jaxinfer.config import ModelConfig
@@ -28,6 +28,7 @@ from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Request, Scheduler
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. Def fibonacci(n): return n if n < 2 東京"
+IDS = [5, 9, 33, 2, 17, 80, 4, 61]
 E, D, F = 5, 64, 32
 CFG = ModelConfig("test", 16, D, 0, 1, 1, 1, D, 1e-5, 64, 1e4, num_experts=E, experts_per_token=2, expert_size=F)
 MAKERS = {
@@ -107,6 +108,28 @@ def test_the_router_picks_the_experts_transformers_picks(tiny, arch):
     ids, weights = feed_forward.route(ours.params["layers"][i], jnp.asarray(x), ours.config)
     np.testing.assert_array_equal(np.asarray(ids), their_ids.numpy())
     np.testing.assert_allclose(np.asarray(weights), their_weights.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe", "qwen3.5-moe"])
+def test_experts_stored_as_transformers_5_holds_them_read_as_per_expert_tensors(tiny, arch, tmp_path):
+    """A checkpoint holding each layer's experts as two stacks under transformers 5's names (the hub's
+    Qwen3.5-35B-A3B; Mixtral's block then named mlp), written from the model's own state dict: what
+    transformers reads from it, our logits give, from the directory and from its orbax copy."""
+    from safetensors.torch import save_file
+
+    source, fused = tiny(arch), tmp_path / "fused"
+    hf = reference(source)
+    fused.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (fused / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, fused / "model.safetensors")
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in hf.state_dict())
+    theirs = hf_logits(reference(fused), IDS)
+    for path in (fused, convert(fused, tmp_path / "converted")):
+        model = load_model(path)
+        assert model.config.fused_experts
+        assert_close(our_prompt_logits(model, IDS)[0], theirs)
 
 
 @pytest.mark.parametrize(

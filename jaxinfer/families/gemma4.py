@@ -171,8 +171,8 @@ def _mixture_table(cfg: ModelConfig, i: int) -> dict[str, Weight]:
         f"{pre}.router.proj.weight": Weight(("layers", i, "router"), (E, D), (None, "embed")),
         f"{pre}.router.scale": Weight(("layers", i, "router_scale"), (D,), ("embed",)),
         f"{pre}.router.per_expert_scale": Weight(("layers", i, "expert_scale"), (E,), (None,)),
-        f"{pre}.experts.gate_up_proj": Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), ("experts", None, None)),
-        f"{pre}.experts.down_proj": Weight(("layers", i, "we_down"), (E, D, F), ("experts", None, None)),
+        f"{pre}.experts.gate_up_proj": Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), moe.STACK),
+        f"{pre}.experts.down_proj": Weight(("layers", i, "we_down"), (E, D, F), moe.STACK),
     }
     for hf_name, name in (
         ("pre_feedforward_layernorm_2", "mlp_norm_2"),

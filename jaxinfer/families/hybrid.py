@@ -81,6 +81,7 @@ def config(d: dict, arch: str) -> ModelConfig:
             expert_size=int(d["moe_intermediate_size"]),
             norm_topk=bool(d["norm_topk_prob"]),
             shared_expert_size=int(d["shared_expert_intermediate_size"]),
+            fused_experts=bool(d.get(moe.FUSED_KEY, False)),
         )
     return ModelConfig(
         architecture=arch,

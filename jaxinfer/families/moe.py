@@ -3,7 +3,8 @@ weights renormalised), Qwen2-MoE (q/k/v biases, a shared expert with a sigmoid g
 between sparse ones), Qwen3-MoE (q/k RMSNorm per head) and OLMoE (q/k RMSNorm over all heads, an
 optional clamp of q/k/v). The mixture itself is `jaxinfer.layers.feed_forward`'s; here, which layers
 hold one, and the hub's names for the router and each expert's matrices, every expert's tensor a slice
-of one [E, ...] leaf (`config.Weight.expert`)."""
+of one [E, ...] leaf (`config.Weight.expert`), or the two stacks a layer's experts make in
+transformers 5's memory, which some checkpoints hold as they are (`FUSED_KEY`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ DEFAULTS = {
     },
 }
 QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+STACK = ("experts", None, None)  # a whole stack's axes
+
+# Set in a config.json (by `modeldir.load_config`, kept by `convert`) where the checkpoint holds each
+# mixture layer's experts as two stacks under transformers 5's own names, `mlp.experts.gate_up_proj`
+# [E, 2F, D] (each expert's gates, then its ups) and `mlp.experts.down_proj` [E, D, F]: the hub's
+# Qwen3.5-35B-A3B and Qwen3.6-35B-A3B, and any mixture saved from a transformers 5 model's state
+# dict. transformers reads either layout into those stacks; so does jaxinfer (`ModelConfig.fused_experts`).
+FUSED_KEY = "jaxinfer_fused_experts"
+FUSED_TENSOR = ".mlp.experts.gate_up_proj"  # a name only that layout has
 
 
 def sparse_layers(d: dict, layers: int) -> tuple:
@@ -94,15 +104,17 @@ def config(d: dict, arch: str) -> ModelConfig:
         expert_size=expert_size,
         norm_topk=arch == "MixtralForCausalLM" or bool(d["norm_topk_prob"]),
         shared_expert_size=int(d["shared_expert_intermediate_size"]) if arch == "Qwen2MoeForCausalLM" else 0,
+        fused_experts=bool(d.get(FUSED_KEY, False)),
     )
 
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """Llama's table (its dense MLP on the dense layers only), and on each mixture layer the router,
-    every expert's three matrices (Mixtral's w1/w3/w2 are gate/up/down) and a shared expert's."""
+    every expert's three matrices (Mixtral's w1/w3/w2 are gate/up/down) or the two stacks of
+    `FUSED_KEY`, and a shared expert's."""
     table = llama.weight_table(cfg)
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.expert_size
-    mixtral = cfg.architecture == "MixtralForCausalLM"
+    mixtral = cfg.architecture == "MixtralForCausalLM" and not cfg.fused_experts  # transformers 5 says mlp
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
     block = "block_sparse_moe" if mixtral else "mlp"
     for i in range(cfg.num_layers):
@@ -110,7 +122,10 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
             continue
         pre = f"model.layers.{i}.{block}"
         table[f"{pre}.gate.weight"] = Weight(("layers", i, "router"), (E, D), (None, "embed"))
-        for e in range(E):
+        if cfg.fused_experts:
+            table[f"{pre}.experts.gate_up_proj"] = Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), STACK)
+            table[f"{pre}.experts.down_proj"] = Weight(("layers", i, "we_down"), (E, D, F), STACK)
+        for e in range(0 if cfg.fused_experts else E):
             for part, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
                 table[f"{pre}.experts.{e}.{names[part]}.weight"] = Weight(
                     ("layers", i, f"we_{part}"), shape, (None, None), (e, E)
