@@ -399,6 +399,12 @@ def bench_table(rows: list[dict], caption: str) -> None:
             f"{r['decode']['mbu']:.1%}",
             f"{r['compile_s']:.2f}",
         )
+    routed = [r for r in rows if "experts_a_step" in r]
+    if routed:  # MBU counts the experts a step read, not all of them
+        read = [(r["prompt_tokens"], r["batch"], r["experts_a_step"]) for r in routed]
+        table.caption += f"\nexperts a decode step read, a layer (of {read[0][2]['of']}; even routing's): " + "; ".join(
+            f"{p}×{b}: {e['counted']:.1f} ({e['even']:.1f})" for p, b, e in read
+        )
     speculated = [r for r in rows if "speculation" in r]
     if speculated:
         table.caption += "\nspeculation, drafts kept and tokens per decode step: " + "; ".join(

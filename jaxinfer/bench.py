@@ -22,7 +22,15 @@ from jaxinfer.buckets import check_fits
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.forms import lay_out, layout_for_batch
-from jaxinfer.roofline import Cost, Storage, decode_step_cost, phase_report, predicted_seconds, prefill_cost
+from jaxinfer.roofline import (
+    Cost,
+    Storage,
+    decode_step_cost,
+    expert_share,
+    phase_report,
+    predicted_seconds,
+    prefill_cost,
+)
 from jaxinfer.runtime import CompileReport
 from jaxinfer.sampling import Sampling
 from jaxinfer.sharding import mesh_of
@@ -64,13 +72,19 @@ def bench_point(
 
     compiled = CompileReport()
     ttft, decode_s, itl = [], [], []
+    experts, experts_passes = 0, 0  # a mixture's experts the decode passes read (`KVCache.experts_read`), their passes
+
+    def counted() -> tuple:
+        """(each row's decode passes, the experts read so far)."""
+        return jax.device_get((slots.state.passes, slots.state.cache.experts_read))
+
     for r in range(repeat + 1):  # the first is the warm-up: it compiles every program the point needs
         start = time.perf_counter()
         slots.admit(admit, compiled)
         jax.block_until_ready(slots.state.length)
         first = time.perf_counter() - start
         steps, kv_read, buckets = [], [], set()  # each call's seconds; each pass's positions read; kv buckets
-        made = jax.device_get(slots.state.length)
+        made, (passes_before, read_before) = jax.device_get(slots.state.length), counted()
         while made.min() < prompt_tokens + new_tokens:
             start = time.perf_counter()
             ran = slots.step(STEPS_PER_CALL, compiled)
@@ -83,6 +97,10 @@ def bench_point(
             if r:
                 itl.append(steps[-1] * batch / max(1, int((length - made).sum())))
             made = length
+        passes_after, read_after = counted()
+        passes = int((passes_after - passes_before).max())  # a call's loop may end before its steps: counted
+        if read_before is not None:
+            experts, experts_passes = experts + (int(read_after) - int(read_before)) % 2**32, experts_passes + passes
         if r:
             ttft.append(first)
             decode_s.append(sum(steps))
@@ -90,11 +108,13 @@ def bench_point(
     storage = Storage.of_params(params)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     prefill_work = prefill_cost(cfg, storage, prompt_tokens, batch=batch)
-    # cost is linear in the positions read
-    step = decode_step_cost(cfg, storage, kv_len=round(statistics.fmean(kv_read)), batch=batch)
-    decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * len(kv_read))  # weights read once per pass
+    # cost is linear in the positions read; a mixture's experts as the passes counted them
+    experts_a_pass = experts / experts_passes if experts_passes else None
+    step = decode_step_cost(cfg, storage, round(statistics.fmean(kv_read)), batch, experts_a_pass)
+    decode_work = Cost(step.flops * (new_tokens - 1), step.bytes * passes)  # weights read once per pass
     ttft_median, decode_median = statistics.median(ttft), statistics.median(decode_s)
-    return {
+    routed = {"experts_a_step": _experts_a_step(cfg, experts_a_pass, batch)} if experts_a_pass is not None else {}
+    point = {
         "prompt_tokens": prompt_tokens,
         "batch": batch,
         "new_tokens": new_tokens,
@@ -111,7 +131,15 @@ def bench_point(
         "decode": phase_report(decode_work, decode_median, *roofs),
         "roofline_ttft_s": predicted_seconds(prefill_work, *roofs),
         "roofline_decode_tok_s": batch / predicted_seconds(step, *roofs),
-    } | ({"speculation": _speculated(slots)} if speculate else {})
+    }
+    return point | routed | ({"speculation": _speculated(slots)} if speculate else {})
+
+
+def _experts_a_step(cfg: ModelConfig, read: float, batch: int) -> dict:
+    """A decode step's distinct experts a mixture layer, as counted, beside even routing's estimate
+    for `batch` rows, of how many."""
+    even = cfg.num_experts * expert_share(cfg, batch)
+    return {"counted": round(read / len(cfg.mixture_layers), 2), "even": round(even, 2), "of": cfg.num_experts}
 
 
 def _speculated(slots: Slots) -> dict:

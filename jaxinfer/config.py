@@ -158,6 +158,11 @@ class ModelConfig:
         """The layers whose mixer is attention: those the KV cache holds, in order."""
         return tuple(i for i in range(self.num_layers) if self.mixer(i) == "attention")
 
+    @property
+    def mixture_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward part holds experts."""
+        return tuple(i for i in range(self.num_layers) if self.feed_forward(i) != "dense")
+
     # Set by load_model: "int8" stores K/V as int8 with a scale per position and head (`kvcache`);
     # None: in the compute dtype.
     kv_dtype: str | None = None

@@ -61,6 +61,10 @@ class KVCache:
     k_scale: tuple | None = None  # per group [L, B, S, KV] when k and v are int8
     v_scale: tuple | None = None
     delta: DeltaState | None = None  # a hybrid's DeltaNet layers' state
+    # a mixture's: the experts its passes read, each pass's distinct experts summed over its layers
+    # and over the passes (uint32, wrapping: a count is a difference of two readings mod 2**32); the
+    # roofline's measured count of the experts' bytes (`count_experts`)
+    experts_read: jax.Array | None = None
     kernel: str | None = field(default=None, metadata=dict(static=True))  # who attends: "cpu", "gpu" (`attend`)
     # per model layer: (group, index in it) of the K/V it attends over; None: a layer without attention
     where: tuple = field(default=(), metadata=dict(static=True))
@@ -77,7 +81,8 @@ class KVCache:
         where = tuple(held.get(cfg.kv_source(i)) for i in range(cfg.num_layers))
         gpu = "gpu" if whole and gpu_attention.here(cfg, dtype) else None
         cpu = whole and kernel.vectorised() and all(hd in kernel.ATTENTION_HEAD_DIMS for _, hd in shapes)
-        rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), where=where)
+        read = jnp.zeros((), jnp.uint32) if cfg.num_experts else None
+        rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), experts_read=read, where=where)
         if cfg.kv_dtype == "int8":
             shaped = [(len(group), batch, length, heads, hd) for group, (heads, hd) in zip(groups, shapes)]
             int8 = tuple(jnp.zeros(shape, jnp.int8) for shape in shaped)
@@ -120,8 +125,20 @@ class KVCache:
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Rows `dst` [R] take the K/V of rows `src` [R] (every layout keeps rows on axis 1)."""
         move = lambda a: a.at[:, dst].set(a[:, src])  # noqa: E731
-        moved = jax.tree.map(move, replace(self, delta=None))
-        return replace(moved, delta=self.delta and self.delta.copy_rows(src, dst))
+        moved = jax.tree.map(move, self.kv_only)
+        return replace(moved, delta=self.delta and self.delta.copy_rows(src, dst), experts_read=self.experts_read)
+
+    @property
+    def kv_only(self) -> KVCache:
+        """Itself without what is not held a row a position (the recurrent state, the count)."""
+        return replace(self, delta=None, experts_read=None)
+
+    def count_experts(self, read: jax.Array) -> KVCache:
+        """Itself having read `read` more experts (a pass's distinct experts of one layer,
+        `feed_forward.feed_forward`)."""
+        if self.experts_read is None:
+            return self
+        return replace(self, experts_read=self.experts_read + read.astype(jnp.uint32))
 
     def read(self, layer: int, start, size: int, rows: jax.Array | None = None):
         """(k, v, k_scale, v_scale) of `layer`'s `size` positions from `start` (traced or not) for

@@ -367,7 +367,10 @@ def forward_blocks(
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             h = rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h
             x = x + scaled(h, cfg.residual_multiplier)
-            x = x + scaled(feed_forward(layer, x, i, cfg), cfg.residual_multiplier)
+            h, picked = feed_forward(layer, x, i, cfg)
+            x = x + scaled(h, cfg.residual_multiplier)
+            if picked is not None and cache is not None:
+                cache = cache.count_experts(picked)
             if per_layer is not None:  # Gemma 4: the layer's own input gates a residual of its own
                 h = ACTIVATIONS[cfg.activation](linear(x, layer, "ple_gate", cfg)) * per_layer[:, i]
                 x = x + rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)

@@ -88,13 +88,15 @@ class Storage:
         return self.itemsize if len(shape) == 2 else (self.cache_itemsize or self.itemsize)
 
 
-def expert_share(cfg: ModelConfig, tokens: int | None = None) -> float:
+def expert_share(cfg: ModelConfig, tokens: int | None = None, read: float | None = None) -> float:
     """The share of a mixture's experts that `tokens` tokens read between them, each picking
     `experts_per_token` of `num_experts` and spread evenly over them (1 - (1 - k/E)^tokens: the
-    roofline's estimate, not the step's count); None: the share one token computes with, k/E. 1
-    without experts."""
+    roofline's estimate); `read`: the distinct experts a pass read over all its mixtures, as counted
+    (`KVCache.experts_read`); None for both: the share one token computes with, k/E. 1 without experts."""
     if not cfg.num_experts:
         return 1.0
+    if read is not None:
+        return read / (cfg.num_experts * len(cfg.mixture_layers))
     picked = cfg.experts_per_token / cfg.num_experts
     return picked if tokens is None else 1.0 - (1.0 - picked) ** tokens
 
@@ -172,11 +174,11 @@ def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
     return attention + queries * per_head * cfg.delta_value_heads * len(delta_net.delta_layers(cfg))
 
 
-def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int) -> float:
-    """Every matrix once (of a mixture's experts, those the tokens route to: `expert_share`); of the
-    embedding only the rows looked up (unless it is also the head), of Gemma 4's per-layer
-    embeddings likewise."""
-    layer_matrices, head, other = _sizes(cfg, storage, expert_share(cfg, tokens))
+def _weight_bytes_read(cfg: ModelConfig, storage: Storage, tokens: int, experts: float | None = None) -> float:
+    """Every matrix once (of a mixture's experts, those the tokens route to: `expert_share`, counted
+    where `experts` is given); of the embedding only the rows looked up (unless it is also the head),
+    of Gemma 4's per-layer embeddings likewise."""
+    layer_matrices, head, other = _sizes(cfg, storage, expert_share(cfg, tokens, experts))
     embed_shape = (cfg.vocab_size, cfg.hidden_size)
     row = cfg.hidden_size * storage.bytes_per_value(("embed",), embed_shape)
     rows = 0 if cfg.tie_word_embeddings else min(tokens, cfg.vocab_size) * row
@@ -198,13 +200,17 @@ def prefill_cost(cfg: ModelConfig, storage: Storage, tokens: int, kv_len: int | 
     return Cost(flops, _weight_bytes_read(cfg, storage, batch * tokens) + kv)
 
 
-def decode_step_cost(cfg: ModelConfig, storage: Storage, kv_len: int, batch: int = 1) -> Cost:
-    """One decode step: one token per row, attending over `kv_len` cached positions."""
+def decode_step_cost(
+    cfg: ModelConfig, storage: Storage, kv_len: int, batch: int = 1, experts: float | None = None
+) -> Cost:
+    """One decode step: one token per row, attending over `kv_len` cached positions; of a mixture's
+    experts, those `experts` says the step read (its distinct experts over all its mixtures, as
+    counted: `KVCache.experts_read`), else even routing's estimate for `batch` tokens."""
     layer_matrices, head, _ = _sizes(cfg, share=expert_share(cfg))
     flops = batch * (2.0 * (layer_matrices + head) + _attention_flops(cfg, 1, kv_len))
     kv = batch * kv_bytes_per_token(cfg, storage) * (kv_len + 1)
     kv += batch * 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)  # read and written
-    return Cost(flops, _weight_bytes_read(cfg, storage, batch) + kv)
+    return Cost(flops, _weight_bytes_read(cfg, storage, batch, experts) + kv)
 
 
 def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: float) -> dict:
@@ -226,12 +232,14 @@ def phase_report(cost: Cost, seconds: float, peak_flops: float, peak_bandwidth: 
 def generation_report(cfg: ModelConfig, storage: Storage, timings, ceilings) -> dict:
     """Both phases of one generation (engine `Timings`) against the machine's `Ceilings`. Decode
     counts the K/V its steps read (`KVCache.positions_read`: the mean over the steps, as cost is
-    linear in it). A speculating loop reads the weights once per pass, not per token: its
-    bytes count passes, its FLOPs the tokens made."""
+    linear in it), and a mixture's experts as its passes counted them (`Timings.experts_read`). A
+    speculating loop reads the weights once per pass, not per token: its bytes count passes, its
+    FLOPs the tokens made."""
     prompt, steps = timings.prompt_tokens, timings.generated_tokens - 1
     passes = timings.speculation.passes if timings.speculation else steps
     prefill = prefill_cost(cfg, storage, timings.prefilled_tokens, kv_len=prompt)
-    step = decode_step_cost(cfg, storage, kv_len=round(timings.kv_read / passes) if passes else prompt)
+    kv_len = round(timings.kv_read / passes) if passes else prompt
+    step = decode_step_cost(cfg, storage, kv_len, experts=timings.experts_a_pass)
     decode = Cost(step.flops * steps, step.bytes * passes)
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     return {

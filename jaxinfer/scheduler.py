@@ -179,6 +179,7 @@ class _Slot:
     compiled_s: float = 0.0  # all compile time after its first token
     read: int = 0  # the row's length as last collected
     passes: int = 0  # its decode passes counted into its timings' kv_read
+    experts_read: int | None = None  # the cache's count of experts read as last collected after its first token
     logprobs: list = field(default_factory=list)  # where asked for and read as text: its tokens' (chosen, ids, top)
 
 
@@ -450,6 +451,10 @@ class Scheduler:
         first = slot.read + (slot.first_token is None and made > 0)
         kv = self.slots.state.cache.positions_read(self.model.config, self._kv_len, first, slot.read + made - 1)
         timings.kv_read += (passes - slot.passes) * kv
+        if slot.first_token is not None and slot.experts_read is not None:
+            timings.experts_read += (self.slots.experts_read - slot.experts_read) % 2**32
+            timings.experts_passes += passes - slot.passes
+        slot.experts_read = self.slots.experts_read
         if slot.first_token is None:
             slot.first_token = now
             timings.ttft_s = now - slot.admitted - slot.compiling_s

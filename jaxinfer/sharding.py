@@ -153,8 +153,9 @@ def state_shardings(state, cfg: ModelConfig, mesh: Mesh, draft: ModelConfig | No
     whole = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
 
     def cache(c, cfg):
-        split = jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), replace(c, delta=None))
-        return replace(split, delta=jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), c.delta))
+        split = jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), c.kv_only)
+        rest = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), (c.delta, c.experts_read))
+        return replace(split, delta=rest[0], experts_read=rest[1])
 
     draft_cache = cache(state.draft_cache, draft) if state.draft_cache is not None else None
     return replace(whole, cache=cache(state.cache, cfg), draft_cache=draft_cache)

@@ -284,6 +284,7 @@ class Slots:
         self._carried = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))  # from before a second prefill
         self._step_s: float | None = None  # a decode step beside this admission's chunks, as timed
         self.counters = Counters(*(np.zeros(self.batch, np.int32) for _ in range(3)))
+        self.experts_read: int | None = None  # `KVCache.experts_read` as last fetched
 
     @property
     def lost(self) -> bool:
@@ -526,8 +527,10 @@ class Slots:
         dispatch programs of its own); the host's view of the rows becomes exact, and `counters`
         current."""
         s = self.state
-        tokens, length, done, *counters = jax.device_get((s.tokens, s.length, s.done, s.drafted, s.accepted, s.passes))
+        fetched = (s.tokens, s.length, s.done, s.cache.experts_read, s.drafted, s.accepted, s.passes)
+        tokens, length, done, experts_read, *counters = jax.device_get(fetched)
         self._length[:], self._live[:] = length, ~done  # a prefilling row reads done, with no token yet
+        self.experts_read = None if experts_read is None else int(experts_read)
         self.counters = Counters(*(now + carried for now, carried in zip(counters, vars(self._carried).values())))
         return tokens, length, done
 

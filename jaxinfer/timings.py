@@ -43,8 +43,17 @@ class Timings:
     decode_s: float = 0.0  # wall time of the decode loop after the first token, compile excluded
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
     kv_read: float = 0.0  # cache positions the decode passes read, summed over passes (`KVCache.positions_read`)
+    # a mixture's: the experts its decode passes after the first token read (`KVCache.experts_read`;
+    # in a batch, with the prompt chunks riding in them), and how many passes those were
+    experts_read: int = 0
+    experts_passes: int = 0
     compile: CompileReport = field(default_factory=CompileReport)
     speculation: Speculated | None = None  # where the decode loop speculated
+
+    @property
+    def experts_a_pass(self) -> float | None:
+        """The distinct experts a decode pass read over all its mixtures, as counted; None: not counted."""
+        return self.experts_read / self.experts_passes if self.experts_passes else None
 
     @property
     def prefilled_tokens(self) -> int:

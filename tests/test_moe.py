@@ -178,6 +178,29 @@ def test_info_counts_the_parameters_a_token_computes_with(tiny):
     assert roofline.parameter_count(cfg, active=True) == round(total - experts + experts * 3 / 6)
 
 
+def test_a_pass_counts_the_experts_its_tokens_picked_as_transformers_routes_them(tiny):
+    """The bytes a step reads count the distinct experts its tokens picked (`KVCache.experts_read`):
+    over a prompt's pass, each mixture layer's union of transformers' top k, summed (the dense layer
+    of this qwen2-moe counting none); a decode step of one row, k a layer; and the roofline reads
+    the count as the share of the experts' bytes."""
+    path = tiny("qwen2-moe")
+    model, hf = load_model(path), reference(path)
+    cfg, ids = model.config, model.tokenizer.encode(PROMPT)[:4]  # 5 of its 6 experts: neither k nor all
+    with torch.no_grad():
+        routers = hf(torch.tensor([ids]), output_router_logits=True).router_logits
+    assert len(routers) == len(cfg.mixture_layers) < cfg.num_layers
+    picked = [len(np.unique(r.topk(cfg.experts_per_token, -1).indices.numpy())) for r in routers]
+    assert all(cfg.experts_per_token < n < cfg.num_experts for n in picked)
+    assert int(our_prompt_logits(model, ids)[1].experts_read) == sum(picked)
+    timings = alone(model, Request(0, ids, Sampling(), 12, 0)).timings
+    assert timings.experts_a_pass == cfg.experts_per_token * len(cfg.mixture_layers)
+    storage = roofline.Storage.of_params(model.params)
+    one_row = roofline.decode_step_cost(cfg, storage, 64, batch=1).bytes
+    assert roofline.decode_step_cost(cfg, storage, 64, batch=1, experts=timings.experts_a_pass).bytes == one_row
+    every = roofline.decode_step_cost(cfg, storage, 64, batch=1, experts=cfg.num_experts * len(cfg.mixture_layers))
+    assert every.bytes > one_row
+
+
 @pytest.mark.slow
 def test_a_quantized_mixture_stays_close_and_survives_the_orbax_copy(tiny, tmp_path):
     """int8 on the experts' stacks (each expert quantized, `Experts(Quantized)`): over a prompt, the

@@ -84,33 +84,38 @@ def route(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.A
     return ids.astype(jnp.int32), weights
 
 
-def mixture(layer: dict, x: jax.Array, cfg: ModelConfig, routed_by: jax.Array | None = None) -> jax.Array:
+def mixture(
+    layer: dict, x: jax.Array, cfg: ModelConfig, routed_by: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The mixture for tokens x [N, D] → [N, D]: each token's k experts, weighted, plus the shared
-    expert where the family has one, gated by sigmoid(shared_gate · x). `routed_by`: what the router
+    expert where the family has one, gated by sigmoid(shared_gate · x); and how many distinct experts
+    the tokens picked between them (those whose weights the pass reads). `routed_by`: what the router
     reads where it is not x (Gemma 4's: the residual stream, before the mixture's norm)."""
     ids, weights = route(layer, x if routed_by is None else routed_by, cfg)
     out = routed_mlp(layer, x, ids, weights, cfg)
     if cfg.shared_expert_size:
         gate = jax.nn.sigmoid(jnp.einsum("nd,od->no", x.astype(jnp.float32), layer["shared_gate"].astype(jnp.float32)))
         out = out + (gate * dense(layer, x, cfg).astype(jnp.float32))
-    return out.astype(x.dtype)
+    picked = jnp.zeros(cfg.num_experts, bool).at[ids.reshape(-1)].set(True).sum()
+    return out.astype(x.dtype), picked
 
 
-def feed_forward(layer: dict, x: jax.Array, i: int, cfg: ModelConfig) -> jax.Array:
-    """Layer i's feed-forward part on the residual stream x [N, D]: what it adds to it. Its input
-    normed ("mlp_norm"), and its output too in Gemma's sandwich ("post_mlp_norm"); Gemma 4's MLP and
+def feed_forward(layer: dict, x: jax.Array, i: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
+    """Layer i's feed-forward part on the residual stream x [N, D]: what it adds to it, and of a
+    mixture the distinct experts the tokens picked (None: no experts). Its input normed
+    ("mlp_norm"), and its output too in Gemma's sandwich ("post_mlp_norm"); Gemma 4's MLP and
     mixture beside it each with norms of their own, the mixture routed by the residual itself."""
-    normed = rms_norm(x, layer["mlp_norm"], cfg)
+    normed, picked = rms_norm(x, layer["mlp_norm"], cfg), None
     part = cfg.feed_forward(i)
     if part == "dense":
         h = dense(layer, normed, cfg)
     elif part == "mixture":
-        h = mixture(layer, normed, cfg)
+        h, picked = mixture(layer, normed, cfg)
     else:  # "dense and mixture"
-        routed = mixture(layer, rms_norm(x, layer["mlp_norm_2"], cfg), cfg, routed_by=x)
+        routed, picked = mixture(layer, rms_norm(x, layer["mlp_norm_2"], cfg), cfg, routed_by=x)
         h = rms_norm(dense(layer, normed, cfg), layer["post_mlp_norm_1"], cfg)
         h = h + rms_norm(routed, layer["post_mlp_norm_2"], cfg)
-    return rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h
+    return rms_norm(h, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else h, picked
 
 
 # (row, expert) pairs up to which each pair runs on its own (decode at batch 1 and 2 with top 8).
