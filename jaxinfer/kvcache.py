@@ -6,7 +6,8 @@ so XLA updates it in place instead of copying gigabytes per step.
 `--kv-dtype int8` stores each head's vector of K and V at a position as int8 with one float32
 scale (max|x| / 127), quantized once when written: 68 bytes per 64-value head instead of 256, so
 3.8× the context fits (1.9× against bfloat16). A scale is constant along the head dimension, so
-attention never dequantizes: K's scales multiply the scores, V's the attention weights.
+XLA's attention never dequantizes: K's scales multiply the scores, V's the attention weights; the
+CPU kernel multiplies the scores by K's and widens each value times its scale.
 
 Who attends over it (`KVCache.kernel`, decided once, when it is made): the CPU kernel where it is
 built ("cpu", in its own layout); on a GPU the Pallas kernel of `jaxinfer.gpu_attention` ("gpu", in
@@ -58,7 +59,7 @@ class KVCache:
 
     k: tuple  # per group [L, B, S, KV, hd]; the kernel's [L, B, KV, S, hd] (`attend`); L: the group's layers
     v: tuple  # as k
-    k_scale: tuple | None = None  # per group [L, B, S, KV] when k and v are int8
+    k_scale: tuple | None = None  # per group [L, B, S, KV] when k and v are int8; the kernel's [L, B, KV, S]
     v_scale: tuple | None = None
     delta: DeltaState | None = None  # a hybrid's DeltaNet layers' state
     # a mixture's: the experts its passes read, each pass's distinct experts summed over its layers
@@ -83,17 +84,17 @@ class KVCache:
         cpu = whole and kernel.vectorised() and all(hd in kernel.ATTENTION_HEAD_DIMS for _, hd in shapes)
         read = jnp.zeros((), jnp.uint32) if cfg.num_experts else None
         rest = dict(delta=DeltaState.zeros(cfg, batch, dtype), experts_read=read, where=where)
-        if cfg.kv_dtype == "int8":
-            shaped = [(len(group), batch, length, heads, hd) for group, (heads, hd) in zip(groups, shapes)]
-            int8 = tuple(jnp.zeros(shape, jnp.int8) for shape in shaped)
-            scales = tuple(jnp.zeros(shape[:-1], jnp.float32) for shape in shaped)
-            return cls(int8, tuple(a.copy() for a in int8), scales, tuple(a.copy() for a in scales), kernel=gpu, **rest)
+        rest["kernel"] = "cpu" if cpu else gpu
         if cpu:  # the kernel's layout: see `attend`
             shaped = [(len(group), batch, heads, length, hd) for group, (heads, hd) in zip(groups, shapes)]
         else:
             shaped = [(len(group), batch, length, heads, hd) for group, (heads, hd) in zip(groups, shapes)]
+        if cfg.kv_dtype == "int8":
+            int8 = tuple(jnp.zeros(shape, jnp.int8) for shape in shaped)
+            scales = tuple(jnp.zeros(shape[:-1], jnp.float32) for shape in shaped)
+            return cls(int8, tuple(a.copy() for a in int8), scales, tuple(a.copy() for a in scales), **rest)
         k = tuple(jnp.zeros(shape, dtype) for shape in shaped)
-        return cls(k, tuple(jnp.zeros(shape, dtype) for shape in shaped), kernel="cpu" if cpu else gpu, **rest)
+        return cls(k, tuple(jnp.zeros(shape, dtype) for shape in shaped), **rest)
 
     @property
     def length(self) -> int:
@@ -183,7 +184,9 @@ class KVCache:
                 q, positions, self.k[g], self.v[g], *scales, j, rows, kv_len, window, scale, softcap, sinks
             )
         rows = jnp.arange(q.shape[0]) if rows is None else rows
-        return kernel.attention(q, positions, self.k[g], self.v[g], rows, j, kv_len, window, scale, softcap, sinks)
+        scales = (None, None) if self.k_scale is None else (self.k_scale[g], self.v_scale[g])
+        kv = (self.k[g], self.v[g])
+        return kernel.attention(q, positions, *kv, rows, j, kv_len, window, scale, softcap, sinks, *scales)
 
     def write(
         self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array, rows: jax.Array | None = None

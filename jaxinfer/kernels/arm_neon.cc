@@ -6,6 +6,7 @@
 #include <arm_neon.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "paths.h"
 #include "simd.h"
@@ -42,6 +43,11 @@ struct Neon {
   static float reduce_max(F v) { return vmaxvq_f32(v); }
   static float reduce_add(F v) { return vaddvq_f32(v); }
   static F widen(const uint16_t* a) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(a), 16)); }
+  static F widen_int8(const int8_t* a) {
+    int32_t four;
+    std::memcpy(&four, a, 4);
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four))))));
+  }
   static F widen_pairs(const uint16_t* a, bool second) {
     const uint32x4_t pair = vld1q_u32(reinterpret_cast<const uint32_t*>(a));
     return vreinterpretq_f32_u32(second ? vandq_u32(pair, vdupq_n_u32(0xFFFF0000u)) : vshlq_n_u32(pair, 16));

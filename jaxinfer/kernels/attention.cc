@@ -6,7 +6,8 @@
 //
 // Layouts (as jaxinfer.model and jaxinfer.kvcache hold them):
 //   q, out [B, T, KV, G, hd] float32 (G query heads per kv head, grouped-query attention);
-//   k, v   [L, R, KV, S, hd] float32 or bfloat16: the whole stacked cache, row `rows[b]`, layer `layer`;
+//   k, v   [L, R, KV, S, hd] float32, bfloat16 or int8: the whole stacked cache, row `rows[b]`, layer `layer`;
+//   k_scale, v_scale [L, R, KV, S] float32: an int8 cache's scale of each vector (none otherwise);
 //   pos    [B, T] int32: each query's position; it sees keys at positions <= its own (and within
 //          `window` when that is not 0), below `kv_len`;
 //   sinks  [KV * G] float32: each query head's sink logit, which joins its softmax's denominator and
@@ -43,17 +44,23 @@ Item item_at(const Attention& p, int64_t i) {
 }
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> sinks, int64_t layer, int64_t kv_len, int64_t window, float scale, float softcap,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> sinks,
+                  int64_t layer, int64_t kv_len, int64_t window, float scale, float softcap, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  const bool bf16 = k.element_type() == ffi::DataType::BF16;
-  if (qd.size() != 5 || kd.size() != 5 || (!bf16 && k.element_type() != ffi::DataType::F32) || v.element_type() != k.element_type() ||
+  const ffi::DataType type = k.element_type();
+  const int kv = type == ffi::DataType::BF16 ? kKvBf16 : type == ffi::DataType::S8 ? kKvInt8 : kKvF32;
+  if (qd.size() != 5 || kd.size() != 5 || (kv == kKvF32 && type != ffi::DataType::F32) || v.element_type() != type ||
       kd[2] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[3] || sinks.element_count() != qd[2] * qd[3]) {
     return ffi::Error::InvalidArgument(
-        "jaxinfer_attention: q [B, T, KV, G, hd], a cache [L, R, KV, S, hd] of float32 or bfloat16 and sinks [KV * G] that agree");
+        "jaxinfer_attention: q [B, T, KV, G, hd], a cache [L, R, KV, S, hd] of float32, bfloat16 or int8 and sinks [KV * G] that agree");
+  }
+  const int64_t scales = kv == kKvInt8 ? static_cast<int64_t>(k.element_count()) / kd[4] : 0;
+  if (static_cast<int64_t>(k_scale.element_count()) != scales || static_cast<int64_t>(v_scale.element_count()) != scales) {
+    return ffi::Error::InvalidArgument("jaxinfer_attention: an int8 cache's scales are [L, R, KV, S], others none");
   }
   Attention p{q.typed_data(), k.untyped_data(), v.untyped_data(), pos.typed_data(), rows.typed_data(),
-              qd[0], qd[1], qd[2], qd[3], qd[4], kd[1], kd[3], layer, kv_len, window, scale, softcap, bf16};
+              qd[0], qd[1], qd[2], qd[3], qd[4], kd[1], kd[3], layer, kv_len, window, scale, softcap, kv,
+              k_scale.typed_data(), v_scale.typed_data()};
   // Items of up to 64 query rows (each block of keys is transposed once per item); where that
   // leaves a thread idle (decode: one item per kv head) each tile's key blocks are split between
   // items and their softmaxes merged.
@@ -66,7 +73,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   p.splits = std::max<int64_t>(1, std::min((units_wanted + units - 1) / units, keys / (2 * kKeys)));
   const Paths& table = paths();
   const int path = attend_slot(p.hd);
-  const AttendItem run = path >= 0 && table.attend[bf16][path] ? table.attend[bf16][path] : table.attend_any;
+  const AttendItem run = path >= 0 && table.attend[kv][path] ? table.attend[kv][path] : table.attend_any;
   const int64_t rows_per = p.tile * p.G, slot = rows_per * (p.hd + 2);
   std::vector<float> scratch(units * p.splits * slot);
   const Attention& problem = p;
@@ -115,6 +122,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_attention, jaxinfer::Attend,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")

@@ -164,11 +164,12 @@ void attend(const Attention& p, const Item& it, const Part& part) {
       const int64_t kat = p.key_at(it.b, s, it.h);
       float score = 0.f;
       for (int64_t d = 0; d < p.hd; ++d) score += q[d] * p.element(p.k, kat + d);
-      score = capped(p, score * p.scale);
+      score = capped(p, score * p.scale_of(p.k_scale, kat) * p.scale);
       const float now = std::max(top, score);
       const float before = std::exp(top - now), weight = std::exp(score - now);
       total = total * before + weight;
-      for (int64_t d = 0; d < p.hd; ++d) acc[d] = acc[d] * before + weight * p.element(p.v, kat + d);
+      const float scaled = weight * p.scale_of(p.v_scale, kat);
+      for (int64_t d = 0; d < p.hd; ++d) acc[d] = acc[d] * before + scaled * p.element(p.v, kat + d);
       top = now;
     }
     part.top[m] = top;

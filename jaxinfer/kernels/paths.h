@@ -88,6 +88,10 @@ struct FProblem {
   const uint16_t* x_bf16 = nullptr;  // x rounded to bfloat16, for `Paths::bf16_dot`
 };
 
+// How the KV cache holds K and V: float32, bfloat16, or int8 with one float32 scale a (position,
+// kv head) (`--kv-dtype int8`: each value times its vector's scale).
+enum KvKind : int { kKvF32 = 0, kKvBf16 = 1, kKvInt8 = 2 };
+
 // Attention of T queries per row over one layer of the whole stacked KV cache (attention.cc).
 struct Attention {
   const float* q;
@@ -97,16 +101,20 @@ struct Attention {
   const int32_t* rows;
   int64_t B, T, KV, G, hd, R, S, layer, kv_len, window;
   float scale, softcap;
-  bool bf16;
+  int kv;                          // KvKind
+  const float* k_scale = nullptr;  // int8: [L, R, KV, S], a key's at key_at / hd
+  const float* v_scale = nullptr;
   int64_t tile = 1;    // query positions per item
   int64_t tiles = 1;   // tiles per (row, kv head)
   int64_t splits = 1;  // items per tile, each over its share of the key blocks (flash decoding)
 
   int64_t key_at(int64_t b, int64_t s, int64_t h) const { return (((layer * R + rows[b]) * KV + h) * S + s) * hd; }
   int64_t query_at(int64_t b, int64_t t, int64_t h, int64_t g) const { return (((b * T + t) * KV + h) * G + g) * hd; }
-  float element(const void* a, int64_t at) const {  // of k or v, as float32
-    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(a)[at]) : static_cast<const float*>(a)[at];
+  float element(const void* a, int64_t at) const {  // of k or v as stored, as float32 (int8: unscaled)
+    if (kv == kKvInt8) return static_cast<const int8_t*>(a)[at];
+    return kv == kKvBf16 ? bf16_to_float(static_cast<const uint16_t*>(a)[at]) : static_cast<const float*>(a)[at];
   }
+  float scale_of(const float* scales, int64_t at) const { return kv == kKvInt8 ? scales[at / hd] : 1.f; }  // its vector's
 };
 
 constexpr int64_t kKeys = 64;  // attention: keys per block
@@ -146,7 +154,7 @@ struct Paths {
   FGroups bf16_dot = nullptr;
   RoundBits round_bits = nullptr;
   AmxMatmul amx = nullptr;  // bfloat16 weights from kAmxMinRows rows on
-  AttendItem attend[2][7] = {};  // [bfloat16 cache][attend_slot(head size)]
+  AttendItem attend[3][7] = {};  // [KvKind][attend_slot(head size)]
   AttendItem attend_any = nullptr;  // any head size: the portable path
 };
 

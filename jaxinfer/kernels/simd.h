@@ -5,7 +5,8 @@
 //   F (L floats), Mask (L lanes' flags), L, kRegisters (how many F the CPU holds);
 //   load, load_aligned, store, store_aligned, zero, set1, fma(a, b, c) = a * b + c, add, sub, mul,
 //   div, max, abs, copysign(magnitude, sign), exp (of x <= 0, within 2 ulp), reduce_max, reduce_add;
-//   widen (L bfloat16 values), widen_pairs(at, second) (the first or second of L bfloat16 pairs);
+//   widen (L bfloat16 values), widen_pairs(at, second) (the first or second of L bfloat16 pairs),
+//   widen_int8 (L int8 values);
 //   in_range(first, lo, up) (the lanes i with lo < first + i < up), max_where(a, mask, v),
 //   where(mask, v) (zero elsewhere), transpose(F r[L]) (L vectors of L as a matrix, in place).
 #pragma once
@@ -206,9 +207,11 @@ inline typename V::F exp_polynomial(typename V::F x, typename V::F n) {
 // Flash attention's running softmax over blocks of kKeys keys, the scores never leaving L1; the
 // item and split logic is attention.cc's.
 
-template <class V, bool kBf16>
+// L values of K or V from element `at`, as floats (int8: unscaled; `attend` applies the scales).
+template <class V, int kKv>
 inline typename V::F load_kv(const void* a, int64_t at) {
-  if constexpr (kBf16) return V::widen(static_cast<const uint16_t*>(a) + at);
+  if constexpr (kKv == kKvBf16) return V::widen(static_cast<const uint16_t*>(a) + at);
+  if constexpr (kKv == kKvInt8) return V::widen_int8(static_cast<const int8_t*>(a) + at);
   return V::load(static_cast<const float*>(a) + at);
 }
 
@@ -240,11 +243,11 @@ inline void scores(const float* const* q, const float* keys, int64_t hd, float* 
 // Per layer over 8192 float32 keys (a 2-core Zen 4, three sittings against the transposed copy):
 // head dim 256 with 4 query heads a kv head 2.0-2.4 -> 1.7-1.9 ms, 128 with 2 1.7-2.1 -> 1.3-1.5,
 // 64 with 3 0.40-0.44 -> 0.22-0.27.
-template <class V, int kRows, int kVecs, bool kBf16>
+template <class V, int kRows, int kVecs, int kKv>
 inline void scores_direct(const float* const* q, const Attention& p, int64_t b, int64_t h, int64_t s0, int64_t n,
                           int64_t next, float* out) {
   constexpr int L = V::L, kAt = V::kRegisters >= 32 ? 4 : 2;
-  constexpr int64_t kSize = kBf16 ? 2 : 4, kRowBytes = kVecs * L * kSize;
+  constexpr int64_t kSize = kKv == kKvF32 ? 4 : kKv == kKvBf16 ? 2 : 1, kRowBytes = kVecs * L * kSize;
   for (int64_t j = 0; j < n; j += kAt) {
     typename V::F acc[kRows][kAt];
     int64_t at[kAt];
@@ -262,7 +265,7 @@ inline void scores_direct(const float* const* q, const Attention& p, int64_t b, 
       for (int i = 0; i < kAt; ++i) acc[r][i] = V::zero();
     for (int c = 0; c < kVecs; ++c) {
       typename V::F k[kAt];
-      for (int i = 0; i < kAt; ++i) k[i] = load_kv<V, kBf16>(p.k, at[i] + c * L);
+      for (int i = 0; i < kAt; ++i) k[i] = load_kv<V, kKv>(p.k, at[i] + c * L);
       for (int r = 0; r < kRows; ++r) {
         const typename V::F qc = V::load(q[r] + c * L);
         for (int i = 0; i < kAt; ++i) acc[r][i] = V::fma(k[i], qc, acc[r][i]);
@@ -316,8 +319,10 @@ constexpr int chunk_of(int vecs, int budget) {
 
 // One item over its keys, kKeys at a time: each block's keys are transposed once for all its rows.
 // kVecs = hd / L. Accumulators take at most half the registers: kScoreRows rows' scores at once,
-// kValueRows rows' value sums over kChunk vectors of dims at once.
-template <class V, int kVecs, bool kBf16>
+// kValueRows rows' value sums over kChunk vectors of dims at once. An int8 cache (kKvInt8): the
+// scores of the int8 keys times each key's scale, and the values widened times theirs (as
+// bfloat16 values are widened), so the sums are those over the dequantized cache.
+template <class V, int kVecs, int kKv>
 void attend(const Attention& p, const Item& it, const Part& part) {
   using F = typename V::F;
   constexpr int L = V::L, kBudget = V::kRegisters / 2;
@@ -328,8 +333,10 @@ void attend(const Attention& p, const Item& it, const Part& part) {
   constexpr int kChunk = chunk_of(kVecs, std::max(1, kBudget / 4));
   constexpr int kValueRows = kChunk * 4 <= kBudget ? 4 : kChunk * 2 <= kBudget ? 2 : 1;
   const int64_t b = it.b, h = it.h, rows = it.rows, lo = it.lo, hi = it.hi;
-  alignas(64) float keys[hd * kKeys];                  // the block's keys, transposed: [hd][kKeys]
-  alignas(64) float widened[kBf16 ? kKeys * hd : 1];  // bfloat16 values as float32
+  constexpr bool kWiden = kKv != kKvF32;
+  alignas(64) float keys[hd * kKeys];                   // the block's keys, transposed: [hd][kKeys]
+  alignas(64) float widened[kWiden ? kKeys * hd : 1];  // bfloat16 or int8 values as float32
+  alignas(64) float key_scale[kKv == kKvInt8 ? kKeys : 1];  // the block's keys' scales, 0 past its keys
   const float* value[kKeys];
   std::vector<float> weights(rows * kKeys), rescale(rows, 1.f);
   float* top = part.top;
@@ -354,21 +361,31 @@ void attend(const Attention& p, const Item& it, const Part& part) {
     for (int64_t j0 = 0; j0 < (direct ? 0 : kKeys); j0 += L) {
       for (int c = 0; c < kVecs; ++c) {
         F r[L];
-        for (int i = 0; i < L; ++i) r[i] = j0 + i < n ? load_kv<V, kBf16>(p.k, p.key_at(b, s0 + j0 + i, h) + c * L) : V::zero();
+        for (int i = 0; i < L; ++i) r[i] = j0 + i < n ? load_kv<V, kKv>(p.k, p.key_at(b, s0 + j0 + i, h) + c * L) : V::zero();
         V::transpose(r);
         for (int i = 0; i < L; ++i) V::store_aligned(keys + (c * L + i) * kKeys + j0, r[i]);
       }
     }
+    if constexpr (kKv == kKvInt8) {  // the keys' scales: a row's positions are consecutive
+      const float* from = p.k_scale + p.key_at(b, s0, h) / hd;
+      std::copy_n(from, n, key_scale);
+      std::fill(key_scale + n, key_scale + kKeys, 0.f);
+    }
     for (int64_t j = 0; j < n; ++j) {
-      if constexpr (kBf16) {
-        for (int c = 0; c < kVecs; ++c) V::store_aligned(widened + j * hd + c * L, load_kv<V, kBf16>(p.v, p.key_at(b, s0 + j, h) + c * L));
+      if constexpr (kWiden) {
+        const int64_t from = p.key_at(b, s0 + j, h);
+        const F by = V::set1(kKv == kKvInt8 ? p.v_scale[from / hd] : 1.f);
+        for (int c = 0; c < kVecs; ++c) {
+          const F wide = load_kv<V, kKv>(p.v, from + c * L);
+          V::store_aligned(widened + j * hd + c * L, kKv == kKvInt8 ? V::mul(wide, by) : wide);
+        }
         value[j] = widened + j * hd;
       } else {
         value[j] = static_cast<const float*>(p.v) + p.key_at(b, s0 + j, h);
       }
     }
     if (direct)  // every row's scores at once
-      with_rows<kDirectRows>(rows, [&](auto count) { scores_direct<V, decltype(count)::value, kVecs, kBf16>(&query[0], p, b, h, s0, n, std::min(kKeys, hi - s0 - kKeys), weights.data()); });
+      with_rows<kDirectRows>(rows, [&](auto count) { scores_direct<V, decltype(count)::value, kVecs, kKv>(&query[0], p, b, h, s0, n, std::min(kKeys, hi - s0 - kKeys), weights.data()); });
     for (int64_t m0 = 0; m0 < rows; m0 += kScoreRows) {
       float* w0 = weights.data() + m0 * kKeys;  // the scores, then in their place the weights
       if (!direct)
@@ -384,7 +401,7 @@ void attend(const Attention& p, const Item& it, const Part& part) {
         const int32_t before = std::min<int32_t>(at[m] + 1, static_cast<int32_t>(hi));
         for (int c = 0; c < kBlockVecs; ++c) {
           seen[c] = V::in_range(static_cast<int32_t>(s0 + c * L), after, before);
-          sc[c] = V::mul(V::load(w + c * L), scale);
+          sc[c] = V::mul(V::load(w + c * L), kKv == kKvInt8 ? V::mul(scale, V::load_aligned(key_scale + c * L)) : scale);
           if (p.softcap > 0.f) {  // cap * tanh(x / cap), tanh|y| = (1 - e) / (1 + e) with e = e^{-2|y|}, then y's sign
             const F y = V::div(sc[c], V::set1(p.softcap));
             const F e = V::exp(V::mul(V::set1(-2.f), V::abs(y)));
@@ -422,15 +439,19 @@ void attend(const Attention& p, const Item& it, const Part& part) {
 }
 
 // The attention paths of a family, by attend_slot.
+template <class V, int kKv>
+void add_attention_of(Paths& t) {
+  t.attend[kKv][0] = attend<V, 32 / V::L, kKv>, t.attend[kKv][1] = attend<V, 64 / V::L, kKv>;
+  t.attend[kKv][2] = attend<V, 80 / V::L, kKv>, t.attend[kKv][3] = attend<V, 96 / V::L, kKv>;
+  t.attend[kKv][4] = attend<V, 128 / V::L, kKv>, t.attend[kKv][5] = attend<V, 256 / V::L, kKv>;
+  t.attend[kKv][6] = attend<V, 512 / V::L, kKv>;
+}
+
 template <class V>
 void add_attention(Paths& t) {
-  t.attend[0][0] = attend<V, 32 / V::L, false>, t.attend[1][0] = attend<V, 32 / V::L, true>;
-  t.attend[0][1] = attend<V, 64 / V::L, false>, t.attend[1][1] = attend<V, 64 / V::L, true>;
-  t.attend[0][2] = attend<V, 80 / V::L, false>, t.attend[1][2] = attend<V, 80 / V::L, true>;
-  t.attend[0][3] = attend<V, 96 / V::L, false>, t.attend[1][3] = attend<V, 96 / V::L, true>;
-  t.attend[0][4] = attend<V, 128 / V::L, false>, t.attend[1][4] = attend<V, 128 / V::L, true>;
-  t.attend[0][5] = attend<V, 256 / V::L, false>, t.attend[1][5] = attend<V, 256 / V::L, true>;
-  t.attend[0][6] = attend<V, 512 / V::L, false>, t.attend[1][6] = attend<V, 512 / V::L, true>;
+  add_attention_of<V, kKvF32>(t);
+  add_attention_of<V, kKvBf16>(t);
+  add_attention_of<V, kKvInt8>(t);
 }
 
 }  // namespace simd

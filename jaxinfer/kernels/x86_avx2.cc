@@ -61,6 +61,7 @@ struct Avx2 {
   static F widen(const uint16_t* a) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), 16));
   }
+  static F widen_int8(const int8_t* a) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)))); }
   static F widen_pairs(const uint16_t* a, bool second) {
     const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
     return _mm256_castsi256_ps(second ? _mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))) : _mm256_slli_epi32(pair, 16));

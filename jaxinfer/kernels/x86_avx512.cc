@@ -56,6 +56,7 @@ struct Avx512 {
   static F widen(const uint16_t* a) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), 16));
   }
+  static F widen_int8(const int8_t* a) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)))); }
   static F widen_pairs(const uint16_t* a, bool second) {
     const __m512i pair = _mm512_loadu_si512(a);
     return _mm512_castsi512_ps(second ? _mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))) : _mm512_slli_epi32(pair, 16));
