@@ -207,6 +207,9 @@ inline typename V::F exp_polynomial(typename V::F x, typename V::F n) {
 // Flash attention's running softmax over blocks of kKeys keys, the scores never leaving L1; the
 // item and split logic is attention.cc's.
 
+// Bytes an element of K or V takes.
+constexpr int64_t kv_bytes(int kKv) { return kKv == kKvF32 ? 4 : kKv == kKvBf16 ? 2 : 1; }
+
 // L values of K or V from element `at`, as floats (int8: unscaled; `attend` applies the scales).
 template <class V, int kKv>
 inline typename V::F load_kv(const void* a, int64_t at) {
@@ -247,7 +250,7 @@ template <class V, int kRows, int kVecs, int kKv>
 inline void scores_direct(const float* const* q, const Attention& p, int64_t b, int64_t h, int64_t s0, int64_t n,
                           int64_t next, float* out) {
   constexpr int L = V::L, kAt = V::kRegisters >= 32 ? 4 : 2;
-  constexpr int64_t kSize = kKv == kKvF32 ? 4 : kKv == kKvBf16 ? 2 : 1, kRowBytes = kVecs * L * kSize;
+  constexpr int64_t kSize = kv_bytes(kKv), kRowBytes = kVecs * L * kSize;
   for (int64_t j = 0; j < n; j += kAt) {
     typename V::F acc[kRows][kAt];
     int64_t at[kAt];
@@ -291,16 +294,17 @@ inline void scores_direct(const float* const* q, const Attention& p, int64_t b, 
 }
 
 // acc[r] = acc[r] * rescale[r] + sum_j weights[r][j] * value_j over dims [d0, d0 + kVecs L) for kRows
-// rows: each value vector load feeds kRows FMAs.
-template <class V, int kRows, int kVecs>
-inline void values(float* const* acc, const float* const* weights, const float* rescale, const float* const* value, int64_t n,
+// rows: each value vector load feeds kRows FMAs. value[j]: where value j's elements start, held as
+// kKv says (widened as they are loaded).
+template <class V, int kRows, int kVecs, int kKv>
+inline void values(float* const* acc, const float* const* weights, const float* rescale, const void* const* value, int64_t n,
                    int64_t d0) {
   typename V::F out[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kVecs; ++c) out[r][c] = V::mul(V::load(acc[r] + d0 + c * V::L), V::set1(rescale[r]));
   for (int64_t j = 0; j < n; ++j) {
     typename V::F v[kVecs];
-    for (int c = 0; c < kVecs; ++c) v[c] = V::load(value[j] + d0 + c * V::L);
+    for (int c = 0; c < kVecs; ++c) v[c] = load_kv<V, kKv>(value[j], d0 + c * V::L);
     for (int r = 0; r < kRows; ++r) {
       const typename V::F w = V::set1(weights[r][j]);
       for (int c = 0; c < kVecs; ++c) out[r][c] = V::fma(v[c], w, out[r][c]);
@@ -337,7 +341,7 @@ void attend(const Attention& p, const Item& it, const Part& part) {
   alignas(64) float keys[hd * kKeys];                   // the block's keys, transposed: [hd][kKeys]
   alignas(64) float widened[kWiden ? kKeys * hd : 1];  // bfloat16 or int8 values as float32
   alignas(64) float key_scale[kKv == kKvInt8 ? kKeys : 1];  // the block's keys' scales, 0 past its keys
-  const float* value[kKeys];
+  const void* value[kKeys];
   std::vector<float> weights(rows * kKeys), rescale(rows, 1.f);
   float* top = part.top;
   float* total = part.total;
@@ -356,6 +360,11 @@ void attend(const Attention& p, const Item& it, const Part& part) {
   const F scale = V::set1(p.scale), minus_inf = V::set1(-std::numeric_limits<float>::infinity());
 
   const bool direct = rows <= kDirectRows;  // `scores_direct`
+  // Where the values are read: as stored (float32; and a decode step's few rows, each bfloat16 or
+  // int8 vector widened as it is loaded, int8's scale joining the weights), else widened once into
+  // `widened` for a chunk's many rows.
+  const bool stored = direct || !kWiden;
+  alignas(64) float value_scale[kKv == kKvInt8 ? kKeys : 1];
   for (int64_t s0 = lo - lo % kKeys; s0 < hi; s0 += kKeys) {
     const int64_t n = std::min(kKeys, hi - s0);
     for (int64_t j0 = 0; j0 < (direct ? 0 : kKeys); j0 += L) {
@@ -372,16 +381,17 @@ void attend(const Attention& p, const Item& it, const Part& part) {
       std::fill(key_scale + n, key_scale + kKeys, 0.f);
     }
     for (int64_t j = 0; j < n; ++j) {
-      if constexpr (kWiden) {
-        const int64_t from = p.key_at(b, s0 + j, h);
-        const F by = V::set1(kKv == kKvInt8 ? p.v_scale[from / hd] : 1.f);
+      const int64_t from = p.key_at(b, s0 + j, h);
+      if constexpr (kKv == kKvInt8) value_scale[j] = p.v_scale[from / hd];
+      if (stored) {
+        value[j] = static_cast<const char*>(p.v) + from * kv_bytes(kKv);
+      } else if constexpr (kWiden) {
+        const F by = V::set1(kKv == kKvInt8 ? value_scale[j] : 1.f);
         for (int c = 0; c < kVecs; ++c) {
           const F wide = load_kv<V, kKv>(p.v, from + c * L);
           V::store_aligned(widened + j * hd + c * L, kKv == kKvInt8 ? V::mul(wide, by) : wide);
         }
         value[j] = widened + j * hd;
-      } else {
-        value[j] = static_cast<const float*>(p.v) + p.key_at(b, s0 + j, h);
       }
     }
     if (direct)  // every row's scores at once
@@ -428,13 +438,25 @@ void attend(const Attention& p, const Item& it, const Part& part) {
         top[m] = now;
       }
     }
-    for (int64_t d0 = 0; d0 < hd; d0 += kChunk * L) {
-      int64_t m = 0;
-      for (; m + kValueRows <= rows; m += kValueRows)
-        values<V, kValueRows, kChunk>(&accumulator[m], &weight[m], &rescale[m], value, n, d0);
-      if (m < rows)  // the rest at once: each value vector loaded once for them
-        with_rows<kValueRows>(rows - m, [&](auto count) { values<V, decltype(count)::value, kChunk>(&accumulator[m], &weight[m], &rescale[m], value, n, d0); });
+    if constexpr (kKv == kKvInt8) {  // read as stored: each weight times its value's scale
+      if (stored)
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t j = 0; j < n; ++j) weights[m * kKeys + j] *= value_scale[j];
     }
+    auto sums = [&](auto as) {  // as: how value[j] holds its elements
+      constexpr int kAs = decltype(as)::value;
+      for (int64_t d0 = 0; d0 < hd; d0 += kChunk * L) {
+        int64_t m = 0;
+        for (; m + kValueRows <= rows; m += kValueRows)
+          values<V, kValueRows, kChunk, kAs>(&accumulator[m], &weight[m], &rescale[m], value, n, d0);
+        if (m < rows)  // the rest at once: each value vector loaded once for them
+          with_rows<kValueRows>(rows - m, [&](auto count) { values<V, decltype(count)::value, kChunk, kAs>(&accumulator[m], &weight[m], &rescale[m], value, n, d0); });
+      }
+    };
+    if (stored)
+      sums(std::integral_constant<int, kKv>{});
+    else
+      sums(std::integral_constant<int, kKvF32>{});
   }
 }
 
