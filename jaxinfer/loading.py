@@ -249,8 +249,8 @@ def _read(model_dir, cfg, config_json, gguf, chosen, asked, quantize, mesh, prog
         methods = config_json.get(METHODS_KEY)
         abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh, methods)
         return restore_params(model_dir / ORBAX_DIR, abstract)
-    files = weights.safetensors_files(model_dir)
-    return weights.read_safetensors(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
+    files = weights.checkpoint_files(model_dir)
+    return weights.read_checkpoint(cfg, files, weights.dtype_from_name(chosen), progress, quantize, mesh)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:

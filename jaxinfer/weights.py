@@ -1,4 +1,5 @@
-"""The map between Hugging Face tensor names and our parameter tree, and reading safetensors through it.
+"""The map between Hugging Face tensor names and our parameter tree, and reading safetensors (or a
+Flax checkpoint's msgpack) through it.
 
 One table (`weight_table`) drives both directions: loading checks every checkpoint tensor against it
 (each mapped exactly once, shape checked), and `abstract_params` builds the restore target for orbax
@@ -113,7 +114,7 @@ def read_gguf(
     mesh: Mesh | None = None,
 ) -> dict:
     """A GGUF file's tensors (`jaxinfer.gguf_model`) through the table into the tree, as
-    `read_safetensors` reads a checkpoint's: its quantized blocks (Q8_0, Q4_0, the k-quants, ...) in
+    `read_checkpoint` reads a checkpoint's: its quantized blocks (Q8_0, Q4_0, the k-quants, ...) in
     the `quant` methods of their names, its float matrices quantized only by `quantize`; Llama's q/k
     rows, Gemma's and the Qwen hybrids' norms (and their DeltaNets' A) put back as Hugging Face holds
     them."""
@@ -165,27 +166,63 @@ def read_gguf(
     return tree_from_leaves(cfg, leaves)
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """model.safetensors, or the shards listed by model.safetensors.index.json."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
-            raise JaxinferError(f"{index}: not a valid safetensors index ({e})") from None
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise JaxinferError(f"{model_dir}: shard {missing[0]} listed in the index is missing")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards listed by model.safetensors.index.json; else a Hugging Face
+    Flax checkpoint's flax_model.msgpack (or its index's shards)."""
+    for index, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("flax_model.msgpack.index.json", "flax_model.msgpack"),
+    ):
+        if (model_dir / index).is_file():
+            try:
+                shards = sorted(set(json.loads((model_dir / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as e:
+                raise JaxinferError(f"{model_dir / index}: not a valid checkpoint index ({e})") from None
+            missing = [s for s in shards if not (model_dir / s).is_file()]
+            if missing:
+                raise JaxinferError(f"{model_dir}: shard {missing[0]} listed in the index is missing")
+            return [model_dir / s for s in shards]
+        if (model_dir / single).is_file():
+            return [model_dir / single]
     raise JaxinferError(
-        f"{model_dir}: no model.safetensors (or sharded index) found; pytorch .bin checkpoints are not read"
+        f"{model_dir}: no model.safetensors (or sharded index) found, nor a Flax flax_model.msgpack; pytorch .bin "
+        "checkpoints are not read"
     )
 
 
-def read_safetensors(
+class FlaxTensors:
+    """A Hugging Face Flax checkpoint file (`Flax*ForCausalLM.save_pretrained`'s flax_model.msgpack,
+    before transformers 5 dropped Flax) with a safetensors handle's `keys` and `get_tensor`: its
+    tree restored and flattened by flax itself (`flax.serialization`, `flax.traverse_util`), each
+    tensor under the name transformers' own Flax → PyTorch conversion gives it (a `kernel` [in, out]
+    transposed into `weight` [out, in]; an `embedding` or `scale` is a `weight`), so the one weight
+    table maps it. msgpack is read whole: the file's tensors are held until the load ends."""
+
+    def __init__(self, path: Path):
+        from flax import serialization, traverse_util
+
+        try:
+            tree = serialization.msgpack_restore(path.read_bytes())
+        except Exception as e:  # msgpack's own errors name no common base
+            raise JaxinferError(f"cannot read Flax checkpoint {path} ({e}); is it truncated or corrupt?") from None
+        self.tensors = {}
+        for name, value in traverse_util.flatten_dict(tree, sep=".").items():
+            head, _, leaf = name.rpartition(".")
+            value = np.asarray(value)
+            if leaf == "kernel" and value.ndim == 2:
+                name, value = f"{head}.weight", value.T
+            elif leaf in ("embedding", "scale"):
+                name = f"{head}.weight"
+            self.tensors[name] = value
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+
+def read_checkpoint(
     cfg: ModelConfig,
     files: list[Path],
     dtype,
@@ -193,7 +230,8 @@ def read_safetensors(
     quantize: str | None = None,
     mesh: Mesh | None = None,
 ) -> dict:
-    """Load every tensor through the table into a tree of jax arrays of `dtype`, the matrices as
+    """Load every tensor of the safetensors (or Flax msgpack) `files` through the table into a tree of
+    jax arrays of `dtype`, the matrices as
     `forms.Plain`, or quantized by `quantize` as they are read (peak memory: the quantized model and one float matrix).
     With a `mesh`, each tensor goes from the file straight into its shards (`jaxinfer.sharding`);
     those to be quantized whole onto every device (the kernel's custom call takes a whole matrix)."""
@@ -205,7 +243,7 @@ def read_safetensors(
     parts: dict[TreePath, dict] = {}  # an MXFP4 matrix's blocks or scales read so far, by its leaf
     seen: set[str] = set()
     try:
-        handles = [safe_open(str(f), framework="np") for f in files]
+        handles = [FlaxTensors(f) if f.suffix == ".msgpack" else safe_open(str(f), framework="np") for f in files]
     except (SafetensorError, OSError) as e:
         raise JaxinferError(f"cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     names = [(h, stored) for h in handles for stored in h.keys()]

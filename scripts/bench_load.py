@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from shapes import SHAPES, random_params
 
 from jaxinfer.checkpoint import restore_params, save_params
-from jaxinfer.weights import abstract_params, read_safetensors, weight_table
+from jaxinfer.weights import abstract_params, read_checkpoint, weight_table
 
 
 def write_safetensors(cfg, params, path: Path) -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         save_params(params, tmp / "orbax")
         del params
         loaders = {
-            "safetensors": lambda: read_safetensors(cfg, [tmp / "model.safetensors"], jax.numpy.float32),
+            "safetensors": lambda: read_checkpoint(cfg, [tmp / "model.safetensors"], jax.numpy.float32),
             "orbax": lambda: restore_params(tmp / "orbax", abstract_params(cfg, jax.numpy.float32)),
         }
         times = {name: [] for name in loaders}
