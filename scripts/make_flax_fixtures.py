@@ -24,18 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "flax"
 IDS = [0, 5, 9, 33, 2, 17, 80, 4, 61, 200, 383, 7]
 GREEDY = 24
-SIZES = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=1,
-)
 FAMILIES = {
     "llama": ("LlamaConfig", "FlaxLlamaForCausalLM", {}),
     "gemma": ("GemmaConfig", "FlaxGemmaForCausalLM", {"head_dim": 16}),
@@ -53,14 +41,14 @@ def main() -> None:
     sys.path[:0] = [str(target), str(ROOT / "tests")]
     import jax
     import transformers
-    from tiny_models import bpe_tokenizer
+    from tiny_models import SIZES, bpe_tokenizer
 
     assert transformers.__version__.startswith("4."), transformers.__version__
     for name, (config_class, model_class, extra) in FAMILIES.items():
         out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        config = getattr(transformers, config_class)(**SIZES, **extra)
+        config = getattr(transformers, config_class)(vocab_size=384, **SIZES, bos_token_id=0, eos_token_id=1, **extra)
         model = getattr(transformers, model_class)(config, seed=0, dtype=jax.numpy.float32)
         # random init gives near-uniform logits: widen the matrices so the argmax is decisive, as tiny_models does
         rng = np.random.default_rng(0)

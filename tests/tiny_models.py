@@ -13,6 +13,16 @@ CORPUS = (
     "else fibonacci(n - 1) + fibonacci(n - 2). 東京は日本の首都です。 Emoji 🙂🚀 and ünïcödé text. "
 ) * 20
 
+# Every tiny model's sizes, before its architecture's own keys.
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 # A hybrid's: three Gated DeltaNet layers and one gated attention layer, two value heads a key head.
 HYBRID = dict(
     num_hidden_layers=4,
@@ -305,15 +315,9 @@ def make_model(
     write(directory)
     settings = dict(
         vocab_size=Tokenizer(directory).vocab_size,  # the tokenizer's size; a padded embedding is test_loading's case
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **SIZES,
         bos_token_id=0 if tokenizer == "bpe" else 1,
         eos_token_id=1 if tokenizer == "bpe" else 2,
-        rms_norm_eps=1e-5,
     )
     settings.update({k: v for k, v in ARCHITECTURES[arch].items() if k not in ("model_type", "architectures")})
     settings.update(overrides)
