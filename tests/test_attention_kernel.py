@@ -39,12 +39,18 @@ CASES = {  # positions [B, T], cache rows, kv_len, window, softcap, sinks (their
     "soft-capped, short bucket": ([list(range(100, 103)), list(range(3))], [0, 1], 128, None, 0.5, None),
 }
 
+# an int8 cache's: decode rows (values read as stored), a chunk (values widened once), a window with
+# sinks, a short bucket
+INT8_CASES = ("decode, a finished row", "chunk over other rows", "sliding window, sinks", "soft-capped, short bucket")
+
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])  # int8: a scale a vector (`--kv-dtype int8`)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("G, HD", [(3, 64), (4, 256), (2, 512)])  # decode rows: scores read where keys lie
 def test_attention_kernel_matches_xla(isa, dtype, case, G, HD):
+    if dtype == jnp.int8 and (HD == 512 or case not in INT8_CASES):
+        pytest.skip("int8 shares the float paths' masks and splits: its loads and scales on fewer cases")
     positions, rows, kv_len, window, softcap, spread = CASES[case]
     positions, rows = jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32)
     k, v = (jax.random.normal(jax.random.key(i), (L, R, S, KV, HD)) for i in (0, 1))  # XLA's cache layout

@@ -114,7 +114,7 @@ def test_the_router_picks_the_experts_transformers_picks(tiny, arch):
 def test_experts_stored_as_transformers_5_holds_them_read_as_per_expert_tensors(tiny, arch, tmp_path):
     """A checkpoint holding each layer's experts as two stacks under transformers 5's names (the hub's
     Qwen3.5-35B-A3B; Mixtral's block then named mlp), written from the model's own state dict: what
-    transformers reads from it, our logits give, from the directory and from its orbax copy."""
+    transformers reads from it, our logits give, from the directory (and, one of them, its orbax copy)."""
     from safetensors.torch import save_file
 
     source, fused = tiny(arch), tmp_path / "fused"
@@ -126,7 +126,7 @@ def test_experts_stored_as_transformers_5_holds_them_read_as_per_expert_tensors(
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, fused / "model.safetensors")
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in hf.state_dict())
     theirs = hf_logits(reference(fused), IDS)
-    for path in (fused, convert(fused, tmp_path / "converted")):
+    for path in (fused, *([convert(fused, tmp_path / "converted")] if arch == "qwen3-moe" else [])):
         model = load_model(path)
         assert model.config.fused_experts
         assert_close(our_prompt_logits(model, IDS)[0], theirs)
