@@ -28,7 +28,7 @@ def restore_params(directory: Path, abstract: dict) -> dict:
 
     _check_side_files(directory)
     checkpointer = ocp.StandardCheckpointer()
-    undo = _quiet_leftovers()
+    undo = quiet_leftovers()
     try:
         stored = checkpointer.restore(directory.resolve(), to_stored(abstract))
     except Exception as e:  # orbax and TensorStore raise many kinds; each is worded below
@@ -49,7 +49,7 @@ def _worded(directory: Path, e: Exception) -> str:
     return f"{directory}: the orbax checkpoint does not match config.json ({first[:300]})"
 
 
-def _quiet_leftovers():
+def quiet_leftovers():
     """A failed restore leaves orbax's reads of the other arrays to be finalised, each failing into a
     closed event loop: Python prints every one as an ignored exception (a damaged array index: 3,000
     lines after our one), and TensorStore's callbacks print theirs through sys.excepthook, some while

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from jaxinfer import forms, gguf_model, weights
+from jaxinfer import forms, gemma_library, gguf_model, weights
 from jaxinfer.checkpoint import save_params
 from jaxinfer.embeddings import module_folders
 from jaxinfer.errors import JaxinferError
@@ -47,7 +47,7 @@ def convert(
     model = load_model(source, stored, progress, layout="out_in", quantize=quantize)
     destination.mkdir(parents=True, exist_ok=True)
     save_params(model.params, destination / ORBAX_DIR)
-    if gguf_model.is_gguf(source):
+    if gguf_model.is_gguf(source) or gemma_library.checkpoint_of(source):  # its tokenizer's settings too
         model.tokenizer.save(destination)
     methods = forms.methods_of(model.params)
     if gguf_model.is_gguf(source) or set(methods.values()) - {model.quantize}:  # the file's or checkpoint's own

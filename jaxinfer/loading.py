@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxinfer import defaults, forms, gguf_model, harmony, kernel, weights
+from jaxinfer import defaults, forms, gemma_library, gguf_model, harmony, kernel, weights
 from jaxinfer.chat_template import read_template
 from jaxinfer.checkpoint import restore_params
 from jaxinfer.config import ModelConfig
@@ -184,7 +184,12 @@ def load_model(
     quantize = stored_quantization(config_json, quantize)
     cfg = replace(cfg, kv_dtype=check_kv_dtype(kv_dtype))
     generation = {} if gguf else read_json(model_dir / "generation_config.json", required=False)
-    tokenizer = Tokenizer.from_gguf(gguf.meta, str(model_dir)) if gguf else Tokenizer(model_dir)
+    if gguf:
+        tokenizer = Tokenizer.from_gguf(gguf.meta, str(model_dir))
+    else:  # a gemma-library checkpoint's tokenizer.model comes with no settings: the library's
+        tokenizer = Tokenizer(
+            model_dir, gemma_library.TOKENIZER_CONFIG if gemma_library.checkpoint_of(model_dir) else None
+        )
     template = chat_template if chat_template is not None else read_template(model_dir, tokenizer.config)
     speaks_harmony = harmony.is_harmony(template)
     if speaks_harmony:  # gpt-oss: its replies' markers are kept

@@ -10,6 +10,7 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
+from jaxinfer import gemma_library
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import config_from_hf, moe
@@ -97,7 +98,7 @@ def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Pa
     if local.exists() or not HUB_ID.fullmatch(str(path)):
         if gguf_file:
             raise JaxinferError(f"gguf_file names a file of a hub repository; {path} is not a hub id", "gguf_file")
-        return local
+        return gemma_library.home(local)
     from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -169,6 +170,8 @@ def load_config(path: str | Path | None = None, gguf_file: str | None = None) ->
         )
     elif not model_dir.is_dir():
         raise JaxinferError(f"model directory {model_dir} does not exist")
+    elif checkpoint := gemma_library.checkpoint_of(model_dir):
+        config_json = gemma_library.config_json(model_dir, checkpoint)
     else:
         config_json = read_json(model_dir / "config.json")
         if not is_converted(model_dir) and any(name.endswith(moe.FUSED_TENSOR) for name in tensor_names(model_dir)):

@@ -44,9 +44,11 @@ def _piece_bytes(piece: str | None, kind: str) -> bytes:
 class Tokenizer:
     vocab_size: int  # one past the highest id: what decode can turn into text
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, config: dict | None = None):
+        """`config`: tokenizer_config.json's settings where the directory has none of its own (a
+        gemma-library checkpoint's, `gemma_library.TOKENIZER_CONFIG`)."""
         config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(config_path.read_text()) if config_path.is_file() else (config or {})
         if (model_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 

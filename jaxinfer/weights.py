@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer import quant
+from jaxinfer import gemma_library, quant
 from jaxinfer.config import ModelConfig, leaves_of, stored_methods
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import ignored, tensor_name, weight_table
@@ -168,7 +168,10 @@ def read_gguf(
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """model.safetensors, or the shards listed by model.safetensors.index.json; else a Hugging Face
-    Flax checkpoint's flax_model.msgpack (or its index's shards)."""
+    Flax checkpoint's flax_model.msgpack (or its index's shards); else a gemma-library checkpoint's
+    orbax directory."""
+    if checkpoint := gemma_library.checkpoint_of(model_dir):
+        return [checkpoint]
     for index, single in (
         ("model.safetensors.index.json", "model.safetensors"),
         ("flax_model.msgpack.index.json", "flax_model.msgpack"),
@@ -243,7 +246,14 @@ def read_checkpoint(
     parts: dict[TreePath, dict] = {}  # an MXFP4 matrix's blocks or scales read so far, by its leaf
     seen: set[str] = set()
     try:
-        handles = [FlaxTensors(f) if f.suffix == ".msgpack" else safe_open(str(f), framework="np") for f in files]
+        handles = [
+            gemma_library.Tensors(f)
+            if f.is_dir()
+            else FlaxTensors(f)
+            if f.suffix == ".msgpack"
+            else safe_open(str(f), framework="np")
+            for f in files
+        ]
     except (SafetensorError, OSError) as e:
         raise JaxinferError(f"cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     names = [(h, stored) for h in handles for stored in h.keys()]
