@@ -55,9 +55,9 @@ def test_the_checkpoint_named_directly_its_orbax_copy_and_chat(tmp_path):
 
 
 def test_the_librarys_other_layouts_read_the_same(tmp_path):
-    """The same weights as a kauldron trainer's state (`params` beside the optimizer's) and STACKED
-    (each attention type's layers on a leading axis, as the library's `_compat.stack_params` lays
-    them) give the library's tokens."""
+    """The same weights as a kauldron trainer's state (`params` beside the optimizer's, here with a
+    multimodal model's vision weights) and STACKED (each attention type's layers on a leading axis,
+    as the library's `_compat.stack_params` lays them) give the library's tokens."""
     import orbax.checkpoint as ocp
     from flax import traverse_util
 
@@ -74,7 +74,11 @@ def test_the_librarys_other_layouts_read_the_same(tmp_path):
             head, last = (leaf, "w") if leaf.startswith("mlp/") else (head, last)
             key = f"transformer/stacked_layers/attention_type_{i}/{head}"
             stacked.setdefault(key, {})[last] = np.stack([m[leaf] for m in members])
-    for name, tree in {"stacked": stacked, "trainer": {"params": nested, "step": np.int32(7)}}.items():
+    # a multimodal Gemma 3's vision tower and projection, which the text model does not read
+    vision = {"vision_encoder": {"siglip": {"w": np.ones((4, 4), np.float32)}}}
+    embedder = {**nested["embedder"], "mm_input_projection": {"w": np.ones((4, 64), np.float32)}}
+    trainer = {"params": {**nested, **vision, "embedder": embedder}, "step": np.int32(7)}
+    for name, tree in {"stacked": stacked, "trainer": trainer}.items():
         model = tmp_path / f"gemma3-1b-{name}"
         model.mkdir()
         shutil.copy(source / "tokenizer.model", model)
