@@ -55,18 +55,25 @@ def is_converted(model_dir: Path) -> bool:
     return (model_dir / ORBAX_DIR).is_dir()
 
 
+# A Hugging Face checkpoint's files: (its index, its one file), safetensors first, then Flax's msgpack
+CHECKPOINT_FILES = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("flax_model.msgpack.index.json", "flax_model.msgpack"),
+)
+
+
 def tensor_names(model_dir: Path) -> list[str]:
     """The names of a directory's safetensors tensors, from its index or its one file's header
     (nothing else is read); none where it has neither, or they cannot be read (reading the weights
     says why)."""
     from safetensors import SafetensorError, safe_open
 
-    index = model_dir / "model.safetensors.index.json"
+    index, single = CHECKPOINT_FILES[0]
     try:
-        if index.is_file():
-            return list(json.loads(index.read_text())["weight_map"])
-        if (model_dir / "model.safetensors").is_file():
-            with safe_open(str(model_dir / "model.safetensors"), framework="np") as handle:
+        if (model_dir / index).is_file():
+            return list(json.loads((model_dir / index).read_text())["weight_map"])
+        if (model_dir / single).is_file():
+            with safe_open(str(model_dir / single), framework="np") as handle:
                 return list(handle.keys())
     except (ValueError, KeyError, TypeError, SafetensorError, OSError):
         pass

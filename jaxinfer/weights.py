@@ -22,6 +22,7 @@ from jaxinfer.config import ModelConfig, leaves_of, stored_methods
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import ignored, tensor_name, weight_table
 from jaxinfer.forms import Experts, Plain, Quantized, is_matrix, matrix
+from jaxinfer.modeldir import CHECKPOINT_FILES
 from jaxinfer.sharding import param_shardings, weight_sharding
 
 TreePath = tuple  # ("layers", 3, "wq") or ("embed",)
@@ -172,10 +173,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     orbax directory."""
     if checkpoint := gemma_library.checkpoint_of(model_dir):
         return [checkpoint]
-    for index, single in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("flax_model.msgpack.index.json", "flax_model.msgpack"),
-    ):
+    for index, single in CHECKPOINT_FILES:
         if (model_dir / index).is_file():
             try:
                 shards = sorted(set(json.loads((model_dir / index).read_text())["weight_map"].values()))
