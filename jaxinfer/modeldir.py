@@ -90,6 +90,20 @@ OLLAMA = re.compile(r"ollama:(?P<name>[\w./-]+?)(:(?P<tag>[\w.-]+))?")  # "ollam
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what loading reads: no .bin, .gguf, ...
 
 
+def hub_files(listed: list[str]) -> list[str]:
+    """What to download of a hub repository holding `listed`: its safetensors; where it has none, its
+    Flax msgpack (a Flax-only repository, from before transformers 5) or its gemma-library orbax
+    checkpoint (the hub's JAX Gemma repositories) beside the tokenizer and JSON files."""
+    if any(name.endswith(".safetensors") for name in listed):
+        return HUB_FILES
+    if any(Path(name).name.startswith("flax_model.msgpack") for name in listed):
+        return [*HUB_FILES, "flax_model.msgpack*"]
+    orbax = {str(Path(name).parent) for name in listed if Path(name).name in gemma_library.ORBAX_MARKS}
+    if not orbax:
+        return HUB_FILES
+    return [*HUB_FILES, *("*" if folder == "." else f"{folder}/*" for folder in sorted(orbax))]
+
+
 def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Path:
     """A local directory (or GGUF file) as given; else a Hugging Face hub id, from the local hub cache
     (HF_HOME, HF_HUB_CACHE) or downloaded when the network and HF_HUB_OFFLINE allow: its model files,
@@ -126,6 +140,10 @@ def model_directory(path: str | Path | None, gguf_file: str | None = None) -> Pa
                 "(HF_HUB_OFFLINE is set)"
             ) from None
     try:
+        if not gguf_file:  # what the repository holds decides what is fetched
+            from huggingface_hub import HfApi
+
+            where["allow_patterns"] = hub_files(HfApi().list_repo_files(repo_id, revision=revision or None))
         return Path(fetch(**where))  # with huggingface_hub's progress bars
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
         raise JaxinferError(

@@ -99,3 +99,37 @@ def test_an_unknown_family_or_a_broken_checkpoint_is_one_clear_line(tmp_path):
     for data in (right / "checkpoint" / "d").iterdir():
         data.write_bytes(data.read_bytes()[:100])
     assert_one_line_error(jaxinfer_here("run", "-m", str(right), "hi", "-n", "2"), "checkpoint")
+
+
+def test_a_hub_repository_fetches_what_it_holds(monkeypatch, tmp_path):
+    """A hub id downloads the repository's safetensors; where it has none, its Flax msgpack or its
+    gemma-library checkpoint (the hub's JAX Gemma repositories: the orbax folder beside tokenizer.model),
+    which then loads as a local directory does."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from jaxinfer.modeldir import HUB_FILES, hub_files, model_directory
+
+    assert hub_files(["config.json", "model.safetensors", "flax_model.msgpack"]) == HUB_FILES
+    assert hub_files(["config.json", "flax_model.msgpack"]) == [*HUB_FILES, "flax_model.msgpack*"]
+    listed = ["tokenizer.model", "gemma2-2b/_METADATA", "gemma2-2b/d/0a", "README.md"]
+    assert hub_files(listed) == [*HUB_FILES, "gemma2-2b/*"]
+    asked = []
+
+    def snapshot_download(repo_id, local_files_only=False, allow_patterns=None, revision=None):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        asked.append(allow_patterns)
+        snapshot = tmp_path / "snapshot"  # as the repository lays it out
+        shutil.copytree(FIXTURES / "gemma2-2b-tiny" / "checkpoint", snapshot / "gemma2-2b")
+        shutil.copy(FIXTURES / "gemma2-2b-tiny" / "tokenizer.model", snapshot)
+        return str(snapshot)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: listed)
+    snapshot = model_directory("google/gemma-2-2b-jax")
+    assert asked == [[*HUB_FILES, "gemma2-2b/*"]]
+    model = load_model(snapshot)
+    assert model.config.architecture == "Gemma2ForCausalLM"
