@@ -1,7 +1,7 @@
 """Run as a process of its own, with 4 CPU devices (by `tests/test_sharding.py`): each model's greedy
 tokens through run's engine and batch's runner at --devices 1 and 4, with what each device holds;
 the first model's also with constrained rows, and with -q int8 at 1 and 2 devices (where its blocks
-split: 2 runs nothing else, the suite's time).
+split: 2 runs nothing else, the suite's time); the second's run alone.
 Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8",
 "constrained", "fits"}}}."""
 
@@ -93,7 +93,9 @@ def constrained(model) -> dict:
     return {"texts": {r["id"]: r["text"] for r in records}, "calls": scheduler.slots.matchers.steps}
 
 
-def tokens(path: str, devices: int, quantized: bool) -> dict:
+def tokens(path: str, devices: int, first: bool) -> dict:
+    """Run's tokens; the first model's also twice (the programs reused), batch's texts, -q int8 and
+    constrained rows (the second, MQA, splits differently: its run and what the devices hold)."""
     model = load_model(path, mesh=device_mesh(devices))
     if devices == 2:  # where int8's blocks split; run's and batch's splits are the 4 devices' (the suite's time)
         return {"bytes": bytes_per_device(model.params), "int8": int8(path, devices)}
@@ -109,14 +111,15 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
             for chunk in engine.generate(model.tokenizer.encode(LONG), GREEDY, 60, seed=0, ignore_eos=True)
             for t in chunk
         ]
-        if devices > 1
+        if devices > 1 and first
         else run
     )
     requests = [
         Request(i, model.tokenizer.encode(p), GREEDY, n, seed=0, ignore_eos=True) for i, (p, n) in BATCH.items()
     ]
     records = []
-    Scheduler(model, 2, 256, Decoding(CHUNK)).run(requests, records.append)
+    if first:
+        Scheduler(model, 2, 256, Decoding(CHUNK)).run(requests, records.append)
     return {
         "run": run,
         "again": again,
@@ -124,8 +127,8 @@ def tokens(path: str, devices: int, quantized: bool) -> dict:
         "bytes": bytes_per_device(model.params),
         "cache": str(engine.slots.state.cache.k[0].sharding.spec) if devices > 1 else "",
         "converted": devices == 4 and converted(path, model),
-        "int8": int8(path, devices) if quantized and devices == 1 else None,
-        "constrained": constrained(model) if quantized else None,
+        "int8": int8(path, devices) if first and devices == 1 else None,
+        "constrained": constrained(model) if first else None,
         "fits": longest(model),
     }
 
@@ -135,7 +138,5 @@ if __name__ == "__main__":
     # many devices there are) at 1 and 4.
     counts = ((1, 2, 4), (1, 4))
     print(
-        json.dumps(
-            {path: {n: tokens(path, n, quantized=i == 0) for n in counts[i]} for i, path in enumerate(sys.argv[1:])}
-        )
+        json.dumps({path: {n: tokens(path, n, first=i == 0) for n in counts[i]} for i, path in enumerate(sys.argv[1:])})
     )

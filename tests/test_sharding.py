@@ -55,7 +55,7 @@ def sharded(tiny):
 def test_devices_give_the_same_tokens(sharded, arch):
     by_devices = sharded[0][arch]
     one = by_devices["1"]
-    assert len(one["run"]) == 60 and len(one["batch"]) == len(BATCH)
+    assert len(one["run"]) == 60 and len(one["batch"]) == (len(BATCH) if arch == "llama" else 0)
     assert "4" in by_devices
     for devices in by_devices.keys() - {"1", "2"}:  # at 2 devices, -q int8 only
         assert by_devices[devices]["run"] == by_devices[devices]["again"] == one["run"], devices
@@ -158,11 +158,11 @@ def test_processes_join_one_mesh(sharded, tmp_path):
         )
     )
     coordinator = f"127.0.0.1:{_free_port()}"
-    batch = ("-m", paths["phi3"], "-b", "2", "-c", "256", "-o", tmp_path / "out.jsonl")
+    batch = ("-m", paths["llama"], "-b", "2", "-c", "256", "-o", tmp_path / "out.jsonl")
     first, other = start(0, "batch", requests, *batch), start(1, "batch", tmp_path / "absent.jsonl", *batch)
     assert first.wait(timeout=300) == 0 and other.wait(timeout=300) == 0, first.stderr.read() + other.stderr.read()
     records = map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
-    assert {r["id"]: r["text"] for r in records} == results["phi3"]["1"]["batch"]
+    assert {r["id"]: r["text"] for r in records} == results["llama"]["1"]["batch"]
 
     coordinator = f"127.0.0.1:{_free_port()}"  # Ctrl-C in the first stops both at the next chunk, the text so far kept
     run = ("run", "-m", paths["llama"], "-c", "256", "-n", "250", "--temp", "0", "--ignore-eos", "x")
