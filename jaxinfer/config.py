@@ -105,6 +105,15 @@ class ModelConfig:
     per_layer_input: int = 0
     per_layer_vocab: int = 0
     intermediate_sizes: tuple = ()  # per layer MLP width (Gemma 4's double-wide shared layers); (): intermediate_size
+    # Gemma 3n (`jaxinfer.layers.altup`): the residual as `altup_inputs` streams of which each layer
+    # runs on one (`altup_active`) and corrects the others (0: one stream, as every other family);
+    # its learned low-rank residual beside attention (LAuReL, of rank `laurel_rank`); per layer the
+    # share of the MLP's gate units cut before the activation (a Gaussian top-k; (): none)
+    altup_inputs: int = 0
+    altup_active: int = 0
+    altup_correct_scale: bool = False
+    laurel_rank: int = 0
+    activation_sparsity: tuple = ()
     # The multimodal checkpoint (`*ForConditionalGeneration`) this is the text model of: its tensors
     # under model.language_model (or the older language_model.model), the vision tower's skipped
     # (`jaxinfer.families.TOWERS`); "": a text model's checkpoint.

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxinfer import forms, gpu_attention
 from jaxinfer.config import ModelConfig, rope_inv_freq
 from jaxinfer.kvcache import KVCache, quantize_heads
-from jaxinfer.layers import delta_net
+from jaxinfer.layers import altup, delta_net
 from jaxinfer.layers.feed_forward import ACTIVATIONS, feed_forward, linear
 from jaxinfer.layers.norm import rms_norm
 
@@ -362,7 +362,9 @@ def forward_blocks(
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     x = scaled(x, cfg.embed_multiplier)
     per_layer = per_layer_inputs(params, tokens, x, cfg) if cfg.per_layer_input else None
-    for i, layer in enumerate(params["layers"]):
+    if cfg.altup_inputs:  # Gemma 3n: the residual as parallel streams
+        x, cache = _altup_layers(params, cfg, altup.spread(params, x, cfg), per_layer, blocks, cache)
+    for i, layer in enumerate(params["layers"] if not cfg.altup_inputs else ()):
         with jax.named_scope(f"layer_{i}"):
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             h = rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h
@@ -382,6 +384,31 @@ def forward_blocks(
         hidden.append(x[at : at + b.tokens.size].reshape(*b.tokens.shape, -1))
         at += b.tokens.size
     return hidden, cache
+
+
+def _altup_layers(params: Params, cfg: ModelConfig, xs: jax.Array, per_layer, blocks, cache) -> tuple:
+    """Gemma 3n's layers over the streams xs [A, N, D] (`jaxinfer.layers.altup`): each predicts the
+    streams, runs attention (with LAuReL beside it) and the MLP on the active one, corrects the
+    others by it, and adds its per-layer input's residual to the others. Returns the streams
+    gathered into one [N, D], and the cache."""
+    for i, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            predictions = altup.predict(layer, xs, cfg)
+            active = predictions[cfg.altup_active]
+            normed = rms_norm(active, layer["attn_norm"], cfg)
+            h, cache = MIXERS[cfg.mixer(i)](layer, normed, blocks, cache, i, cfg)
+            x = (active + rms_norm(h, layer["post_attn_norm"], cfg) + altup.laurel(layer, normed, cfg)) * jnp.asarray(
+                2**-0.5, active.dtype
+            )
+            h, _ = feed_forward(layer, x, i, cfg)
+            xs = altup.correct(layer, predictions, x + h, cfg)
+            first = xs[cfg.altup_active]
+            if cfg.altup_correct_scale:
+                first = first * layer["altup_scale"].astype(first.dtype)
+            h = ACTIVATIONS[cfg.activation](linear(first, layer, "ple_gate", cfg)) * per_layer[:, i]
+            h = rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
+            xs = xs.at[1:].add(h)  # every stream but the first (transformers', whichever is active)
+    return altup.gather(params, xs, cfg), cache
 
 
 def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,7 +1,8 @@
-"""Gemma 4 (text): what its layers add to the house, composed with every driver. Logits and greedy
-text against transformers are test_parity's ("gemma4": per-layer attention shapes, shared K/V,
-double-wide MLPs, per-layer embeddings, each layer's scalar; "gemma4-moe": the 26B-A4B's mixture
-beside each MLP, its full layers' values their keys' projection)."""
+"""Gemma 4 and Gemma 3n (text): what their layers add to the house, composed with every driver.
+Logits and greedy text against transformers are test_parity's ("gemma4": per-layer attention shapes,
+shared K/V, double-wide MLPs, per-layer embeddings, each layer's scalar; "gemma4-moe": the 26B-A4B's
+mixture beside each MLP, its full layers' values their keys' projection; "gemma3n": AltUp's streams,
+LAuReL, sparse MLPs, shared K/V and per-layer embeddings)."""
 
 import dataclasses
 import json
@@ -64,11 +65,12 @@ def test_chunks_and_a_second_turn_are_transformers_greedy(tiny):
     assert second.timings.cached_tokens >= len(ids)
 
 
-@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe", "gemma3n"])
 def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny, arch):
     """Continuous batching with chunked prompts beside running rows, and prompt-lookup speculation
     (greedy and sampled rows): each row's text as alone, drafts having been kept."""
-    model = dataclasses.replace(load_model(tiny(arch, init_std=0.05)), eos_ids=())
+    # weights small enough that the greedy text soon cycles, so drafts are kept (AltUp's mixing needs smaller)
+    model = dataclasses.replace(load_model(tiny(arch, init_std=0.01 if arch == "gemma3n" else 0.05)), eos_ids=())
     copy = model.tokenizer.encode(
         "The capital of France is Paris. The capital of Italy is Rome. " * 3 + "The capital of"
     )
@@ -81,7 +83,7 @@ def test_a_batch_and_speculation_give_what_each_row_gives_alone(tiny, arch):
     assert records[0]["timings"]["speculation"]["accepted"] > 0, records[0]
 
 
-@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe", "gemma3n"])
 def test_perplexity_is_transformers_loss_and_int8_stays_close(tiny, arch):
     """A whole sequence without a cache (the shared layers' K/V then held for the pass, a mixture's
     tokens routed at once) scores as transformers' loss; int8 matrices (experts too) and an int8
@@ -124,3 +126,37 @@ def test_a_mixture_without_its_sizes_is_one_line(tiny, tmp_path):
     config = json.loads((path / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**config, "num_experts": None}))
     assert_one_line_error(jaxinfer_here("run", "-m", odd, "hi"), "num_experts")
+
+
+def test_gemma3n_s_multimodal_checkpoint_runs_its_text(tiny, tmp_path):
+    """Gemma3nForConditionalGeneration as transformers names its tensors (the text model under
+    model.language_model, the vision and audio towers and their embedders beside it, skipped): the
+    text model's greedy tokens. (Its vision tower needs timm to be built: the checkpoint is the text
+    model's, renamed, beside stand-ins for the towers.)"""
+    from safetensors.numpy import load_file, save_file
+
+    text = tiny("gemma3n", init_std=0.05)
+    tensors = {
+        k.replace("model.", "model.language_model.", 1): v for k, v in load_file(text / "model.safetensors").items()
+    }
+    for tower in (
+        "vision_tower.timm_model.conv_stem.weight",
+        "audio_tower.conformer.0.weight",
+        "embed_vision.w",
+        "embed_audio.w",
+    ):
+        tensors[f"model.{tower}"] = np.ones((2, 2), np.float32)
+    multimodal = tmp_path / "gemma3n-multimodal"
+    multimodal.mkdir()
+    save_file(tensors, multimodal / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (text / name).is_file():
+            (multimodal / name).write_bytes((text / name).read_bytes())
+    text_config = json.loads((text / "config.json").read_text())
+    config = {"architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n", "text_config": text_config}
+    (multimodal / "config.json").write_text(json.dumps(config))
+    ids = load_model(text).tokenizer.encode(PROMPT)
+    twin, model = (dataclasses.replace(load_model(p), eos_ids=()) for p in (text, multimodal))
+    assert model.config.multimodal == "Gemma3nForConditionalGeneration"
+    made = [alone(m, Request(0, ids, Sampling(), 16, 0), 256).token_ids for m in (twin, model)]
+    assert made[0] == made[1] and len(made[0]) == 16

@@ -215,6 +215,22 @@ ARCHITECTURES = {
         final_logit_softcapping=30.0,
         pad_token_id=None,
     ),
+    # Gemma 3n: AltUp's 4 streams, LAuReL, the first layers' MLPs sparse, K/V shared by the last two
+    "gemma3n": dict(
+        model_type="gemma3n_text",
+        architectures=["Gemma3nForCausalLM"],
+        num_hidden_layers=6,
+        head_dim=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        sliding_window=24,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=None,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+        final_logit_softcapping=30.0,
+        pad_token_id=None,
+    ),
     # the 26B-A4B's layers: a mixture (8 experts, top 2) beside each MLP, the full layers' values
     # their keys' projection with a kv head of their own, no per-layer embeddings
     "gemma4-moe": dict(
@@ -336,7 +352,7 @@ def make_model(
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 b.uniform_(0.5, 1.5)
         for name, p in model.named_parameters():
-            if name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router: ones at init
+            if name.endswith(("router.scale", "per_expert_scale", "correct_output_scale")):  # ones or zeros at init
                 p.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory)

@@ -13,16 +13,19 @@ from types import ModuleType
 
 from jaxinfer.config import ModelConfig, Weight
 from jaxinfer.errors import JaxinferError
-from jaxinfer.families import gemma, gemma4, gpt_oss, hybrid, llama, moe, phi3
+from jaxinfer.families import gemma, gemma3n, gemma4, gpt_oss, hybrid, llama, moe, phi3
 
 FAMILIES: dict[str, ModuleType] = {
-    arch: module for module in (llama, gemma, gemma4, phi3, moe, hybrid, gpt_oss) for arch in module.ARCHITECTURES
+    arch: module
+    for module in (llama, gemma, gemma3n, gemma4, phi3, moe, hybrid, gpt_oss)
+    for arch in module.ARCHITECTURES
 }
 # Multimodal checkpoints (a language model beside a vision tower) whose text model jaxinfer runs, as
 # mlx-lm does: each → the text architecture its text_config stands for when it names no model_type
 # of `TEXT_MODELS`, and transformers' default for its `tie_word_embeddings`.
 TOWERS = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", True),
+    "Gemma3nForConditionalGeneration": ("Gemma3nForCausalLM", True),
     "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", True),
     "Mistral3ForConditionalGeneration": ("MistralForCausalLM", True),
     "LlavaForConditionalGeneration": ("LlamaForCausalLM", False),
@@ -37,6 +40,7 @@ TEXT_MODELS = {  # a text_config's model_type → the architecture that runs it
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3n_text": "Gemma3nForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

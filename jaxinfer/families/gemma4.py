@@ -63,7 +63,7 @@ def config(d: dict, arch: str) -> ModelConfig:
     fields = common_fields({**d, "layer_types": types})
     fields.update(rope_theta=full[0], rope_scaling=full[1])
     head_dims, kv_heads = _per_layer(d, types)
-    sources = _kv_sources(types, int(d["num_kv_shared_layers"]))
+    sources = kv_sources(types, int(d["num_kv_shared_layers"]))
     wide = [2 if d.get("use_double_wide_mlp") and sources[i] != i else 1 for i in range(layers)]
     ple = int(d.get("hidden_size_per_layer_input") or 0)
     full_own = tuple(i for i, t in enumerate(types) if t == "full_attention" and sources[i] == i)
@@ -127,7 +127,7 @@ def _per_layer(d: dict, types: list[str]) -> tuple[tuple, tuple]:
     )
 
 
-def _kv_sources(types: list[str], shared: int) -> tuple:
+def kv_sources(types: list[str], shared: int) -> tuple:
     """Per layer, the layer whose K/V it attends over: its own, or for the last `shared` layers the
     last layer of their type before them."""
     first = len(types) - shared
@@ -139,11 +139,12 @@ def _kv_sources(types: list[str], shared: int) -> tuple:
 
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """Gemma's table (per-layer attention shapes, no k/v on the shared layers), the per-layer
-    embeddings' leaves and each layer's scalar."""
+    embeddings' leaves and each layer's scalar (Gemma 3n's table too: it has no scalars)."""
     table = gemma.weight_table(cfg)
     D, L, P = cfg.hidden_size, cfg.num_layers, cfg.per_layer_input
     for i in range(L):
-        table[f"model.layers.{i}.layer_scalar"] = Weight(("layers", i, "scalar"), (1,), (None,))
+        if cfg.layer_scalar:
+            table[f"model.layers.{i}.layer_scalar"] = Weight(("layers", i, "scalar"), (1,), (None,))
         if cfg.feed_forward(i) == "dense and mixture":
             table.update(_mixture_table(cfg, i))
     if not P:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.scipy.stats import norm as normal
 
 from jaxinfer import forms
 from jaxinfer.config import ModelConfig
@@ -54,12 +55,18 @@ def gated(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
     return ACTIVATIONS[cfg.activation](gate) * up
 
 
-def dense(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The gated MLP: down(act(gate(x)) · up(x)), x [N, D] → [N, D]."""
+def dense(layer: dict, x: jax.Array, cfg: ModelConfig, sparsity: float = 0.0) -> jax.Array:
+    """The gated MLP: down(act(gate(x)) · up(x)), x [N, D] → [N, D]; with a `sparsity` (Gemma 3n's
+    first layers), only the gate units above that quantile of a normal fit to each row's survive,
+    shifted down by it (transformers' `_gaussian_topk`)."""
     if "wgate_up" in layer:
         gate, up = jnp.split(linear(x, layer, "gate_up", cfg), 2, axis=-1)
     else:
         gate, up = linear(x, layer, "gate", cfg), linear(x, layer, "up", cfg)
+    if sparsity:
+        multiplier = normal.ppf(jnp.float32(sparsity)).astype(gate.dtype)
+        cutoff = jnp.mean(gate, axis=-1, keepdims=True) + jnp.std(gate, axis=-1, keepdims=True) * multiplier
+        gate = jax.nn.relu(gate - cutoff)
     return linear(gated(gate, up, cfg), layer, "down", cfg)
 
 
@@ -108,7 +115,7 @@ def feed_forward(layer: dict, x: jax.Array, i: int, cfg: ModelConfig) -> tuple[j
     normed, picked = rms_norm(x, layer["mlp_norm"], cfg), None
     part = cfg.feed_forward(i)
     if part == "dense":
-        h = dense(layer, normed, cfg)
+        h = dense(layer, normed, cfg, cfg.activation_sparsity[i] if cfg.activation_sparsity else 0.0)
     elif part == "mixture":
         h, picked = mixture(layer, normed, cfg)
     else:  # "dense and mixture"
