@@ -30,7 +30,7 @@ ORBAX_MARKS = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "checkpoin
 # tree's shapes do not say. version, layers, embed dim (with the version, they name the model),
 # sliding window, whether the queries scale by (embed / heads)^-1/2 (not head_dim's), the global
 # layers' rope scale, the context it was trained for.
-FAMILIES = {
+MODELS = {
     "gemma-2b": (1, 18, 2048, None, False, None, 8192),
     "gemma-7b": (1, 28, 3072, None, False, None, 8192),
     "gemma2-2b": (2, 26, 2304, 4096, False, None, 8192),
@@ -169,7 +169,7 @@ def config_json(model_dir: Path, checkpoint: Path) -> dict:
     except (KeyError, ValueError) as e:
         raise JaxinferError(f"{checkpoint}: not a gemma-library checkpoint of a Gemma model (no {e})") from None
     family = _family(model_dir, checkpoint, version, layers, embed)
-    _, _, _, window, by_embed, scale, context = FAMILIES[family]
+    _, _, _, window, by_embed, scale, context = MODELS[family]
     arch = {1: "GemmaForCausalLM", 2: "Gemma2ForCausalLM", 3: "Gemma3ForCausalLM"}[version]
     d = {
         "architectures": [arch],
@@ -217,14 +217,14 @@ def _version(flat: dict) -> int:
 
 def _family(model_dir: Path, checkpoint: Path, version: int, layers: int, embed: int) -> str:
     """The library model of this version and size; else the one the directory's name gives."""
-    for name, (v, n, e, *_) in FAMILIES.items():
+    for name, (v, n, e, *_) in MODELS.items():
         if (v, n, e) == (version, layers, embed):
             return name
     for where in (checkpoint.name, model_dir.name):
         m = _NAMED.search(where.lower())
-        if m and f"{m.group(1)}-{m.group(2)}" in FAMILIES:
+        if m and f"{m.group(1)}-{m.group(2)}" in MODELS:
             name = f"{m.group(1)}-{m.group(2)}"
-            if FAMILIES[name][0] != version:
+            if MODELS[name][0] != version:
                 raise JaxinferError(
                     f"{model_dir}: its name says {name}, but its tree is a Gemma {version}'s"
                     + (" (no post norms)" if version == 1 else " (no q/k norms)" if version == 2 else " (q/k norms)")
@@ -232,7 +232,7 @@ def _family(model_dir: Path, checkpoint: Path, version: int, layers: int, embed:
             return name
     raise JaxinferError(
         f"{model_dir}: a Gemma {version} gemma-library checkpoint of {layers} layers of {embed}, which is none of "
-        f"the library's models; name its directory after the one whose settings it has ({', '.join(FAMILIES)}), "
+        f"the library's models; name its directory after the one whose settings it has ({', '.join(MODELS)}), "
         "e.g. gemma2-2b-mine"
     )
 

@@ -362,9 +362,20 @@ def forward_blocks(
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     x = scaled(x, cfg.embed_multiplier)
     per_layer = per_layer_inputs(params, tokens, x, cfg) if cfg.per_layer_input else None
-    if cfg.altup_inputs:  # Gemma 3n: the residual as parallel streams
-        x, cache = _altup_layers(params, cfg, altup.spread(params, x, cfg), per_layer, blocks, cache)
-    for i, layer in enumerate(params["layers"] if not cfg.altup_inputs else ()):
+    x, cache = (_altup_layers if cfg.altup_inputs else _layers)(params, cfg, x, per_layer, blocks, cache)
+    cache = cache if held is not None else None
+    x, hidden, at = rms_norm(x, params["norm"], cfg), [], 0
+    for b in blocks:
+        hidden.append(x[at : at + b.tokens.size].reshape(*b.tokens.shape, -1))
+        at += b.tokens.size
+    return hidden, cache
+
+
+def _layers(params: Params, cfg: ModelConfig, x: jax.Array, per_layer, blocks, cache) -> tuple:
+    """The layers over the residual stream x [N, D] (the embeddings): each its mixer and its
+    feed-forward part added, Gemma 4's per-layer input gating a residual of its own. Returns the
+    stream and the cache."""
+    for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             h, cache = MIXERS[cfg.mixer(i)](layer, rms_norm(x, layer["attn_norm"], cfg), blocks, cache, i, cfg)
             h = rms_norm(h, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else h
@@ -378,19 +389,15 @@ def forward_blocks(
                 x = x + rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
             if cfg.layer_scalar:
                 x = x * layer["scalar"].astype(x.dtype)
-    cache = cache if held is not None else None
-    x, hidden, at = rms_norm(x, params["norm"], cfg), [], 0
-    for b in blocks:
-        hidden.append(x[at : at + b.tokens.size].reshape(*b.tokens.shape, -1))
-        at += b.tokens.size
-    return hidden, cache
+    return x, cache
 
 
-def _altup_layers(params: Params, cfg: ModelConfig, xs: jax.Array, per_layer, blocks, cache) -> tuple:
-    """Gemma 3n's layers over the streams xs [A, N, D] (`jaxinfer.layers.altup`): each predicts the
-    streams, runs attention (with LAuReL beside it) and the MLP on the active one, corrects the
-    others by it, and adds its per-layer input's residual to the others. Returns the streams
-    gathered into one [N, D], and the cache."""
+def _altup_layers(params: Params, cfg: ModelConfig, x: jax.Array, per_layer, blocks, cache) -> tuple:
+    """Gemma 3n's layers over AltUp's streams [A, N, D] made of the embeddings x [N, D]
+    (`jaxinfer.layers.altup`): each predicts the streams, runs attention (with LAuReL beside it) and
+    the MLP on the active one, corrects the others by it, and adds its per-layer input's residual to
+    the others. Returns the streams gathered into one [N, D], and the cache."""
+    xs = altup.spread(params, x, cfg)
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             predictions = altup.predict(layer, xs, cfg)
