@@ -284,8 +284,9 @@ def bpe_tokenizer(directory: Path, vocab_size: int = 384) -> None:
     )
 
 
-def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
-    """A sentencepiece tokenizer.model with byte fallback (the Llama 2 / Mistral kind)."""
+def sentencepiece_model(vocab_size: int = 400, **ids) -> bytes:
+    """A sentencepiece BPE model with byte fallback trained on CORPUS (the Llama 2 / Mistral kind: unk
+    0, bos 1, eos 2, unless `ids` says otherwise: sentencepiece's trainer's own keywords)."""
     import io
 
     import sentencepiece as spm
@@ -298,12 +299,15 @@ def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
         model_type="bpe",
         byte_fallback=True,
         character_coverage=1.0,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
+        **{"bos_id": 1, "eos_id": 2, "unk_id": 0, **ids},
         minloglevel=2,
     )
-    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return model.getvalue()
+
+
+def sentencepiece_tokenizer(directory: Path, vocab_size: int = 400) -> None:
+    """A sentencepiece tokenizer.model with byte fallback (the Llama 2 / Mistral kind)."""
+    (directory / "tokenizer.model").write_bytes(sentencepiece_model(vocab_size))
     (directory / "tokenizer_config.json").write_text(
         json.dumps(
             {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}

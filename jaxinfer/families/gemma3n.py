@@ -6,7 +6,7 @@ beside attention, and the first layers' MLPs cutting their gate units to a Gauss
 
 from __future__ import annotations
 
-from jaxinfer.config import ModelConfig, Weight, activation, common_fields
+from jaxinfer.config import ModelConfig, Weight, common_fields
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import gemma, gemma4
 
@@ -60,17 +60,8 @@ def config(d: dict, arch: str) -> ModelConfig:
     return ModelConfig(
         architecture=arch,
         **fields,
-        qkv_bias=bool(d.get("attention_bias", False)),
-        o_bias=bool(d.get("attention_bias", False)),
-        qk_norm="heads",
-        activation=activation(d["hidden_activation"]),
-        embed_scale=True,
-        attn_scale=1.0,
-        final_softcap=float(d.get("final_logit_softcapping") or 0.0),
-        sandwich_norms=True,
-        rope_local=local,
+        **gemma4.layers_of_3n_and_4(d, local),
         kv_sources=gemma4.kv_sources(types, int(d["num_kv_shared_layers"])),
-        v_norm=True,
         per_layer_input=int(d["hidden_size_per_layer_input"]),
         per_layer_vocab=int(d["vocab_size_per_layer_input"]),
         intermediate_sizes=widths,

@@ -70,8 +70,26 @@ def config(d: dict, arch: str) -> ModelConfig:
     return ModelConfig(
         architecture=arch,
         **fields,
-        qkv_bias=bool(d.get("attention_bias", False)),
-        o_bias=bool(d.get("attention_bias", False)),
+        **layers_of_3n_and_4(d, local),
+        head_dims=head_dims,
+        kv_head_counts=kv_heads,
+        kv_sources=sources,
+        layer_scalar=True,
+        per_layer_input=ple,
+        per_layer_vocab=int(d["vocab_size_per_layer_input"]) if ple else 0,
+        intermediate_sizes=tuple(int(d["intermediate_size"]) * w for w in wide),
+        keys_as_values=full_own if d.get("attention_k_eq_v") else (),
+        **(_mixture(d, layers) if d.get("enable_moe_block") else {}),
+    )
+
+
+def layers_of_3n_and_4(d: dict, local: tuple) -> dict:
+    """What Gemma 3n's layers and Gemma 4's share: Gemma 3's sandwich, q/k norms and sliding layers'
+    rope (`local`), values normed without a weight, scores unscaled, norms scaling by their weight."""
+    bias = bool(d.get("attention_bias", False))
+    return dict(
+        qkv_bias=bias,
+        o_bias=bias,
         qk_norm="heads",
         activation=activation(d["hidden_activation"]),
         embed_scale=True,
@@ -79,16 +97,7 @@ def config(d: dict, arch: str) -> ModelConfig:
         final_softcap=float(d.get("final_logit_softcapping") or 0.0),
         sandwich_norms=True,
         rope_local=local,
-        head_dims=head_dims,
-        kv_head_counts=kv_heads,
-        kv_sources=sources,
         v_norm=True,
-        layer_scalar=True,
-        per_layer_input=ple,
-        per_layer_vocab=int(d["vocab_size_per_layer_input"]) if ple else 0,
-        intermediate_sizes=tuple(int(d["intermediate_size"]) * w for w in wide),
-        keys_as_values=full_own if d.get("attention_k_eq_v") else (),
-        **(_mixture(d, layers) if d.get("enable_moe_block") else {}),
     )
 
 
