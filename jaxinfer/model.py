@@ -385,8 +385,7 @@ def _layers(params: Params, cfg: ModelConfig, x: jax.Array, per_layer, blocks, c
             if picked is not None and cache is not None:
                 cache = cache.count_experts(picked)
             if per_layer is not None:  # Gemma 4: the layer's own input gates a residual of its own
-                h = ACTIVATIONS[cfg.activation](linear(x, layer, "ple_gate", cfg)) * per_layer[:, i]
-                x = x + rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
+                x = x + _per_layer_residual(layer, x, per_layer[:, i], cfg)
             if cfg.layer_scalar:
                 x = x * layer["scalar"].astype(x.dtype)
     return x, cache
@@ -412,10 +411,16 @@ def _altup_layers(params: Params, cfg: ModelConfig, x: jax.Array, per_layer, blo
             first = xs[cfg.altup_active]
             if cfg.altup_correct_scale:
                 first = first * layer["altup_scale"].astype(first.dtype)
-            h = ACTIVATIONS[cfg.activation](linear(first, layer, "ple_gate", cfg)) * per_layer[:, i]
-            h = rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
-            xs = xs.at[1:].add(h)  # every stream but the first (transformers', whichever is active)
+            # to every stream but the first (transformers', whichever is active)
+            xs = xs.at[1:].add(_per_layer_residual(layer, first, per_layer[:, i], cfg))
     return altup.gather(params, xs, cfg), cache
+
+
+def _per_layer_residual(layer: dict, x: jax.Array, own: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 3n's and 4's residual of a layer's own input `own` [N, P] (its row of `per_layer_inputs`),
+    gated by x [N, D]: normed(out(act(gate(x)) · own))."""
+    h = ACTIVATIONS[cfg.activation](linear(x, layer, "ple_gate", cfg)) * own
+    return rms_norm(linear(h, layer, "ple_out", cfg), layer["ple_norm"], cfg)
 
 
 def per_layer_inputs(params: Params, tokens: jax.Array, x: jax.Array, cfg: ModelConfig) -> jax.Array:

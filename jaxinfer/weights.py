@@ -197,7 +197,8 @@ class FlaxTensors:
     tree restored and flattened by flax itself (`flax.serialization`, `flax.traverse_util`), each
     tensor under the name transformers' own Flax → PyTorch conversion gives it (a `kernel` [in, out]
     transposed into `weight` [out, in]; an `embedding` or `scale` is a `weight`), so the one weight
-    table maps it. msgpack is read whole: the file's tensors are held until the load ends."""
+    table maps it. msgpack is read whole; each tensor is let go once it has been taken (as
+    `gemma_library.Tensors`' layers are)."""
 
     def __init__(self, path: Path):
         from flax import serialization, traverse_util
@@ -220,7 +221,17 @@ class FlaxTensors:
         return list(self.tensors)
 
     def get_tensor(self, name: str) -> np.ndarray:
-        return self.tensors[name]
+        return self.tensors.pop(name)
+
+
+def _tensors(file: Path):
+    """A checkpoint file's handle (`keys`, `get_tensor`): a gemma-library checkpoint's orbax directory,
+    a Flax msgpack, or safetensors."""
+    from safetensors import safe_open
+
+    if file.is_dir():
+        return gemma_library.Tensors(file)
+    return FlaxTensors(file) if file.suffix == ".msgpack" else safe_open(str(file), framework="np")
 
 
 def read_checkpoint(
@@ -236,7 +247,7 @@ def read_checkpoint(
     `forms.Plain`, or quantized by `quantize` as they are read (peak memory: the quantized model and one float matrix).
     With a `mesh`, each tensor goes from the file straight into its shards (`jaxinfer.sharding`);
     those to be quantized whole onto every device (the kernel's custom call takes a whole matrix)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     table = weight_table(cfg)
     leaves: dict[TreePath, jax.Array] = {}
@@ -244,14 +255,7 @@ def read_checkpoint(
     parts: dict[TreePath, dict] = {}  # an MXFP4 matrix's blocks or scales read so far, by its leaf
     seen: set[str] = set()
     try:
-        handles = [
-            gemma_library.Tensors(f)
-            if f.is_dir()
-            else FlaxTensors(f)
-            if f.suffix == ".msgpack"
-            else safe_open(str(f), framework="np")
-            for f in files
-        ]
+        handles = [_tensors(f) for f in files]
     except (SafetensorError, OSError) as e:
         raise JaxinferError(f"cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     names = [(h, stored) for h in handles for stored in h.keys()]
