@@ -4,6 +4,8 @@ llama.cpp reads it (`_gemma`, `_phi3`, `_twists`: its fixed choices per architec
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from jaxinfer.errors import JaxinferError
@@ -18,6 +20,7 @@ ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma3n": "Gemma3nForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
@@ -111,6 +114,8 @@ def config_json(file: GGUFFile) -> dict:
         d[POOLING_KEY] = POOLINGS[pooling]
     if arch == "gemma4":  # its own keys for all it adds (its mixture's too)
         d.update(_gemma4(file, key, d))
+    elif arch == "gemma3n":
+        d.update(_gemma3n(file, key, d))
     elif int(meta.get(f"{arch}.expert_count", 0)):
         d.update(_experts(file, key, d))
     if arch in HYBRIDS:
@@ -119,7 +124,7 @@ def config_json(file: GGUFFile) -> dict:
         d.update(_gemma(file, key, d))
     if arch == "phi3":
         d.update(_phi3(file, key, d))
-    elif arch != "gemma4":
+    elif arch not in ("gemma3n", "gemma4"):
         d.update(_rope_scaling(file, key))
     d.update(_twists(file, key, d))
     floats = [FILE_DTYPES[k] for k in layer_types(file) if k in FILE_DTYPES]
@@ -264,9 +269,7 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
     turn), the shared layers, the per-layer embeddings, the mixture beside each MLP, and keys as
     values where a full layer has no attn_v."""
     layers, full_dim = d["num_hidden_layers"], d["head_dim"]  # attention.key_length: the full layers'
-    sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
-    if len(sliding) != layers:
-        raise JaxinferError(f"{file.path}: gemma4's sliding_window_pattern has {len(sliding)} flags, not {layers}")
+    sliding = _sliding_flags(file, key, layers)
     shared = int(key("attention.shared_kv_layers", 0))
     kv = key("attention.head_count_kv")
     kv = kv if isinstance(kv, list) else [kv] * layers
@@ -309,6 +312,47 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
             moe_intermediate_size=int(key("expert_feed_forward_length")),
         )
     return gemma4
+
+
+def _gemma3n(file: GGUFFile, key, d: dict) -> dict:
+    """Gemma 3n's keys, as its converter writes them: one sliding flag a layer, the sliding layers'
+    rope base, the shared layers, the per-layer inputs (their table's rows), AltUp's streams, each
+    layer's MLP sparsity as the Gaussian's std multiplier (-inf for a dense layer: read back as the
+    share of gate units cut), LAuReL's rank from its matrix. (llama.cpp 0.3.36 reads none of the last
+    four: it fixes the released models' values.)"""
+    layers = d["num_hidden_layers"]
+    sliding = _sliding_flags(file, key, layers)
+    multipliers = key("activation_sparsity_scale", [float("-inf")] * layers)
+    if len(multipliers) != layers:
+        raise JaxinferError(
+            f"{file.path}: gemma3n's activation_sparsity_scale has {len(multipliers)} entries, not {layers}"
+        )
+    widths = key("feed_forward_length")
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "intermediate_size": widths if isinstance(widths, list) else [widths] * layers,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(key("attention.sliding_window")),
+        "rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": float(key("final_logit_softcapping", 0.0)) or None,
+        "num_kv_shared_layers": int(key("attention.shared_kv_layers", 0)),
+        "hidden_size_per_layer_input": int(key("embedding_length_per_layer_input")),
+        "vocab_size_per_layer_input": int(tensor_named(file, "per_layer_token_embd.weight").shape[1]),
+        "altup_num_inputs": int(key("altup.num_inputs")),
+        "altup_active_idx": int(key("altup.active_idx", 0)),
+        "laurel_rank": int(tensor_named(file, "blk.0.laurel_l.weight").shape[1]),  # ne = [hidden, rank]
+        "activation_sparsity_pattern": [0.5 * (1 + math.erf(float(m) / math.sqrt(2))) for m in multipliers],
+    }
+
+
+def _sliding_flags(file: GGUFFile, key, layers: int) -> list[bool]:
+    """Gemma 3n's and 4's sliding_window_pattern: one flag a layer, sliding or not."""
+    sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
+    if len(sliding) != layers:
+        raise JaxinferError(
+            f"{file.path}: {file.architecture}'s sliding_window_pattern has {len(sliding)} flags, not {layers}"
+        )
+    return sliding
 
 
 def _phi3(file: GGUFFile, key, d: dict) -> dict:

@@ -20,6 +20,7 @@ their bandwidth saving.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,16 +117,20 @@ def layer_types(file: GGUFFile) -> list[str]:
 
 
 def tensor_named(file: GGUFFile, name: str):
+    """The file's tensor `name`; "name#j": matrix j of a stacked tensor (`gguf_names`' for a leaf
+    the file holds in a stack: Gemma 3n's AltUp projections)."""
+    name, _, part = name.partition("#")
     if name not in file.tensors:
         raise JaxinferError(f"{file.path}: the GGUF file has no tensor {name}")
-    return file.tensors[name]
+    return _Slice(file.tensors[name], int(part)) if part else file.tensors[name]
 
 
 def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, str]]:
     """The weight table's Hugging Face names → the GGUF file's (the `gguf` package's name map for the
     file's architecture); every expert's tensor of a stack → the file's one merged tensor
     (`ffn_gate_exps`, ...); gpt-oss's gate and up, fused in its checkpoints, → the two the converter
-    splits them into (gate's, up's)."""
+    splits them into (gate's, up's); Gemma 3n's AltUp projections, a leaf each here, → their matrix
+    of the one stack the converter makes ("altup_proj.weight#j", `tensor_named`)."""
     import gguf
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == file.architecture)
@@ -135,7 +140,9 @@ def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, s
         expert = table[hf].expert
         if hf.endswith(".linear_attn.dt_bias"):  # the converter's name for it (its `dt_proj`)
             return hf.replace(".dt_bias", ".dt_proj.bias")
-        if hf.endswith(("_proj_bias", ".experts.down_proj", ".experts.gate_up_proj", ".sinks", ".layer_scalar")):
+        if hf.endswith(
+            ("_proj_bias", ".experts.down_proj", ".experts.gate_up_proj", ".sinks", ".layer_scalar", "_output_scale")
+        ):
             return hf[: -len("_bias")] + ".bias" if hf.endswith("_bias") else hf + ".weight"  # gpt-oss's, Gemma 4's
         return hf if expert is None else hf.replace(f".experts.{expert[0]}.", ".experts.")
 
@@ -144,6 +151,8 @@ def gguf_names(file: GGUFFile, cfg, table: dict) -> dict[str, str | tuple[str, s
         for scale, beside in ((".router.scale", ".router.proj"), (".router.per_expert_scale", ".experts.down_proj")):
             if hf.endswith(scale):
                 return names.get_name(hf[: -len(scale)] + beside) + ".scale"
+        if stacked := re.fullmatch(r"(model\.altup_(?:unembed_)?projections)\.(\d+)\.weight", hf):
+            return f"{names.get_name(stacked[1] + '.weight', try_suffixes=('.weight',))}#{stacked[2]}"
         if ".experts.gate_up_proj" in hf and file.architecture == "gpt-oss":  # gate and up: one tensor here, two there
             stack, suffix = hf.split(".experts.")[0] + ".experts.", ".bias" if hf.endswith("_bias") else ".weight"
             return tuple(
@@ -261,7 +270,7 @@ def fused_values(file: GGUFFile, names: tuple[str, str], shape: tuple[int, ...],
 
 @dataclass(frozen=True)
 class _Slice:
-    """Expert e's matrix of a merged tensor [E, out, in], as a tensor of its own."""
+    """Matrix e of a stacked tensor [E, out, in] (expert e's of a merged one), as a tensor of its own."""
 
     tensor: object
     e: int
@@ -316,4 +325,4 @@ READ_INTO_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight", "rope_facto
 
 def unmapped(file: GGUFFile, names: set[str]) -> list[str]:
     """The file's tensors that no entry of the table takes (the rope factors are read into the config)."""
-    return sorted(set(file.tensors) - names - set(READ_INTO_CONFIG))
+    return sorted(set(file.tensors) - {name.partition("#")[0] for name in names} - set(READ_INTO_CONFIG))

@@ -216,11 +216,27 @@ MODELS = {
     # beside each MLP, keys as values)
     "gemma4-gemma": ("gemma4", "gemma", GEMMA_IDS, ["F32"]),
     "gemma4moe-gemma": ("gemma4-moe", "gemma", GEMMA_IDS, ["F32"]),
+    # Gemma 3n at the sizes llama.cpp 0.3.36 fixes whatever the file says (per-layer inputs of 256,
+    # LAuReL rank 64, the first 10 layers' MLPs sparse at 0.95, K/V shared from layer 20 on: so none
+    # shared in 4 layers); its SentencePiece tokenizer
+    "gemma3n-sp": (
+        "gemma3n",
+        "sp",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=256,
+            laurel_rank=64,
+            activation_sparsity_pattern=[0.95] * 4,
+        ),
+        ["F32"],
+    ),
 }
 # Those whose answers hold transformers' logits beside llama.cpp's: Gemma 4's, where llama.cpp 0.3.36
 # parts from transformers (its GELU's float16 table over more GELUs a layer: 1.7e-2 of max|logit| on
 # the dense file; its mixture beside the MLP 4e-2, for a cause not found) and jaxinfer does not
-BESIDE = ("gemma4-gemma", "gemma4moe-gemma")
+BESIDE = ("gemma4-gemma", "gemma4moe-gemma", "gemma3n-sp")
 CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
 # llama.h's LLAMA_FTYPE_MOSTLY_*; MXFP4_MOE: experts' stacks MXFP4, the other matrices Q8_0
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
