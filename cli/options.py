@@ -260,10 +260,10 @@ QUANTIZE = typer.Option(
 KV_DTYPE = typer.Option(
     None,
     "--kv-dtype",
-    metavar="auto|int8",
+    metavar="auto|bfloat16|int8",
     show_default=False,
-    help="KV cache storage: auto (the compute dtype) or int8 (a scale per position and head: 3.8× the context of "
-    "float32 fits) [default: auto].",
+    help="KV cache storage: auto (the compute dtype: float32 on a CPU), bfloat16 (half float32's bytes, as llama.cpp's "
+    "f16 cache) or int8 (a scale per position and head: 3.8× the context of float32 fits) [default: auto].",
 )
 SPECULATE = typer.Option(
     None,

@@ -148,10 +148,11 @@ def attention(
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Queries q [B, T, KV, G, hd] at positions [B, T] over layer `layer` of a whole stacked cache
-    k, v [L, R, KV, S, hd] (rows `rows` [B]; int8 with `k_scale`, `v_scale` [L, R, KV, S], each
-    vector's scale), keys below `kv_len`: softmax(q·k · scale) · v per query, float32
-    [B, T, KV, G, hd], each head's sink logit (`sinks` [KV·G], gpt-oss's) joined to its denominator
-    where given. Queries at positions ≥ kv_len (finished rows) get zeros."""
+    k, v [L, R, KV, S, hd] (float32, bfloat16 or its bits as uint16, or int8 with `k_scale`,
+    `v_scale` [L, R, KV, S], each vector's scale; rows `rows` [B]), keys below `kv_len`:
+    softmax(q·k · scale) · v per query, float32 [B, T, KV, G, hd], each head's sink logit (`sinks`
+    [KV·G], gpt-oss's) joined to its denominator where given. Queries at positions ≥ kv_len
+    (finished rows) get zeros."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     heads = q.shape[2] * q.shape[3]
     sinks = jnp.full(heads, -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -220,6 +220,8 @@ def _block_attention(q, k, v, block: Block, cache: KVCache | None, i: int, cfg: 
         if cfg.kv_dtype == "int8":  # as a cache would store them: perplexity judges the cache's int8
             (keys, k_scale), (values, v_scale) = quantize_heads(k), quantize_heads(v)
             kv = (keys, values, k_scale, v_scale)
+        elif cfg.kv_dtype == "bfloat16":  # and its 16 bits
+            kv = (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), None, None)
         if T > 1 and gpu_attention.here(cfg, q.dtype):  # on a GPU its kernel, over them as a one-layer cache
             stored = [None if a is None else a[None] for a in kv]
             return gpu_attention.attend(q, positions, *stored, 0, None, T, window, scale, softcap, sinks)

@@ -146,9 +146,9 @@ def weight_bytes(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
-    """K and V of one position: in the compute dtype, or int8 with a float32 scale per head; over a
-    mesh of `devices`, what each device holds (split by kv heads where they divide)."""
-    itemsize = storage.cache_itemsize or storage.itemsize
+    """K and V of one position: in the compute dtype, bfloat16, or int8 with a float32 scale per head
+    (`cfg.kv_dtype`); over a mesh of `devices`, what each device holds (split by kv heads where they divide)."""
+    itemsize = 2 if cfg.kv_dtype == "bfloat16" else storage.cache_itemsize or storage.itemsize
     split = splits(cfg, "kv_heads", devices)
 
     def layer(i: int) -> int:

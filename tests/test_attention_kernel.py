@@ -63,8 +63,9 @@ def test_attention_kernel_matches_xla(isa, dtype, case, G, HD):
     q = jax.random.normal(jax.random.key(2), (*positions.shape, KV, G, HD))
     sinks = None if spread is None else spread * jax.random.normal(jax.random.key(3), (KV * G,))
     rest = (rows, 1, kv_len, window, HD**-0.5, softcap, sinks)
-    # the kernel's: [L, R, KV, S, hd]
-    kernels = [None if a is None else a.swapaxes(2, 3) for a in (k, v, *scales)]
+    # the kernel's: [L, R, KV, S, hd]; a bfloat16 cache as the CPU holds it, its bits (uint16)
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a  # noqa: E731
+    kernels = [None if a is None else bits(a).swapaxes(2, 3) for a in (k, v, *scales)]
     ours = np.asarray(kernel.attention(q, positions, *kernels[:2], *rest, *kernels[2:]))
     want = np.asarray(xla_attention(q, positions, k, v, *rest, *scales))
     live = np.asarray(positions) < kv_len

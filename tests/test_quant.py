@@ -278,7 +278,7 @@ def test_bad_quantize_flags_fail_cleanly(tiny, tmp_path):
         jaxinfer("perplexity", "-m", path, "-", "--kl"), "give --quantize, --kv-dtype or a 16-bit --dtype too"
     )
     assert_one_line_error(
-        jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, int8"
+        jaxinfer("run", "-m", path, "--kv-dtype", "int4", "Hi"), "--kv-dtype must be one of auto, bfloat16, int8"
     )
 
 
@@ -318,21 +318,31 @@ def test_the_int8_cache_holds_what_info_counts(tiny):
     # (hd + 4) bytes a head instead of 4·hd: at this head_dim of 16, under a third of float32's,
     # and 62.5% of bfloat16's (at real head dims of 64–128: 27–26% of float32, 53–52% of bfloat16)
     assert held < kv_bytes_per_token(cfg, Storage(4)) / 3 and held <= 0.625 * kv_bytes_per_token(cfg, Storage(2))
+    # a bfloat16 cache under float32 compute: half float32's bytes, held as bfloat16's bits on the CPU
+    half = replace(cfg, kv_dtype="bfloat16")
+    cache = KVCache.zeros(half, 1, S, jnp.float32)
+    assert {a.dtype for a in cache.k + cache.v} == {
+        jnp.dtype(jnp.uint16 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    }
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(cache)) / S
+    assert held == kv_bytes_per_token(half, Storage(4)) == kv_bytes_per_token(cfg, Storage(4)) / 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arch):
-    """Tokens decoded greedily through the int8 cache (prefill in chunks, then the decode loop) are
-    the argmax of the cacheless forward with the same K/V quantization, the path `perplexity`
-    judges the cache by."""
+@pytest.mark.parametrize(
+    "arch, kv_dtype", [("llama", "int8"), ("mistral", "int8"), ("qwen3", "int8"), ("llama", "bfloat16")]
+)
+def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arch, kv_dtype):
+    """Tokens decoded greedily through the int8 (or bfloat16) cache (prefill in chunks, then the
+    decode loop) are the argmax of the cacheless forward with the same K/V rounding, the path
+    `perplexity` judges the cache by."""
     from jaxinfer import model as M
     from jaxinfer.engine import Engine
     from jaxinfer.generate import Generation
     from jaxinfer.sampling import Sampling
     from jaxinfer.slots import Decoding
 
-    loaded = load_model(tiny(arch), kv_dtype="int8")
+    loaded = load_model(tiny(arch), kv_dtype=kv_dtype)
     prompt = loaded.tokenizer.encode("the quick brown fox jumps over the lazy dog, then over the fence " * 2)
     engine = Engine(loaded.config, loaded.params, 256, (), Decoding(32))
     gen = Generation(loaded, engine, prompt, Sampling(temperature=0.0), 24, 0, ())
@@ -345,6 +355,16 @@ def test_decode_through_the_int8_cache_computes_what_perplexity_scores(tiny, arc
     )
     argmax = np.asarray(jnp.argmax(M.logits(loaded.params, hidden, loaded.config)[0], -1))
     assert list(argmax[len(prompt) - 1 :]) == out
+    if kv_dtype == "bfloat16":  # and a prefill's logits through the cache those of K/V in 16 bits: 6e-4 of
+        # max|logit| from the cacheless pass's on this model, a float32 cache's 1e-2
+        from dataclasses import replace
+
+        from reference import our_prompt_logits
+
+        cacheless = np.asarray(M.logits(loaded.params, hidden, loaded.config)[0])
+        exact = replace(loaded, config=replace(loaded.config, kv_dtype=None))
+        miss = [np.abs(our_prompt_logits(m, ids[:-1], S=256)[0] - cacheless).max() for m in (loaded, exact)]
+        assert miss[0] <= 2e-3 * np.abs(cacheless).max() and miss[1] > 5 * miss[0]
 
 
 @pytest.mark.slow

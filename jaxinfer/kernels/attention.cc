@@ -6,7 +6,8 @@
 //
 // Layouts (as jaxinfer.model and jaxinfer.kvcache hold them):
 //   q, out [B, T, KV, G, hd] float32 (G query heads per kv head, grouped-query attention);
-//   k, v   [L, R, KV, S, hd] float32, bfloat16 or int8: the whole stacked cache, row `rows[b]`, layer `layer`;
+//   k, v   [L, R, KV, S, hd] float32, bfloat16 (or its bits as uint16) or int8: the whole stacked cache, row
+//          `rows[b]`, layer `layer`;
 //   k_scale, v_scale [L, R, KV, S] float32: an int8 cache's scale of each vector (none otherwise);
 //   pos    [B, T] int32: each query's position; it sees keys at positions <= its own (and within
 //          `window` when that is not 0), below `kv_len`;
@@ -48,11 +49,12 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                   int64_t layer, int64_t kv_len, int64_t window, float scale, float softcap, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const ffi::DataType type = k.element_type();
-  const int kv = type == ffi::DataType::BF16 ? kKvBf16 : type == ffi::DataType::S8 ? kKvInt8 : kKvF32;
+  const bool bf16 = type == ffi::DataType::BF16 || type == ffi::DataType::U16;  // U16: bfloat16's bits
+  const int kv = bf16 ? kKvBf16 : type == ffi::DataType::S8 ? kKvInt8 : kKvF32;
   if (qd.size() != 5 || kd.size() != 5 || (kv == kKvF32 && type != ffi::DataType::F32) || v.element_type() != type ||
       kd[2] != qd[2] || kd[4] != qd[4] || layer >= kd[0] || kv_len > kd[3] || sinks.element_count() != qd[2] * qd[3]) {
     return ffi::Error::InvalidArgument(
-        "jaxinfer_attention: q [B, T, KV, G, hd], a cache [L, R, KV, S, hd] of float32, bfloat16 or int8 and sinks [KV * G] that agree");
+        "jaxinfer_attention: q [B, T, KV, G, hd], a cache [L, R, KV, S, hd] of float32, bfloat16 (or uint16 bits) or int8 and sinks [KV * G] that agree");
   }
   const int64_t scales = kv == kKvInt8 ? static_cast<int64_t>(k.element_count()) / kd[4] : 0;
   if (static_cast<int64_t>(k_scale.element_count()) != scales || static_cast<int64_t>(v_scale.element_count()) != scales) {
