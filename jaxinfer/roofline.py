@@ -149,10 +149,10 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
     """K and V of one position: in the compute dtype, bfloat16, or int8 with a float32 scale per head
     (`cfg.kv_dtype`); over a mesh of `devices`, what each device holds (split by kv heads where they divide)."""
     itemsize = 2 if cfg.kv_dtype == "bfloat16" else storage.cache_itemsize or storage.itemsize
-    split = splits(cfg, "kv_heads", devices)
 
     def layer(i: int) -> int:
         hd, heads = cfg.head_dim_of(i), cfg.kv_heads_of(i)
+        split = heads % devices == 0  # `sharding.cache_spec`
         return 2 * (heads // devices if split else heads) * (hd + 4 if cfg.kv_dtype == "int8" else hd * itemsize)
 
     return sum(layer(i) for i in cfg.cached_layers)  # a layer sharing another's K/V holds none

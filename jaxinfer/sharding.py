@@ -141,24 +141,25 @@ def place(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(params, param_shardings(cfg, params, mesh))
 
 
-def cache_spec(cfg: ModelConfig, devices: int) -> PartitionSpec:
-    """K/V [L, B, S, KV, hd] and their scales [L, B, S, KV]: split by kv heads where they divide."""
-    return PartitionSpec(None, None, None, AXIS) if splits(cfg, "kv_heads", devices) else PartitionSpec()
+def cache_spec(array, devices: int) -> PartitionSpec:
+    """K/V [L, B, S, KV, hd] of a group of layers and their scales [L, B, S, KV]: split by kv heads
+    where the group's divide (Gemma 4's full layers can have fewer than its sliding ones)."""
+    return PartitionSpec(None, None, None, AXIS) if array.shape[3] % devices == 0 else PartitionSpec()
 
 
-def state_shardings(state, cfg: ModelConfig, mesh: Mesh, draft: ModelConfig | None = None):
+def state_shardings(state, mesh: Mesh):
     """The decode state's shardings (`state.DecodeState`, concrete or abstract): the caches' K/V
     split by `cache_spec`, everything else (a hybrid's recurrent state; tokens, lengths, sampler
     settings: a few bytes a row) whole."""
     whole = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
 
-    def cache(c, cfg):
-        split = jax.tree.map(lambda _: NamedSharding(mesh, cache_spec(cfg, mesh.size)), c.kv_only)
+    def cache(c):
+        split = jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a, mesh.size)), c.kv_only)
         rest = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), (c.delta, c.experts_read))
         return replace(split, delta=rest[0], experts_read=rest[1])
 
-    draft_cache = cache(state.draft_cache, draft) if state.draft_cache is not None else None
-    return replace(whole, cache=cache(state.cache, cfg), draft_cache=draft_cache)
+    draft_cache = cache(state.draft_cache) if state.draft_cache is not None else None
+    return replace(whole, cache=cache(state.cache), draft_cache=draft_cache)
 
 
 def bytes_per_device(params: dict) -> list[int]:
