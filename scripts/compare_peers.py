@@ -190,8 +190,8 @@ def run_jaxinfer(model_dir: Path, prompt: list[int], new: int, repeat: int, weig
     from jaxinfer.loading import load_model
     from jaxinfer.sampling import Sampling
 
-    if weights.endswith(" GGUF"):  # llama.cpp's own file, its matrices as it holds them
-        model = load_model(model_dir / f"model-{weights.split()[0]}.gguf")
+    if weights.endswith(" GGUF"):  # llama.cpp's own file, its matrices as it holds them, a 16-bit cache as its
+        model = load_model(model_dir / f"model-{weights.split()[0]}.gguf", kv_dtype="bfloat16")
     else:
         dtype, quantize = (weights, None) if weights in ("float32", "bfloat16") else ("float32", weights)
         model = load_model(model_dir, dtype, quantize=quantize)
@@ -343,7 +343,8 @@ def main() -> None:
         f"`python scripts/compare_peers.py`: random-weight models, {args.prompt} prompt tokens, {args.tokens} "
         f"new tokens (greedy, EOS ignored), median of {args.repeat} after a warm-up. Each peer row is compared with "
         "the jaxinfer row of the same kind of weights (32-bit with float32, 16-bit with bfloat16; a quantized "
-        "llama.cpp row with jaxinfer running the same GGUF file).",
+        "llama.cpp row with jaxinfer running the same GGUF file, the KV cache 16-bit on both sides: llama.cpp's "
+        "default f16, jaxinfer's `--kv-dtype bfloat16`).",
         "",
         "| model shape | engine | weights | prefill tok/s | decode tok/s | compared with jaxinfer | jaxinfer ÷ peer, "
         "prefill | jaxinfer ÷ peer, decode |",
