@@ -26,6 +26,10 @@ bfloat16; llama.cpp's quantized files with jaxinfer running the same file (`-m F
 and int4 rows are jaxinfer's own quantization of the float32 checkpoint (`--quantize`), for reference.
 
 The table replaces the first section of BENCHMARKS.md; the sections after it are kept.
+
+`--alternate N` measures decode on a noisy machine: for each llama.cpp file, N rounds of jaxinfer on
+it then llama.cpp on it, each loaded afresh, one run each after a warm-up; it prints each round's
+ratio and their median, and writes nothing.
 """
 
 from __future__ import annotations
@@ -252,6 +256,20 @@ def run_llama_cpp(gguf_file: Path, prompt: list[int], new: int, repeat: int, thr
     return _medians(results[1:])
 
 
+def alternate(shape: str, model_dir: Path, file: Path, prompt: list[int], args, kind: str) -> None:
+    """Decode in alternated rounds, jaxinfer then llama.cpp on one file (`--alternate`)."""
+    ratios = []
+    for i in range(args.alternate):
+        ours = run_jaxinfer(model_dir, prompt, args.tokens, 1, OURS_FOR[kind])[1]
+        theirs = run_llama_cpp(file, prompt, args.tokens, 1, args.threads)[1]
+        ratios.append(ours / theirs)
+        print(
+            f"{shape} {kind} round {i}: jaxinfer {ours:.2f}, llama.cpp {theirs:.2f} tok/s, ×{ratios[-1]:.3f}",
+            flush=True,
+        )
+    print(f"{shape} {kind}: median jaxinfer ÷ llama.cpp ×{statistics.median(ratios):.3f} over {len(ratios)} rounds")
+
+
 def _medians(results: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
@@ -296,10 +314,17 @@ def main() -> None:
     parser.add_argument("--kinds", help="only these peers' weights (f32,q8_0,...) and jaxinfer's rows beside them")
     parser.add_argument("--work", type=Path, default=Path("/tmp/jaxinfer-peers"))
     parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--alternate", type=int, metavar="N", help="N alternated rounds against llama.cpp's files")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
     prompt = np.random.default_rng(0).integers(3, 4096, args.prompt).tolist()
+    if args.alternate:
+        for shape in args.shapes.split(","):
+            model_dir = checkpoint(shape, args.work)
+            for kind in args.kinds.split(",") if args.kinds else QUANTIZED_BY_LLAMA_CPP:
+                alternate(shape, model_dir, gguf(model_dir, args.work, kind), prompt, args, kind)
+        return
     rows = []
     for shape in args.shapes.split(","):
         model_dir = checkpoint(shape, args.work)
