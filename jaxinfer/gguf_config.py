@@ -269,8 +269,9 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
     turn), the shared layers, the per-layer embeddings, the mixture beside each MLP, and keys as
     values where a full layer has no attn_v."""
     layers, full_dim = d["num_hidden_layers"], d["head_dim"]  # attention.key_length: the full layers'
-    sliding = _sliding_flags(file, key, layers)
-    shared = int(key("attention.shared_kv_layers", 0))
+    both = _of_3n_and_4(file, key, layers, per_layer_width=0)
+    sliding = [kind == "sliding_attention" for kind in both["layer_types"]]
+    shared = both["num_kv_shared_layers"]
     kv = key("attention.head_count_kv")
     kv = kv if isinstance(kv, list) else [kv] * layers
     widths = key("feed_forward_length")
@@ -283,27 +284,19 @@ def _gemma4(file: GGUFFile, key, d: dict) -> dict:
     if "rope_freqs.weight" in file.tensors:
         factors = np.asarray(tensor_named(file, "rope_freqs.weight").data, np.float32).tolist()
         rope_full.update(rope_type="freq_factors", factors=factors)
-    ple = int(key("embedding_length_per_layer_input", 0))
     gemma4 = {
-        "hidden_activation": "gelu_pytorch_tanh",
+        **both,
         "head_dim": int(key("attention.key_length_swa")),
         "num_key_value_heads": int(kv[sliding.index(True)] if any(sliding) else kv[0]),
         "intermediate_size": int(widths[0]),
         "use_double_wide_mlp": double,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "sliding_window": int(key("attention.sliding_window")),
         "per_layer_config": {str(i): {"head_dim": full_dim, "num_key_value_heads": int(kv[i])} for i in full},
-        "num_kv_shared_layers": shared,
         "rope_parameters": {
             "full_attention": rope_full,
             "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
         },
-        "final_logit_softcapping": float(key("final_logit_softcapping", 0.0)) or None,
-        "hidden_size_per_layer_input": ple,
         "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in file.tensors for i in full if i < layers - shared),
     }
-    if ple:
-        gemma4["vocab_size_per_layer_input"] = int(tensor_named(file, "per_layer_token_embd.weight").shape[1])
     if experts := int(file.meta.get("gemma4.expert_count", 0)):
         gemma4.update(
             enable_moe_block=True,
@@ -321,7 +314,6 @@ def _gemma3n(file: GGUFFile, key, d: dict) -> dict:
     share of gate units cut), LAuReL's rank from its matrix. (llama.cpp 0.3.36 reads none of the last
     four: it fixes the released models' values.)"""
     layers = d["num_hidden_layers"]
-    sliding = _sliding_flags(file, key, layers)
     multipliers = key("activation_sparsity_scale", [float("-inf")] * layers)
     if len(multipliers) != layers:
         raise JaxinferError(
@@ -329,15 +321,9 @@ def _gemma3n(file: GGUFFile, key, d: dict) -> dict:
         )
     widths = key("feed_forward_length")
     return {
-        "hidden_activation": "gelu_pytorch_tanh",
+        **_of_3n_and_4(file, key, layers),
         "intermediate_size": widths if isinstance(widths, list) else [widths] * layers,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "sliding_window": int(key("attention.sliding_window")),
         "rope_local_base_freq": float(key("rope.freq_base_swa", 10000.0)),
-        "final_logit_softcapping": float(key("final_logit_softcapping", 0.0)) or None,
-        "num_kv_shared_layers": int(key("attention.shared_kv_layers", 0)),
-        "hidden_size_per_layer_input": int(key("embedding_length_per_layer_input")),
-        "vocab_size_per_layer_input": int(tensor_named(file, "per_layer_token_embd.weight").shape[1]),
         "altup_num_inputs": int(key("altup.num_inputs")),
         "altup_active_idx": int(key("altup.active_idx", 0)),
         "laurel_rank": int(tensor_named(file, "blk.0.laurel_l.weight").shape[1]),  # ne = [hidden, rank]
@@ -345,14 +331,27 @@ def _gemma3n(file: GGUFFile, key, d: dict) -> dict:
     }
 
 
-def _sliding_flags(file: GGUFFile, key, layers: int) -> list[bool]:
-    """Gemma 3n's and 4's sliding_window_pattern: one flag a layer, sliding or not."""
+def _of_3n_and_4(file: GGUFFile, key, layers: int, per_layer_width: int | None = None) -> dict:
+    """What Gemma 3n's and 4's converters both write: one sliding flag a layer, the window, the final
+    soft-cap, the shared layers, the per-layer inputs' width (`per_layer_width`: where the file has
+    none; None: it must) and their table's rows."""
     sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
     if len(sliding) != layers:
         raise JaxinferError(
             f"{file.path}: {file.architecture}'s sliding_window_pattern has {len(sliding)} flags, not {layers}"
         )
-    return sliding
+    width = int(key("embedding_length_per_layer_input", per_layer_width))
+    both = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(key("attention.sliding_window")),
+        "final_logit_softcapping": float(key("final_logit_softcapping", 0.0)) or None,
+        "num_kv_shared_layers": int(key("attention.shared_kv_layers", 0)),
+        "hidden_size_per_layer_input": width,
+    }
+    if width:
+        both["vocab_size_per_layer_input"] = int(tensor_named(file, "per_layer_token_embd.weight").shape[1])
+    return both
 
 
 def _phi3(file: GGUFFile, key, d: dict) -> dict:
