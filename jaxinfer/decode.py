@@ -181,12 +181,16 @@ def prefill(
     if cfg.recurrent:  # a row whose prompt is in keeps its state there (`DeltaState.keep`)
         cache = replace(cache, delta=cache.delta.keep(rows, final))
     if spec.model:  # the draft's cache: the chunk, and the token before each running row's last (as `decode_step`)
-        drafted = [replace(blocks[0], rope_len=None)]
+        # all but a prompt's last token: the draft lags the row by two (`model_drafts`), so the
+        # first step feeds it that one (a recurrent state would take it twice)
+        short = live & ~(final[:, None] & (jnp.arange(T)[None, :] == chunk_len[:, None] - 1))
+        drafted = [replace(blocks[0], rope_len=None, live=short)]
         if step_kv_len:
             drafted.append(model.Block(*_feed(state, 2, 1), step_kv_len))
-        state = replace(
-            state, draft_cache=model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1]
-        )
+        draft_cache = model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1]
+        if spec.model.recurrent:
+            draft_cache = replace(draft_cache, delta=draft_cache.delta.keep(rows, final))
+        state = replace(state, draft_cache=draft_cache)
     last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     # One pass over the LM head for the chunks' last tokens and the running rows'.
     logits = model.logits(params, jnp.concatenate([last] + [h[:, 0] for h in hidden[1:]]), cfg)  # [R (+ B), V]
@@ -248,6 +252,27 @@ def prefill(
         lp = lp and tuple(jnp.where(active.reshape(-1, *[1] * (x.ndim - 1)), s, x) for x, s in zip(lp, stepped_lp))
     lp = lp and tuple(x[:, None] for x in lp)
     return _append(state, token[:, None], (started | active)[:, None], lp, constrain)[0]
+
+
+@partial(jax.jit, static_argnames=("spec", "kv_len"), donate_argnames=("state",))
+def catch_up(
+    params: model.Params,
+    state: DecodeState,
+    rows: jax.Array,
+    start: jax.Array,
+    draft_params: model.Params,
+    *,
+    spec: Speculation,
+    kv_len: int,
+) -> DecodeState:
+    """Rows `rows` [R] that will be prefilled from `start` [R] > 0 (the first `start` tokens taken
+    from a cache: a chat's earlier turns, another row's): the draft model takes the token at
+    `start` - 1, which a held row's draft lacks (it lags the row by two, the target by one), so its
+    cache and state are the target's. A recurrent draft's state cannot skip it."""
+    del params  # the programs' shared signature (`Slots._program`)
+    at = (start - 1)[:, None]
+    block = model.Block(jnp.take_along_axis(state.tokens[rows], at, axis=1), at, kv_len, rows)
+    return replace(state, draft_cache=model.forward_blocks(draft_params, spec.model, [block], state.draft_cache)[1])
 
 
 def _steps(state: DecodeState, cfg: ModelConfig) -> jax.Array:
@@ -350,11 +375,12 @@ def model_drafts(
     row keeps drafts about as often as a greedy one. The cache holds all but the row's last two tokens
     (a verifying pass may keep every draft and add one), so the first step feeds both; each draft is
     then fed to make the next. What it writes past the row's kept tokens is overwritten when the row
-    gets there."""
+    gets there; a recurrent draft's state is taken back to them by `verify_step` (`DeltaState.settle`)."""
     cache, seen, tokens = state.draft_cache, state.seen, []
     feed, write_at = _feed(state, 2, 2)
     for k in range(spec.draft):
-        hidden, cache = model.forward(draft_params, spec.model, feed, write_at, cache, kv_len)
+        block = model.Block(feed, write_at, kv_len, drafting=spec.model.recurrent)
+        (hidden,), cache = model.forward_blocks(draft_params, spec.model, [block], cache)
         logits = model.logits(draft_params, hidden[:, -1], spec.model)
         tokens.append(_sample_at(state.seeds, seen, state.sampler, logits, state.length + k, spec.model)[0])
         seen = seen.at[jnp.arange(seen.shape[0]), tokens[-1]].set(True)
@@ -438,6 +464,8 @@ def verify_step(
     state, n = _append(state, target, active[:, None] & (j <= agree[:, None]), lp, constrain)
     if cfg.recurrent:  # the state over the row's last token and the drafts it kept (as many as it made)
         state = replace(state, cache=replace(state.cache, delta=state.cache.delta.settle(n)))
+    if spec.model and spec.model.recurrent:  # the draft's over as many, from the token before
+        state = replace(state, draft_cache=replace(state.draft_cache, delta=state.draft_cache.delta.settle(n)))
     kept = jnp.minimum(agree, n)
     paid = kept >= min(K, PAYING_DRAFTS)
     failed = (count > 0) & ~paid

@@ -134,6 +134,10 @@ class Block:
     # a verifying pass of drafted tokens: a recurrent mixer's state stays as it was, with what the
     # pass computed, until `delta_net.DeltaState.settle` moves each row's over the tokens it keeps
     settle: bool = False
+    # a draft model's drafting pass: its recurrent state moves, and what moved it is held after
+    # the earlier drafting passes' of the step, so that `settle` can take it back to the tokens the
+    # target keeps
+    drafting: bool = False
 
 
 def attention(

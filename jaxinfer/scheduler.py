@@ -300,7 +300,8 @@ class Scheduler:
         # whose K/V may be copied (not still prefilling), and the prompts still to be prefilled.
         # A hybrid's row holds its state after its tokens only (`buckets.reusable`'s `whole`): a
         # running row's is past its prompt, so only free rows are sources, of all they hold.
-        prefilling, whole = self.slots.prefilling, self.model.config.recurrent
+        draft = self.slots.speculation.model
+        prefilling, whole = self.slots.prefilling, self.model.config.recurrent or bool(draft and draft.recurrent)
         holders: dict[tuple, list] = defaultdict(list)
         mates: dict[tuple, list] = defaultdict(list)
         for i, slot in enumerate(self.rows):
@@ -432,7 +433,7 @@ class Scheduler:
                 elif on_result is not None:
                     on_result(self._record(slot, reason, now))
                 self.rows[i] = None
-                self._held[i] = tokens[i, : end - self.slots.speculation.uncached].copy()
+                self._held[i] = tokens[i, : end - 1].copy()  # the last one's K/V the next step writes
                 if end > len(request.prompt_ids):  # its prompt went in whole
                     self._kept[i] = np.asarray(request.prompt_ids, np.int32)
             elif request.on_tokens and new:

@@ -42,7 +42,7 @@ from jaxinfer.buckets import (
 )
 from jaxinfer.config import ModelConfig, longrope_switch
 from jaxinfer.constrain import Constraint, check_one_process
-from jaxinfer.decode import decode, prefill
+from jaxinfer.decode import catch_up, decode, prefill
 from jaxinfer.errors import JaxinferError
 from jaxinfer.matchers import HostCall, Matchers
 from jaxinfer.processes import agree
@@ -77,12 +77,6 @@ class Decoding:
             raise JaxinferError(f"prefill_chunk must be 0 (off) or at least {MIN_BUCKET}", "prefill_chunk")
         if (self.speculation.model is None) != (self.draft_params is None):
             raise ValueError("a draft model needs both its config (Speculation.model) and its parameters")
-        if self.speculation.model and self.speculation.model.recurrent:
-            # its drafting steps move its state past drafts the target may reject (the target's own
-            # is settled after each verifying pass: `DeltaState.settle`)
-            raise JaxinferError(
-                "draft_model: a draft model with Gated DeltaNet layers does not draft yet", "draft_model"
-            )
 
     @property
     def speculating(self) -> bool:
@@ -331,6 +325,14 @@ class Slots:
             if a.start and a.restore:
                 args = jax.device_put((np.array([a.row], np.int32),))
                 self._call(self._program(("restore",), report, restore_rows, *args, constrained=False), *args)
+            if a.start and self.speculation.model:  # the draft lags the cached prefix by a token
+                args = jax.device_put((np.array([a.row], np.int32), np.array([a.start], np.int32)))
+                args += (self.draft_params,)
+                kv_len = kv_bucket(a.start, self.max_context)
+                static = dict(spec=self.speculation, kv_len=kv_len)
+                self._call(
+                    self._program(("catch up", kv_len), report, catch_up, *args, constrained=False, **static), *args
+                )
         for a in admissions:
             self._admitted[a.row] = a
             for counter in vars(self._carried).values():

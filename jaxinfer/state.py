@@ -64,7 +64,8 @@ class DecodeState:
     backoff: jax.Array  # [B] int32: steps before the row drafts again (after drafts that all failed)
     patience: jax.Array  # [B] int32: the backoff its next failure sets: doubled per failure, 0 after a success
     draft_cache: KVCache | None = (
-        # the draft model's, where one drafts: K/V of all but a row's last two tokens at least
+        # the draft model's, where one drafts: K/V of all but a row's last two tokens (at least: of
+        # drafts it went on to make), a recurrent state after exactly those (`decode.model_drafts`)
         None
     )
     # where log-probabilities are recorded (a static choice: the programs differ by the state's shape)
@@ -89,12 +90,6 @@ class Speculation:
     ngram_max: int = 3
     ngram_min: int = 1
     model: ModelConfig | None = None
-
-    @property
-    def uncached(self) -> int:
-        """Tokens at a row's end whose K/V a cache may not hold yet: the last one, whose K/V the
-        next step writes; with a draft model, the two its cache may lag by (`model_drafts`)."""
-        return 2 if self.model else 1
 
 
 def initial_state(
@@ -196,10 +191,15 @@ def copy_rows(params: model.Params, state: DecodeState, src: jax.Array, dst: jax
 
 @partial(jax.jit, donate_argnames=("state",))
 def restore_rows(params: model.Params, state: DecodeState, rows: jax.Array) -> DecodeState:
-    """Rows `rows` [R] of a hybrid go back to the DeltaNet state they kept after their last prompt
-    (`DeltaState.keep`), so that `prefill` can go on from that prompt's end."""
+    """Rows `rows` [R] of a hybrid (target or draft) go back to the DeltaNet state they kept after
+    their last prompt (`DeltaState.keep`; a draft's one token short of it, `decode.catch_up`), so
+    that `prefill` can go on from that prompt's end."""
     del params  # the programs' shared signature (`Slots._program`)
-    return replace(state, cache=replace(state.cache, delta=state.cache.delta.restore(rows)))
+
+    def back(cache: KVCache | None) -> KVCache | None:
+        return cache if cache is None or cache.delta is None else replace(cache, delta=cache.delta.restore(rows))
+
+    return replace(state, cache=back(state.cache), draft_cache=back(state.draft_cache))
 
 
 @partial(jax.jit, donate_argnames=("state",))

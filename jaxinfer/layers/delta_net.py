@@ -94,16 +94,21 @@ class DeltaState:
         return replace(self, conv=put(self.conv, conv), recurrent=put(self.recurrent, recurrent))
 
     def hold(self, layer: int, layers: int, before: tuple, inputs: tuple) -> DeltaState:
-        """The state as it was, with layer `layer`'s state before a verifying pass and the pass's
-        inputs to its rule kept for `settle` (of `layers` DeltaNet layers)."""
+        """Itself with layer `layer`'s state before a pass and the pass's inputs to its rule kept
+        for `settle` (of `layers` DeltaNet layers); after passes already held (a draft model's
+        drafting steps), the state before the first and the inputs of all, in order."""
         pending = self.pending or (None,) * layers
+        if (earlier := pending[layer]) is not None:
+            before = earlier[:2]
+            inputs = tuple(jnp.concatenate(pair, axis=1) for pair in zip(earlier[2:], inputs))
         return replace(self, pending=pending[:layer] + ((*before, *inputs),) + pending[layer + 1 :])
 
     def settle(self, made: jax.Array) -> DeltaState:
         """After a verifying pass, each row's state moved over the first `made` [B] of the tokens
-        the pass fed (its last token and the drafts it kept; 0 for a row that took no part): the
-        rule again from the state before the pass, the tokens past them moving nothing. Recomputing
-        keeps one state a layer, where keeping the state after every drafted token would hold K + 1."""
+        the held passes fed (the target's: its last token and the drafts it kept; a draft model's:
+        the same, one token earlier; 0 for a row that took no part): the rule again from the state
+        before them, the tokens past them moving nothing. Recomputing keeps one state a layer, where
+        keeping the state after every drafted token would hold K + 1."""
         conv, recurrent = list(self.conv), list(self.recurrent)
         for i, (before, memory, mixed, q, k, v, g, beta) in enumerate(self.pending):
             live = (jnp.arange(mixed.shape[1])[None, :] < made[:, None])[..., None]  # [B, T, 1]
@@ -291,9 +296,9 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
             out = out[:, None]
         else:
             out, memory = chunked(q, k, v, bg, bbeta, memory)
-        if state is not None and block.settle:  # a verifying pass: the state waits for `settle`
+        if state is not None and (block.settle or block.drafting):  # held for `settle`
             state = state.hold(at_layer, len(delta_layers(cfg)), (before, start), (mixed_in, q, k, v, bg, bbeta))
-        elif state is not None:
+        if state is not None and not block.settle:  # a verifying pass's state waits for `settle`
             state = state.write(at_layer, rows, kept, memory)
         outs.append(out.reshape(R * T, Hv, dv))
     out = gated_norm(jnp.concatenate(outs).astype(x.dtype), z, layer["gate_norm"], cfg.rms_norm_eps)
