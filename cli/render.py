@@ -316,7 +316,12 @@ def model_info(facts: dict) -> None:
             _bytes(facts["kv_bytes_per_token"]) + (f" ({facts['kv_dtype']})" if facts["kv_dtype"] else ""),
         ),
         *(
-            [("recurrent state per row", f"{_bytes(facts['state_bytes_per_row'])} (DeltaNet layers, twice; no growth)")]
+            [
+                (
+                    "recurrent state per row",
+                    f"{_bytes(facts['state_bytes_per_row'])} (DeltaNet layers, three copies; no growth)",
+                )
+            ]
             if facts["state_bytes_per_row"]
             else []
         ),

@@ -74,15 +74,20 @@ def check_memory(
 MIN_REUSE = MIN_BUCKET  # a shorter held prefix saves less than a second prefill program costs
 
 
+def common_prefix(prompt: list[int], tokens) -> int:
+    """How many leading tokens `prompt` shares with `tokens`: all but the prompt's last at most,
+    whose logits prefill must compute."""
+    n = min(len(prompt) - 1, len(tokens))
+    differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != np.asarray(tokens[:n], np.int32))
+    return int(differ[0]) if len(differ) else max(n, 0)
+
+
 def reusable(prompt: list[int], held: np.ndarray, whole: bool = False) -> int:
     """How many leading prompt tokens a row whose cache holds the K/V of the tokens `held` (from
-    position 0) can take instead of prefilling them: their common prefix (all but the prompt's last
-    token at most, whose logits prefill must compute), or 0 if that is under MIN_REUSE. `whole`: the
-    row's memory is only known after all of `held` (a recurrent layer's state, which cannot be cut
-    back to an earlier position): all of it, or nothing."""
-    n = min(len(prompt) - 1, len(held))
-    differ = np.flatnonzero(np.asarray(prompt[:n], np.int32) != held[:n])
-    common = int(differ[0]) if len(differ) else max(n, 0)
+    position 0) can take instead of prefilling them: their common prefix, or 0 if that is under
+    MIN_REUSE. `whole`: the row's memory is only known after all of `held` (a recurrent layer's
+    state, which cannot be cut back to an earlier position): all of it, or nothing."""
+    common = common_prefix(prompt, held)
     if whole and common < len(held):
         return 0
     return common if common >= MIN_REUSE else 0

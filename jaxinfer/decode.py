@@ -129,6 +129,7 @@ def prefill(
     start: jax.Array,
     chunk_len: jax.Array,
     final: jax.Array,
+    marked: jax.Array,
     prompt_len: jax.Array,
     limit: jax.Array,
     seeds: jax.Array,
@@ -156,6 +157,8 @@ def prefill(
     `start` is 0 for a fresh prompt, or the length of a prefix whose K/V the row already holds (a
     chat's earlier turns, or a long prompt's earlier chunks). A row whose chunk is not `final` [R]
     samples nothing and stays done, so decode passes it by; its next chunk starts at its `length`.
+    A hybrid's row keeps its state where its prompt is in, and where the chunk is `marked` [R]
+    (it ends at the row's mark: `DeltaState.keep`).
     `kv_len` (static) covers start + T, so attention reads no further. `prompt_len` [R]: the whole
     prompt's length, by which longrope picks its factors for every chunk of it. `fresh` (static):
     every `start` is 0, so the chunk attends only to itself (`model.flash`).
@@ -178,8 +181,8 @@ def prefill(
     if step_kv_len:
         blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))
     hidden, cache = model.forward_blocks(params, cfg, blocks, state.cache)
-    if cfg.recurrent:  # a row whose prompt is in keeps its state there (`DeltaState.keep`)
-        cache = replace(cache, delta=cache.delta.keep(rows, final))
+    if cfg.recurrent:
+        cache = replace(cache, delta=cache.delta.keep(rows, final, "prompt").keep(rows, marked, "mark"))
     if spec.model:  # the draft's cache: the chunk, and the token before each running row's last (as `decode_step`)
         # all but a prompt's last token: the draft lags the row by two (`model_drafts`), so the
         # first step feeds it that one (a recurrent state would take it twice)
@@ -188,8 +191,10 @@ def prefill(
         if step_kv_len:
             drafted.append(model.Block(*_feed(state, 2, 1), step_kv_len))
         draft_cache = model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1]
-        if spec.model.recurrent:
-            draft_cache = replace(draft_cache, delta=draft_cache.delta.keep(rows, final))
+        if spec.model.recurrent:  # a mark's chunk is never final: the draft has all of it
+            draft_cache = replace(
+                draft_cache, delta=draft_cache.delta.keep(rows, final, "prompt").keep(rows, marked, "mark")
+            )
         state = replace(state, draft_cache=draft_cache)
     last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     # One pass over the LM head for the chunks' last tokens and the running rows'.

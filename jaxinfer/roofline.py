@@ -159,9 +159,10 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
 
 
 def state_bytes_per_row(cfg: ModelConfig, storage: Storage) -> int:
-    """What a hybrid's row holds of its DeltaNet layers' state, whatever the context: twice (the
-    state now and the one kept after its last prompt, `DeltaState.kept`); 0 without such layers."""
-    return 2 * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
+    """What a hybrid's row holds of its DeltaNet layers' state, whatever the context: the state now
+    and each one it keeps (`delta_net.SNAPSHOTS`); 0 without such layers."""
+    copies = 1 + len(delta_net.SNAPSHOTS)
+    return copies * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
 
 
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:

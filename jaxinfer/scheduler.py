@@ -17,10 +17,19 @@ does within one conversation (`Slots.reusable`); where another row holds more of
 request's prompt, another free row's sequence), that row's K/V is copied over first. Requests that
 share a prompt's beginning and arrive together (n choices of one prompt, many clients' one system
 prompt) take one prefill between them: the second waits a step for the first's.
+
+A hybrid's recurrent state cannot be cut back, so its row is reused only where a state was kept:
+after all it holds, after its last prompt, or at its mark. A prompt that shares a longer beginning
+with another than it can take (a row's tokens, a prompt admitted with it or waiting: many clients'
+one system prompt) marks the place they part, and its row keeps its state there as its prefill
+passes it; prompts that the mark would serve wait a step for it, and every later one takes the
+prefix from that row, running or free. (vLLM keeps a hybrid's states on its block grid of 500-odd
+tokens, and with `--enable-mamba-shared-prefix-checkpoint` one at such a junction as well.)
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict, deque
@@ -30,7 +39,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from jaxinfer import embeddings
-from jaxinfer.buckets import MIN_REUSE, reusable
+from jaxinfer.buckets import MIN_REUSE, common_prefix, reusable
 from jaxinfer.constrain import Constraint
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import LoadedModel
@@ -126,6 +135,11 @@ class Inbox:
         with self._ready:
             self._queue.extendleft(reversed(requests))
 
+    def peek(self, most: int) -> list[list[int]]:
+        """The prompts of the next `most` requests waiting, left waiting."""
+        with self._ready:
+            return [request.prompt_ids for request in itertools.islice(self._queue, most)]
+
     def take(self) -> Request | None:
         """The next request not cancelled while it waited, or None if none is waiting; those
         cancelled go to `on_dropped`, where one is set (a server answers them)."""
@@ -156,6 +170,45 @@ class Inbox:
         """Until a request or texts wait, or the inbox is closed."""
         with self._ready:
             self._ready.wait_for(lambda: self._queue or self._embeddings or self.closed)
+
+
+def _mark_at(prompt: list[int], others: list) -> int:
+    """Where a hybrid's prompt is best marked among the other prompts known: the length it shares
+    with some of them that saves the most tokens over all (its length × how many share that much):
+    a system prompt all share, not the word after it that one shares too; 0 where none shares any."""
+    shared = np.array([common_prefix(prompt, other) for other in others] or [0])
+    return int(max(shared, key=lambda length: (length * (shared >= length).sum(), length)))
+
+
+class _Marks:
+    """A hybrid's marks as an admission round sees them (`Admission.mark`): per row the prompt
+    prefix whose state it keeps, and whether that state is there yet (not while a prefill has still
+    to pass it). Rows admitted in the round take theirs in the order they are admitted, as
+    `Slots.admit` copies rows in that order before it prefills any."""
+
+    def __init__(self, marked: list[np.ndarray], prefilling: np.ndarray):
+        self.tokens = list(marked)
+        self.ready = [len(tokens) > 0 and not p for tokens, p in zip(marked, prefilling)]
+
+    def source(self, prompt: list[int], start: int) -> tuple[int, int] | None:
+        """(row, tokens) of the mark that takes most of the prompt, where it takes more than `start`."""
+        found = max(((reusable(prompt, t, True), i) for i, t in enumerate(self.tokens) if self.ready[i]), default=None)
+        return (found[1], found[0]) if found and found[0] > start else None
+
+    def pending(self, prompt: list[int], start: int) -> bool:
+        """Whether a mark not there yet would take more of the prompt than `start`."""
+        return any(not self.ready[i] and reusable(prompt, t, True) > start for i, t in enumerate(self.tokens))
+
+    def admit(self, row: int, prompt: list[int], source: int | None, mark: int) -> None:
+        """Row `row` takes `prompt`, from `source`'s cache or its own, marking it at `mark` (0: none):
+        it keeps the mark it took (copied with the source's K/V) while the prompt extends it."""
+        taken = row if source is None else source
+        if mark:
+            self.tokens[row], self.ready[row] = np.asarray(prompt[:mark], np.int32), False
+        elif len(kept := self.tokens[taken]) and reusable(prompt, kept, True) == len(kept):
+            self.tokens[row], self.ready[row] = kept, self.ready[taken]
+        else:
+            self.tokens[row], self.ready[row] = np.zeros(0, np.int32), False
 
 
 class _Listed(Inbox):
@@ -211,17 +264,20 @@ class Scheduler:
         self.stats = BatchStats()
         self.pace(interval_s, max_steps)
         self._started = time.perf_counter()  # a request's arrival where it gives none
-        self._free_rows()  # the Slots start empty
+        self.forget()  # the Slots start empty
 
     def reset(self) -> None:
         """An empty cache, every row free: nothing of earlier requests is reused."""
         self.slots.reset()
-        self._free_rows()
+        self.forget()
 
-    def _free_rows(self) -> None:
+    def forget(self) -> None:
+        """Every row free and taken to hold nothing: no later request reuses what they held (the
+        cache stays as it is; benchmarks' cold arrivals)."""
         self.rows: list[_Slot | None] = [None] * self.batch_size
         self._held = [np.zeros(0, np.int32)] * self.batch_size  # per row: the tokens whose K/V it holds, from 0
         self._kept = [np.zeros(0, np.int32)] * self.batch_size  # per row: the prompt whose end state it kept
+        self._marked = [np.zeros(0, np.int32)] * self.batch_size  # per row: the prefix it kept the state after
 
     def pace(self, interval_s: float | None, max_steps: int = CHUNK_STEPS) -> None:
         """Dispatches from now on: as many decode steps as fit in about `interval_s` (the first one
@@ -298,8 +354,9 @@ class Scheduler:
             return
         # Rows by their first MIN_REUSE tokens (a prefix shorter than that is not reused): those
         # whose K/V may be copied (not still prefilling), and the prompts still to be prefilled.
-        # A hybrid's row holds its state after its tokens only (`buckets.reusable`'s `whole`): a
-        # running row's is past its prompt, so only free rows are sources, of all they hold.
+        # A hybrid's row knows its state only where it kept it (`buckets.reusable`'s `whole`): a
+        # free row's after all it holds, after its last prompt and at its mark; a running row's at
+        # its mark (`delta_net.SNAPSHOTS`).
         draft = self.slots.speculation.model
         prefilling, whole = self.slots.prefilling, self.model.config.recurrent or bool(draft and draft.recurrent)
         holders: dict[tuple, list] = defaultdict(list)
@@ -309,7 +366,9 @@ class Scheduler:
                 continue
             tokens = self._held[i] if slot is None else slot.request.prompt_ids
             (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
-        admitted: list[tuple[int, int, int | None, bool, Request]] = []  # row, start, source, restore, request
+        marks = _Marks(self._marked, prefilling) if whole else None
+        known = [self._held[i] if slot is None else slot.request.prompt_ids for i, slot in enumerate(self.rows)]
+        admitted: list[tuple] = []  # row, start, source, restore, mark, request
         waiting: list[Request] = []
         while free and (request := inbox.take()) is not None:
             prompt = request.prompt_ids
@@ -321,25 +380,38 @@ class Scheduler:
                     f"context of {self.max_context}"
                 )
             held = [reusable(prompt, self._held[i], whole) for i in free]
-            # a hybrid's row also kept its state after its last prompt (`DeltaState.keep`)
-            kept = [reusable(prompt, self._kept[i], True) if whole else 0 for i in free]
-            reach = [max(pair) for pair in zip(held, kept)]
+            snapshots = {"prompt": self._kept, "mark": marks.tokens} if marks else {}
+            kept = {name: [reusable(prompt, rows[i], True) for i in free] for name, rows in snapshots.items()}
+            reach = [max([held[k], *(kept[name][k] for name in kept)]) for k in range(len(free))]
             # the row holding most of the prompt; among equals, the one holding least (kept for its own)
             best = max(range(len(free)), key=lambda k: (reach[k], -len(self._held[free[k]])))
-            start, source, restore = reach[best], None, kept[best] > held[best]
+            start, source = reach[best], None
+            restore = next((name for name in kept if kept[name][best] == start > held[best]), None)
             key = tuple(prompt[:MIN_REUSE])
             for i, tokens in holders.get(key, ()):
                 if (shared := reusable(prompt, tokens, whole)) > start:
-                    start, source, restore = shared, i, False
-            if wait_for_mates and not whole and any(reusable(prompt, m) > start for _, m in mates.get(key, ())):
+                    start, source, restore = shared, i, None
+            if marks and (found := marks.source(prompt, start)):
+                source, start, restore = *found, "mark"
+            later = marks.pending(prompt, start) if marks else any(reusable(prompt, m) > start for _, m in mates[key])
+            if wait_for_mates and later:
                 waiting.append(request)
                 continue
+            # A hybrid's prompt that shares more with another than it can take (a row's, or one
+            # admitted or waiting: many clients' one system prompt) keeps its state where they part
+            mark = 0
+            if marks:
+                shared = _mark_at(prompt, known + [r.prompt_ids for r in waiting] + inbox.peek(self.batch_size))
+                mark = shared if shared - start >= MIN_REUSE else 0
             row = free.pop(best)
-            admitted.append((row, start, source, restore, request))
+            admitted.append((row, start, source, restore, mark, request))
             mates[key].append((None, np.asarray(prompt, np.int32)))
+            known.append(prompt)
             # not a source for later requests: a copy into it (this one's) runs before theirs out of it
             held_by_row = holders[tuple(self._held[row][:MIN_REUSE])]
             held_by_row[:] = [(i, tokens) for i, tokens in held_by_row if i != row]
+            if marks:
+                marks.admit(row, prompt, source, mark)
         inbox.put_back(waiting)
         if not admitted:
             return
@@ -352,6 +424,8 @@ class Scheduler:
         if any(r.min_tokens or r.thinking for *_, r in admitted):
             self.slots.guard(next((r.thinking for *_, r in admitted if r.thinking), None))
         timings: list[Timings] = []  # known before the prefill runs: an interrupted one (chat's Ctrl-C) says them too
+        if marks:
+            self._marked = marks.tokens
         for i, start, *_, request in admitted:
             self._held[i] = np.asarray(request.prompt_ids[:start], np.int32)  # prefill overwrites what follows
             self._kept[i] = np.zeros(0, np.int32)  # until this prompt is in
@@ -375,8 +449,9 @@ class Scheduler:
                     thinking=r.thinking,
                     source=source,
                     restore=restore,
+                    mark=mark,
                 )
-                for i, start, source, restore, r in admitted
+                for i, start, source, restore, mark, r in admitted
             ],
             report,
         )
@@ -436,6 +511,8 @@ class Scheduler:
                 self._held[i] = tokens[i, : end - 1].copy()  # the last one's K/V the next step writes
                 if end > len(request.prompt_ids):  # its prompt went in whole
                     self._kept[i] = np.asarray(request.prompt_ids, np.int32)
+                if end < len(self._marked[i]):  # cancelled before its prefill reached its mark
+                    self._marked[i] = np.zeros(0, np.int32)
             elif request.on_tokens and new:
                 request.on_tokens(new, logprobs, None)
         if (stopped := finished & ~done).any():

@@ -102,9 +102,11 @@ class Admission:
     min_tokens: int = 0  # no EOS id before this many tokens (the Slots `guard`)
     thinking: Thinking | None = None  # a thinking block's budget (the Slots `guard`)
     source: int | None = None  # the row holding the first `start` tokens' K/V, where not this one
-    # a hybrid's row takes the DeltaNet state it kept after its last prompt (the first `start`
-    # tokens), not the one after all it holds (`DeltaState.keep`)
-    restore: bool = False
+    # a hybrid's row takes the DeltaNet state it (or `source`) kept after the first `start` tokens
+    # (`delta_net.SNAPSHOTS`: "prompt", the end of its last prompt; "mark", its mark), not the one
+    # after all it holds
+    restore: str | None = None
+    mark: int = 0  # a hybrid's: keep the state after this many prompt tokens too (0: none)
 
     @property
     def penalized(self) -> bool:
@@ -323,9 +325,12 @@ class Slots:
                 args = jax.device_put((np.array([a.source], np.int32), np.array([a.row], np.int32)))
                 self._call(self._program(("copy",), report, copy_rows, *args, constrained=False), *args)
             if a.start and a.restore:
-                args = jax.device_put((np.array([a.row], np.int32),))
-                self._call(self._program(("restore",), report, restore_rows, *args, constrained=False), *args)
-            if a.start and self.speculation.model:  # the draft lags the cached prefix by a token
+                args, static = jax.device_put((np.array([a.row], np.int32),)), dict(snapshot=a.restore)
+                program = self._program(
+                    ("restore", a.restore), report, restore_rows, *args, constrained=False, **static
+                )
+                self._call(program, *args)
+            if a.start and self.speculation.model and a.restore != "mark":  # the draft lags the prefix by a token
                 args = jax.device_put((np.array([a.row], np.int32), np.array([a.start], np.int32)))
                 args += (self.draft_params,)
                 kv_len = kv_bucket(a.start, self.max_context)
@@ -364,9 +369,10 @@ class Slots:
         self, group: list[tuple[Admission, int]], most: int, report: CompileReport, step_kv_len: int = 0
     ) -> None:
         """Prefill up to `most` prompt tokens of each row of the group, from where it stands."""
-        bucket = prompt_bucket(most, self.max_context)
         starts = [start for _, start in group]
-        ends = [min(len(a.prompt), start + most) for a, start in group]
+        # a chunk ends at the row's mark, where the state is kept (`DeltaState.keep`)
+        ends = [min(len(a.prompt), start + most, a.mark if a.mark > start else len(a.prompt)) for a, start in group]
+        bucket = prompt_bucket(max(end - start for end, start in zip(ends, starts)), self.max_context)
         # A fresh prompt attends over its own bucket; a continuation over the kv bucket that holds it.
         kv_len = kv_bucket(max(starts) + bucket, self.max_context) if any(starts) else bucket
         limits = [len(a.prompt) + a.max_tokens for a, _ in group]
@@ -385,6 +391,7 @@ class Slots:
             None if self.matchers is None else self.matchers.masks[[a.row for a in admissions]],
             self._bias(admissions) if self.penalizing else None,
             None if self.markers is None else Guards.rows([_guards(a) for a in admissions]),
+            [a.mark for a in admissions],
         )
         args += (self.draft_params,)
         fresh = not any(starts)

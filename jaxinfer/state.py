@@ -152,9 +152,11 @@ def admission(
     allowed: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     guards: tuple[np.ndarray, ...] | None = None,
+    marks: list[int] | None = None,
 ) -> tuple:
     """`prefill`'s arguments after the state: each row's prompt tokens `start:end`, padded to
-    `bucket`; the chunk is final where `end` is the prompt's end; where rows are constrained, their
+    `bucket`; the chunk is final where `end` is the prompt's end, and ends at the row's mark where
+    `end` is its mark (`marks`: a hybrid's, 0 for none); where rows are constrained, their
     first token's masks `allowed` [R, W]; where the state is penalized, their logit bias [R, V];
     where it is guarded, their (floor, budget, left) [R] each (`Guards.rows`).
     Host values go over with one device_put (jnp.asarray would compile a conversion program per call)."""
@@ -163,7 +165,9 @@ def admission(
         chunk[i, : end - start] = prompt[start:end]
     lengths = [end - start for start, end in zip(starts, ends)]
     final = [end == len(prompt) for prompt, end in zip(prompts, ends)]
-    host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths)) + (np.asarray(final, bool),)
+    marked = [end == mark for mark, end in zip(marks or [0] * len(rows), ends)]
+    host = tuple(np.asarray(x, np.int32) for x in (rows, chunk, starts, lengths))
+    host += (np.asarray(final, bool), np.asarray(marked, bool))
     host += (np.asarray([len(prompt) for prompt in prompts], np.int32),)  # picks longrope's factors
     seeds = np.asarray([seed % 2**32 for seed in seeds], np.uint32).view(np.int32)  # any integer: its low 32 bits
     host += (np.asarray(limits, np.int32), seeds, np.asarray(ignore_eos, bool), np.asarray(speculate, bool))
@@ -189,15 +193,17 @@ def copy_rows(params: model.Params, state: DecodeState, src: jax.Array, dst: jax
     )
 
 
-@partial(jax.jit, donate_argnames=("state",))
-def restore_rows(params: model.Params, state: DecodeState, rows: jax.Array) -> DecodeState:
-    """Rows `rows` [R] of a hybrid (target or draft) go back to the DeltaNet state they kept after
-    their last prompt (`DeltaState.keep`; a draft's one token short of it, `decode.catch_up`), so
-    that `prefill` can go on from that prompt's end."""
+@partial(jax.jit, static_argnames=("snapshot",), donate_argnames=("state",))
+def restore_rows(params: model.Params, state: DecodeState, rows: jax.Array, *, snapshot: str) -> DecodeState:
+    """Rows `rows` [R] of a hybrid (target or draft) go back to the DeltaNet state they kept as
+    `snapshot` (`delta_net.SNAPSHOTS`: after their last prompt, a draft's one token short of it,
+    `decode.catch_up`; at their mark), so that `prefill` can go on from there."""
     del params  # the programs' shared signature (`Slots._program`)
 
     def back(cache: KVCache | None) -> KVCache | None:
-        return cache if cache is None or cache.delta is None else replace(cache, delta=cache.delta.restore(rows))
+        if cache is None or cache.delta is None:
+            return cache
+        return replace(cache, delta=cache.delta.restore(rows, snapshot))
 
     return replace(state, cache=back(state.cache), draft_cache=back(state.draft_cache))
 

@@ -17,8 +17,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-
 from jaxinfer.kernel import isa
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
@@ -59,7 +57,7 @@ def main() -> None:
     scheduler = Scheduler(model, args.batch, 1 << (longest + args.tokens).bit_length())
 
     def run(name: str) -> tuple[float, float, int]:
-        scheduler._held = [np.zeros(0, np.int32)] * args.batch  # no row holds anything: arrivals are cold
+        scheduler.forget()  # no row holds anything: arrivals are cold
         before = scheduler.stats.cached_tokens
         records = []
         started = time.perf_counter()

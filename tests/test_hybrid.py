@@ -16,12 +16,13 @@ from reference import alone, greedy_reference, our_prompt_logits, reference
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from jaxinfer import forms
+from jaxinfer.buckets import common_prefix
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.layers import delta_net
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import Sampling
-from jaxinfer.scheduler import Request, Scheduler
+from jaxinfer.scheduler import Inbox, Request, Scheduler, _mark_at
 from jaxinfer.slots import Decoding
 from jaxinfer.state import Speculation
 
@@ -116,6 +117,55 @@ def test_a_prefix_is_reused_only_where_the_state_is_known(tiny):
     assert results[1]["cached_tokens"] == len(ids) + 7 and results[2]["cached_tokens"] == 0
     for request in again:
         assert results[request.id]["text"] == alone(model, request, 256).text
+
+
+def test_a_shared_system_prompt_is_taken_from_a_mark(tiny):
+    """A server's clients: one system prompt, each their own question. The second prompt shares
+    more with the first than the first's row kept a state for, so it marks where they part and its
+    row keeps its state there as the prefill passes it; the third takes that prefix from the
+    second's row while it runs (K/V copied, the state restored from the mark), the fourth from the
+    row the third left. Requests arriving together on cold rows: the first marks where it parts
+    from the others waiting, and they wait a step to take its mark. Every text as alone."""
+    model = dataclasses.replace(load_model(tiny("qwen3.5")), eos_ids=())
+    system = model.tokenizer.encode(PROMPT)
+    questions = [(" Rome?", 6), (" Berlin? And then", 40), (" Madrid?", 6), (" Lisbon?", 6)]
+    asked = [
+        Request(i, system + model.tokenizer.encode(q, add_special_tokens=False), Sampling(), n, i)
+        for i, (q, n) in enumerate(questions)
+    ]
+    shared = common_prefix(asked[1].prompt_ids, asked[0].prompt_ids)
+    scheduler, out, inbox = Scheduler(model, 2, 256, Decoding(prefill_chunk=16)), [], Inbox()
+    scheduler.run(asked[:1], out.append)
+    inbox.put(asked[1])
+    scheduler.turn(inbox, out.append)  # the second is admitted, prefilled and running
+    inbox.put(asked[2])
+    while len(out) < 3:
+        scheduler.turn(inbox, out.append)
+    scheduler.run(asked[3:], out.append)
+    # Arriving together on rows that hold nothing: the first marks where it parts from those
+    # waiting, which wait a step for its mark.
+    scheduler.forget()
+    together = [dataclasses.replace(r, id=r.id + 4) for r in asked[1:]]
+    scheduler.run(together, out.append)
+    records = {r["id"]: r for r in out}
+    cached = [records[r.id]["cached_tokens"] for r in asked + together]
+    again = common_prefix(together[1].prompt_ids, together[0].prompt_ids)
+    assert cached == [0, 0, shared, shared, 0, again, again] and min(shared, again) > len(system) - 2
+    for request in asked + together:
+        assert records[request.id]["text"] == alone(model, request, 256).text
+
+
+def test_a_mark_is_where_most_is_shared():
+    """Where a prompt is marked: the length it shares with others that saves most over all of them
+    (a system prompt all share, not the word one of them shares too; not a short common opening
+    where two share a long prompt)."""
+    system = list(range(100, 190))
+    ask, opening = system + [7, 8, 9], system[:20]
+    assert _mark_at(ask, [system + [7, 5], system + [4]]) == len(system)
+    assert _mark_at(ask, [system + [7, 8, 5], system + [7, 8, 6]]) == len(system) + 2
+    assert _mark_at(ask, [system + [4], opening + [5] * 20, opening + [6] * 20]) == len(system)
+    assert _mark_at(ask, [opening + [5] * 20, opening + [6] * 20]) == len(opening)
+    assert _mark_at(ask, []) == 0
 
 
 @pytest.mark.slow
@@ -224,9 +274,9 @@ def test_the_state_is_counted_once_a_step(tiny):
 
     cfg = load_model(tiny("qwen3.5")).config
     facts = json.loads(jaxinfer_here("info", "-m", tiny("qwen3.5"), "-c", "256", "--json").stdout)
-    # `info` says it beside the KV cache: held twice (the state after the last prompt kept too)
-    assert facts["state_bytes_per_row"] == 2 * delta_net.state_bytes(cfg, 4) == 2 * 9600
-    assert facts["total_bytes"] == facts["stored_weight_bytes"] + 256 * facts["kv_bytes_per_token"] + 2 * 9600
+    # `info` says it beside the KV cache: held three times (kept after the last prompt and at the mark too)
+    assert facts["state_bytes_per_row"] == 3 * delta_net.state_bytes(cfg, 4) == 3 * 9600
+    assert facts["total_bytes"] == facts["stored_weight_bytes"] + 256 * facts["kv_bytes_per_token"] + 3 * 9600
     storage = roofline.Storage(4)
     per_row = delta_net.state_bytes(cfg, 4)
     assert per_row == 3 * (3 * 96 * 4 + 4 * 16 * 8 * 4)  # 3 DeltaNet layers: conv [3, 2·2·16 + 4·8], state [4, 16, 8]

@@ -29,6 +29,11 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.layers.feed_forward import linear
 
 CHUNK = 64  # tokens per chunk of the chunked form (flash-linear-attention's and transformers')
+# What a row keeps of its state beside the state now (`DeltaState.keep`): after its last prompt (a
+# chat's next turn extends that prompt even where the reply, rendered again, is not the tokens
+# generated), and at its mark, a place inside the prompt that other prompts share (a server's
+# system prompt: `jaxinfer.scheduler`)
+SNAPSHOTS = ("prompt", "mark")
 HIGHEST = jax.lax.Precision.HIGHEST  # the state's products in full float32 on a GPU too
 
 
@@ -42,9 +47,7 @@ class DeltaState:
 
     conv: tuple  # per layer [B, K-1, C] compute dtype: the last K-1 inputs of the convolution
     recurrent: tuple  # per layer [B, Hv, dk, dv] float32: the memory matrix of each value head
-    # each row's conv and recurrent state (as above) after its last prompt (`keep`): a chat's next
-    # turn extends that prompt even where the reply, rendered again, is not the tokens generated
-    kept: tuple = ()
+    kept: tuple = ()  # per SNAPSHOTS entry, each row's (conv, recurrent) as above, kept there (`keep`)
     # within a verifying pass (`jaxinfer.decode.verify_step`), per layer what `settle` needs to move
     # each row's state over the tokens it keeps: the state before the pass and the pass's inputs of
     # the rule, (conv, recurrent, mixed [B, T, C], q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv])
@@ -60,23 +63,27 @@ class DeltaState:
         recurrent = (batch, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim)
         conv = tuple(jnp.zeros(conv, dtype) for _ in range(layers))
         recurrent = tuple(jnp.zeros(recurrent, jnp.float32) for _ in range(layers))
-        return cls(conv, recurrent, jax.tree.map(jnp.copy, (conv, recurrent)))
+        return cls(conv, recurrent, tuple(jax.tree.map(jnp.copy, (conv, recurrent)) for _ in SNAPSHOTS))
 
     def copy_rows(self, src: jax.Array, dst: jax.Array) -> DeltaState:
         move = lambda arrays: jax.tree.map(lambda a: a.at[dst].set(a[src]), arrays)  # noqa: E731
         return DeltaState(move(self.conv), move(self.recurrent), move(self.kept))
 
-    def keep(self, rows: jax.Array, done: jax.Array) -> DeltaState:
-        """Rows `rows` [R] whose prompt is `done` [R] (its last chunk prefilled) keep their state."""
+    def keep(self, rows: jax.Array, there: jax.Array, snapshot: str) -> DeltaState:
+        """Rows `rows` [R] that are `there` [R] (at their prompt's end, at their mark) keep their
+        state as that snapshot (`SNAPSHOTS`)."""
+        i = SNAPSHOTS.index(snapshot)
 
         def one(kept: jax.Array, now: jax.Array) -> jax.Array:
-            return kept.at[rows].set(jnp.where(done.reshape(-1, *[1] * (now.ndim - 1)), now[rows], kept[rows]))
+            return kept.at[rows].set(jnp.where(there.reshape(-1, *[1] * (now.ndim - 1)), now[rows], kept[rows]))
 
-        return replace(self, kept=jax.tree.map(one, self.kept, (self.conv, self.recurrent)))
+        kept = jax.tree.map(one, self.kept[i], (self.conv, self.recurrent))
+        return replace(self, kept=self.kept[:i] + (kept,) + self.kept[i + 1 :])
 
-    def restore(self, rows: jax.Array) -> DeltaState:
-        """Rows `rows` [R] go back to the state they kept after their last prompt."""
-        back = jax.tree.map(lambda a, k: a.at[rows].set(k[rows]), (self.conv, self.recurrent), self.kept)
+    def restore(self, rows: jax.Array, snapshot: str) -> DeltaState:
+        """Rows `rows` [R] go back to the state they kept as `snapshot`."""
+        kept = self.kept[SNAPSHOTS.index(snapshot)]
+        back = jax.tree.map(lambda a, k: a.at[rows].set(k[rows]), (self.conv, self.recurrent), kept)
         return replace(self, conv=back[0], recurrent=back[1])
 
     def read(self, layer: int, rows) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +136,7 @@ def conv_channels(cfg: ModelConfig) -> int:
 
 def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     """One row's state over all DeltaNet layers, in bytes: what a decode step reads and writes (a row
-    holds it twice: `DeltaState.kept`)."""
+    holds it once more for each of its SNAPSHOTS)."""
     per_layer = (cfg.delta_conv - 1) * conv_channels(cfg) * dtype_bytes
     per_layer += cfg.delta_value_heads * cfg.delta_key_dim * cfg.delta_value_dim * 4
     return len(delta_layers(cfg)) * per_layer
