@@ -191,7 +191,7 @@ class _Marks:
         self.ready = [len(tokens) > 0 and not p for tokens, p in zip(marked, prefilling)]
 
     def source(self, prompt: list[int], start: int) -> tuple[int, int] | None:
-        """(row, tokens) of the mark that takes most of the prompt, where it takes more than `start`."""
+        """(row, how many tokens) of the mark that takes most of the prompt, where it takes more than `start`."""
         found = max(((reusable(prompt, t, True), i) for i, t in enumerate(self.tokens) if self.ready[i]), default=None)
         return (found[1], found[0]) if found and found[0] > start else None
 
