@@ -5,14 +5,17 @@ transformers per architecture are test_parity's (its ARCHITECTURES include them)
 
 import dataclasses
 import json
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 import torch
 from cli_helpers import jaxinfer, jaxinfer_here
 from reference import alone, greedy_reference, our_prompt_logits, reference
+from test_server import WAIT_S, Served
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from jaxinfer import forms
@@ -153,6 +156,23 @@ def test_a_shared_system_prompt_is_taken_from_a_mark(tiny):
     assert cached == [0, 0, shared, shared, 0, again, again] and min(shared, again) > len(system) - 2
     for request in asked + together:
         assert records[request.id]["text"] == alone(model, request, 256).text
+
+
+@pytest.mark.slow
+def test_the_server_takes_a_shared_system_prompt_from_a_mark(tiny):
+    """Through `jaxinfer serve` (the scheduler behind HTTP): a question asked cold; two clients after
+    it with the same system prompt, the second taking it from the first's mark; the cold question
+    asked again takes it too, and answers as it did cold."""
+    served = Served("-m", tiny("qwen3.5"), "-b", "2", "-c", "256")
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", timeout=WAIT_S, max_retries=0)
+        ask = lambda q: client.completions.create(model="any", prompt=PROMPT + q, max_tokens=8, temperature=0)  # noqa: E731
+        answers = [ask(q) for q in ("Madrid?", "Rome?", "Berlin?", "Madrid?")]
+        cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+        assert cached[:2] == [0, 0] and cached[2] == cached[3] > 80
+        assert answers[3].choices[0].text == answers[0].choices[0].text
+    finally:
+        assert served.stop() == 128 + signal.SIGTERM and "Traceback" not in "".join(served.stderr)
 
 
 def test_a_mark_is_where_most_is_shared():
