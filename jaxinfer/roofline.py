@@ -23,7 +23,7 @@ from jaxinfer.config import ModelConfig, Weight, leaves_of, stored_methods
 from jaxinfer.families import weight_table
 from jaxinfer.layers import delta_net
 from jaxinfer.quant import METHODS
-from jaxinfer.sharding import held_axes, splits
+from jaxinfer.sharding import held_axes, kv_heads_split, splits
 from jaxinfer.weights import quantized_here
 
 
@@ -152,7 +152,7 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
 
     def layer(i: int) -> int:
         hd, heads = cfg.head_dim_of(i), cfg.kv_heads_of(i)
-        split = heads % devices == 0  # `sharding.cache_spec`
+        split = kv_heads_split(heads, devices)
         return 2 * (heads // devices if split else heads) * (hd + 4 if cfg.kv_dtype == "int8" else hd * itemsize)
 
     return sum(layer(i) for i in cfg.cached_layers)  # a layer sharing another's K/V holds none

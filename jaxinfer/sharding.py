@@ -141,10 +141,16 @@ def place(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(params, param_shardings(cfg, params, mesh))
 
 
+def kv_heads_split(heads: int, devices: int) -> bool:
+    """Whether a cache group of `heads` kv heads is split by heads over `devices` (where they divide:
+    Gemma 4's full layers can have fewer than its sliding ones); else whole on each device."""
+    return heads % devices == 0
+
+
 def cache_spec(array, devices: int) -> PartitionSpec:
     """K/V [L, B, S, KV, hd] of a group of layers and their scales [L, B, S, KV]: split by kv heads
-    where the group's divide (Gemma 4's full layers can have fewer than its sliding ones)."""
-    return PartitionSpec(None, None, None, AXIS) if array.shape[3] % devices == 0 else PartitionSpec()
+    where `kv_heads_split` says."""
+    return PartitionSpec(None, None, None, AXIS) if kv_heads_split(array.shape[3], devices) else PartitionSpec()
 
 
 def state_shardings(state, mesh: Mesh):
