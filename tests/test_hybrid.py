@@ -1,7 +1,9 @@
 """Hybrids of Gated DeltaNet and attention (Qwen3-Next, Qwen3.5): the delta rule against
-transformers' own two forms, the state carried through chunked prefill, chat turns, a batch and a
-mesh and speculation, and what a hybrid cannot do yet refused in one line. Logits and greedy text against
-transformers per architecture are test_parity's (its ARCHITECTURES include them)."""
+transformers' own two forms, the state carried through chunked prefill, chat turns, a batch, a
+mesh, speculation and draft models (a hybrid's and a dense one's), and kept where it can be reused
+(a turn's end, a prompt's, a mark where prompts share a system prompt, through the scheduler and the
+server). Logits and greedy text against transformers per architecture are test_parity's (its
+ARCHITECTURES include them)."""
 
 import dataclasses
 import json
