@@ -182,7 +182,7 @@ def prefill(
         blocks.append(model.Block(*_feed(state, 1, 1), step_kv_len))
     hidden, cache = model.forward_blocks(params, cfg, blocks, state.cache)
     if cfg.recurrent:
-        cache = replace(cache, delta=cache.delta.keep(rows, final, "prompt").keep(rows, marked, "mark"))
+        cache = replace(cache, delta=cache.delta.keep(rows, prompt=final, mark=marked))
     if spec.model:  # the draft's cache: the chunk, and the token before each running row's last (as `decode_step`)
         # all but a prompt's last token: the draft lags the row by two (`model_drafts`), so the
         # first step feeds it that one (a recurrent state would take it twice)
@@ -192,9 +192,7 @@ def prefill(
             drafted.append(model.Block(*_feed(state, 2, 1), step_kv_len))
         draft_cache = model.forward_blocks(draft_params, spec.model, drafted, state.draft_cache)[1]
         if spec.model.recurrent:  # a mark's chunk is never final: the draft has all of it
-            draft_cache = replace(
-                draft_cache, delta=draft_cache.delta.keep(rows, final, "prompt").keep(rows, marked, "mark")
-            )
+            draft_cache = replace(draft_cache, delta=draft_cache.delta.keep(rows, prompt=final, mark=marked))
         state = replace(state, draft_cache=draft_cache)
     last = jnp.take_along_axis(hidden[0], (chunk_len - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     # One pass over the LM head for the chunks' last tokens and the running rows'.

@@ -367,6 +367,7 @@ class Scheduler:
             tokens = self._held[i] if slot is None else slot.request.prompt_ids
             (mates if prefilling[i] else holders)[tuple(tokens[:MIN_REUSE])].append((i, np.asarray(tokens, np.int32)))
         marks = _Marks(self._marked, prefilling) if whole else None
+        snapshots = {"prompt": self._kept, "mark": marks.tokens} if marks else {}  # a free row's, by name
         known = [self._held[i] if slot is None else slot.request.prompt_ids for i, slot in enumerate(self.rows)]
         admitted: list[tuple] = []  # row, start, source, restore, mark, request
         waiting: list[Request] = []
@@ -380,7 +381,6 @@ class Scheduler:
                     f"context of {self.max_context}"
                 )
             held = [reusable(prompt, self._held[i], whole) for i in free]
-            snapshots = {"prompt": self._kept, "mark": marks.tokens} if marks else {}
             kept = {name: [reusable(prompt, rows[i], True) for i in free] for name, rows in snapshots.items()}
             reach = [max([held[k], *(kept[name][k] for name in kept)]) for k in range(len(free))]
             # the row holding most of the prompt; among equals, the one holding least (kept for its own)

@@ -69,16 +69,21 @@ class DeltaState:
         move = lambda arrays: jax.tree.map(lambda a: a.at[dst].set(a[src]), arrays)  # noqa: E731
         return DeltaState(move(self.conv), move(self.recurrent), move(self.kept))
 
-    def keep(self, rows: jax.Array, there: jax.Array, snapshot: str) -> DeltaState:
-        """Rows `rows` [R] that are `there` [R] (at their prompt's end, at their mark) keep their
-        state as that snapshot (`SNAPSHOTS`)."""
-        i = SNAPSHOTS.index(snapshot)
+    def keep(self, rows: jax.Array, **there: jax.Array) -> DeltaState:
+        """Rows `rows` [R] keep their state as each snapshot (`SNAPSHOTS`) where they are `there`
+        [R] (`prompt=`: at their prompt's end; `mark=`: at their mark)."""
 
-        def one(kept: jax.Array, now: jax.Array) -> jax.Array:
-            return kept.at[rows].set(jnp.where(there.reshape(-1, *[1] * (now.ndim - 1)), now[rows], kept[rows]))
+        def one(at: jax.Array, kept: jax.Array, now: jax.Array) -> jax.Array:
+            return kept.at[rows].set(jnp.where(at.reshape(-1, *[1] * (now.ndim - 1)), now[rows], kept[rows]))
 
-        kept = jax.tree.map(one, self.kept[i], (self.conv, self.recurrent))
-        return replace(self, kept=self.kept[:i] + (kept,) + self.kept[i + 1 :])
+        if unknown := set(there) - set(SNAPSHOTS):
+            raise ValueError(f"no snapshot {unknown}: {SNAPSHOTS}")
+        now = (self.conv, self.recurrent)
+        kept = tuple(
+            jax.tree.map(partial(one, there[name]), k, now) if name in there else k
+            for name, k in zip(SNAPSHOTS, self.kept)
+        )
+        return replace(self, kept=kept)
 
     def restore(self, rows: jax.Array, snapshot: str) -> DeltaState:
         """Rows `rows` [R] go back to the state they kept as `snapshot`."""
