@@ -62,7 +62,7 @@ def check_memory(
     holders = len(mesh.local_devices) if mesh and check_backend() == "cpu" else 1
     kv = kv_bytes_per_token(cfg, storage, devices) + (kv_bytes_per_token(*draft, devices) if draft else 0)
     per_position = batch * (kv + 4) * holders  # K and V, the tokens
-    state = state_bytes_per_row(cfg, storage) + (state_bytes_per_row(*draft) if draft else 0)
+    state = state_bytes_per_row(cfg, storage, devices) + (state_bytes_per_row(*draft, devices) if draft else 0)
     free = device_memory_bytes(free=True) - batch * holders * state
     if per_position * max_context > free:
         raise JaxinferError(

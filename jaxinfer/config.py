@@ -200,6 +200,9 @@ class Weight(NamedTuple):
     # exponents [..., out, in/32]), which together make one leaf (`weights.mxfp4_leaf`); `axes`
     # are then the leaf's.
     stored: str = ""
+    # The leaf's rows (the tensor's first axis) by their index in the tensor, where they differ (a
+    # DeltaNet's channels grouped by key head: `jaxinfer.layers.delta_net.channel_order`)
+    order: tuple[int, ...] | None = None
 
     @property
     def leaf(self) -> Weight:
@@ -228,6 +231,8 @@ class Weight(NamedTuple):
             out = -2 if "in_out" in self.stored else -1
             moved = np.moveaxis(array, out, 0)
             array = np.moveaxis(np.concatenate([moved[0::2], moved[1::2]]), 0, out)
+        if self.order is not None:
+            array = array[np.asarray(self.order)]
         return np.ascontiguousarray(array)
 
 

@@ -13,6 +13,8 @@ from jaxinfer.embeddings import module_folders
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import load_model
 from jaxinfer.modeldir import (
+    LAYOUT,
+    LAYOUT_KEY,
     METHODS_KEY,
     ORBAX_DIR,
     QUANTIZED_KEY,
@@ -59,5 +61,6 @@ def convert(
         shutil.copytree(source / folder, destination / folder)
     config_json.pop("torch_dtype", None)
     quantized = {QUANTIZED_KEY: model.quantize} if model.quantize else {}
-    (destination / "config.json").write_text(json.dumps({**config_json, "dtype": stored, **quantized}, indent=2))
+    written = {**config_json, "dtype": stored, **quantized, LAYOUT_KEY: LAYOUT}
+    (destination / "config.json").write_text(json.dumps(written, indent=2))
     return destination

@@ -194,13 +194,20 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def tensor_values(
-    file: GGUFFile, name: str, shape: tuple[int, ...], heads: int | None = None, expert: int | None = None, held=True
+    file: GGUFFile,
+    name: str,
+    shape: tuple[int, ...],
+    heads: int | None = None,
+    expert: int | None = None,
+    held=True,
+    order: tuple[int, ...] | None = None,
 ):
     """One tensor as (kind, value): ("float", array), or (method, arrays) for the blocks a method holds
     as they are: `quant.pack`'s (codes [n, k/32, 32], scales [n, k/32]), or `quant.pack_k`'s
     (`_scale_and_min`); of a stack of experts [E, out, in] (method, [each expert's arrays]). `heads`:
     undo the q/k permutation over that many heads; `expert`: that expert's matrix of the stack;
-    `held` False: floats whatever the type (a leaf no kernel multiplies: a router)."""
+    `held` False: floats whatever the type (a leaf no kernel multiplies: a router); `order`: its rows
+    in this order (`config.Weight.order`)."""
     import gguf
 
     tensor = tensor_named(file, name)
@@ -219,6 +226,8 @@ def tensor_values(
     raw = tensor.data
     if heads:
         raw = _unpermute(raw, heads)
+    if order is not None:
+        raw = raw[np.asarray(order)]
     how = held_method(kind, shape, held)
     if how:
         from jaxinfer.quant import METHODS

@@ -22,7 +22,7 @@ from jaxinfer.embeddings import Pooler
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_config import POOLING_KEY
 from jaxinfer.kvcache import check_kv_dtype
-from jaxinfer.modeldir import METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
+from jaxinfer.modeldir import LAYOUT_KEY, METHODS_KEY, ORBAX_DIR, QUANTIZED_KEY, is_converted, load_config, read_json
 from jaxinfer.quant import METHODS, check_method
 from jaxinfer.replies import think_markers
 from jaxinfer.sampling import Sampling
@@ -251,6 +251,11 @@ def _read(model_dir, cfg, config_json, gguf, chosen, asked, quantize, mesh, prog
     if gguf:  # its quantized blocks as they are; its float matrices quantized only if asked
         return weights.read_gguf(cfg, gguf, weights.dtype_from_name(chosen), progress, asked, mesh)
     if is_converted(model_dir):
+        if cfg.delta_heads and config_json.get(LAYOUT_KEY, 1) < 2:
+            raise JaxinferError(
+                f"{model_dir}: converted by an earlier jaxinfer, which laid out the DeltaNet layers otherwise; "
+                "convert the original again"
+            )
         methods = config_json.get(METHODS_KEY)
         abstract = weights.abstract_params(cfg, weights.dtype_from_name(chosen), quantize, mesh, methods)
         return restore_params(model_dir / ORBAX_DIR, abstract)

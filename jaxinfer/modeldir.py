@@ -21,6 +21,9 @@ ORBAX_DIR = "params"  # a converted model keeps its orbax checkpoint here, besid
 QUANTIZED_KEY = "jaxinfer_quantize"
 # config.json of a converted GGUF file: each quantized matrix's method by its path (`forms.methods_of`)
 METHODS_KEY = "jaxinfer_methods"
+# config.json of a converted model: the layout of the tree it holds. 2: a DeltaNet's channels grouped
+# by key head (`jaxinfer.layers.delta_net.channel_order`); before, none written and the checkpoint's order.
+LAYOUT_KEY, LAYOUT = "jaxinfer_layout", 2
 # Everything a run needs besides the weights.
 SIDE_FILES = (
     "config.json",

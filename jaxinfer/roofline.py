@@ -23,7 +23,7 @@ from jaxinfer.config import ModelConfig, Weight, leaves_of, stored_methods
 from jaxinfer.families import weight_table
 from jaxinfer.layers import delta_net
 from jaxinfer.quant import METHODS
-from jaxinfer.sharding import held_axes, kv_heads_split, splits
+from jaxinfer.sharding import delta_split, held_axes, kv_heads_split, splits
 from jaxinfer.weights import quantized_here
 
 
@@ -158,11 +158,13 @@ def kv_bytes_per_token(cfg: ModelConfig, storage: Storage, devices: int = 1) -> 
     return sum(layer(i) for i in cfg.cached_layers)  # a layer sharing another's K/V holds none
 
 
-def state_bytes_per_row(cfg: ModelConfig, storage: Storage) -> int:
+def state_bytes_per_row(cfg: ModelConfig, storage: Storage, devices: int = 1) -> int:
     """What a hybrid's row holds of its DeltaNet layers' state, whatever the context: the state now
-    and each one it keeps (`delta_net.SNAPSHOTS`); 0 without such layers."""
+    and each one it keeps (`delta_net.SNAPSHOTS`); 0 without such layers. Over a mesh of `devices`,
+    what each device holds (split by key heads where `delta_split` says)."""
     copies = 1 + len(delta_net.SNAPSHOTS)
-    return copies * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
+    held = copies * delta_net.state_bytes(cfg, storage.cache_itemsize or storage.itemsize)
+    return held // devices if delta_split(cfg, devices) else held
 
 
 def _attention_flops(cfg: ModelConfig, queries: int, keys: int) -> float:
@@ -275,7 +277,7 @@ def model_facts(
     weights = weight_bytes(cfg, storage)
     kv_token = kv_bytes_per_token(cfg, storage)
     weights_each, kv_each = weight_bytes(cfg, storage, devices), kv_bytes_per_token(cfg, storage, devices)
-    state_row = state_bytes_per_row(cfg, storage)
+    state_row, state_each = state_bytes_per_row(cfg, storage), state_bytes_per_row(cfg, storage, devices)
     holders = devices if shared_memory else 1  # the devices whose shards count against memory_bytes
     roofs = (ceilings.peak_flops, ceilings.peak_bandwidth)
     ttft = predicted_seconds(prefill_cost(cfg, storage, prompt_tokens, batch=batch), *roofs)
@@ -302,7 +304,7 @@ def model_facts(
         "kv_bytes_per_token_per_device": kv_each,
         "device_memory_bytes": memory_bytes,
         "longest_context_that_fits": max(
-            0, (memory_bytes - holders * (weights_each + state_row * batch)) // (holders * kv_each * batch)
+            0, (memory_bytes - holders * (weights_each + state_each * batch)) // (holders * kv_each * batch)
         ),
         "max_position_embeddings": cfg.max_position_embeddings,
         "peak_flops": ceilings.peak_flops,

@@ -3,7 +3,8 @@
 Each weight's dimensions have logical names in the weight table (`config.Weight.axes`); here the
 names whose size divides the mesh map onto its axis, the others stay whole on every device. That is
 Megatron's split: q/k/v and gate/up by their outputs (heads, the MLP's hidden units), o and down by
-their inputs, the embedding and the head by the vocabulary, and the KV cache by kv heads. XLA's SPMD
+their inputs, the embedding and the head by the vocabulary, and the KV cache by kv heads; a mixture's
+experts by expert, a Gated DeltaNet's rows and recurrent state by key heads. XLA's SPMD
 partitioner then runs each program on every device over its shards and adds the sums across devices
 (after o and down, for the head's logits). Decode reads 1/N of the weights and of the cache per
 device per step: N devices' bandwidth serves one token stream.
@@ -93,6 +94,7 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
         "kv_heads": cfg.num_kv_heads,
         "mlp": cfg.intermediate_size,
         "experts": cfg.num_experts,
+        "delta_heads": cfg.delta_heads,  # a DeltaNet's key heads, each with the value heads it serves
     }
     return axis in counts and counts[axis] % devices == 0
 
@@ -153,19 +155,41 @@ def cache_spec(array, devices: int) -> PartitionSpec:
     return PartitionSpec(None, None, None, AXIS) if kv_heads_split(array.shape[3], devices) else PartitionSpec()
 
 
-def state_shardings(state, mesh: Mesh):
-    """The decode state's shardings (`state.DecodeState`, concrete or abstract): the caches' K/V
-    split by `cache_spec`, everything else (a hybrid's recurrent state; tokens, lengths, sampler
-    settings: a few bytes a row) whole."""
+def delta_split(cfg: ModelConfig, devices: int) -> bool:
+    """Whether a hybrid's DeltaNet layers, their weights' rows and their state, split over `devices`
+    (by key heads, as its convolution's weight does: `jaxinfer.families.hybrid`); else whole on each."""
+    conv = next((w for w in weight_table(cfg).values() if w.path[-1] == "conv"), None)
+    return conv is not None and splits(cfg, conv.axes[0], devices)
+
+
+def delta_specs(cfg: ModelConfig, devices: int) -> tuple[PartitionSpec, PartitionSpec]:
+    """A hybrid's DeltaNet state, the convolution's [B, K-1, C] and the rule's [B, Hv, dk, dv]: split
+    over its channels and heads where `delta_split` says, else whole."""
+    if not delta_split(cfg, devices):
+        return PartitionSpec(), PartitionSpec()
+    return PartitionSpec(None, None, AXIS), PartitionSpec(None, AXIS)
+
+
+def state_shardings(state, mesh: Mesh, cfg: ModelConfig, draft: ModelConfig | None = None):
+    """The decode state's shardings (`state.DecodeState`, concrete or abstract) for a model of `cfg`
+    (and its `draft`'s): the caches' K/V split by `cache_spec`, a hybrid's recurrent state by
+    `delta_specs`, everything else (tokens, lengths, sampler settings: a few bytes a row) whole."""
     whole = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
 
-    def cache(c):
+    def cache(c, cfg):
         split = jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a, mesh.size)), c.kv_only)
-        rest = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), (c.delta, c.experts_read))
-        return replace(split, delta=rest[0], experts_read=rest[1])
+        conv, recurrent = (NamedSharding(mesh, spec) for spec in delta_specs(cfg, mesh.size))
+        delta = c.delta and replace(
+            c.delta,
+            conv=tuple(conv for _ in c.delta.conv),
+            recurrent=tuple(recurrent for _ in c.delta.recurrent),
+            kept=tuple((tuple(conv for _ in k[0]), tuple(recurrent for _ in k[1])) for k in c.delta.kept),
+        )
+        read = None if c.experts_read is None else NamedSharding(mesh, PartitionSpec())
+        return replace(split, delta=delta, experts_read=read)
 
-    draft_cache = cache(state.draft_cache) if state.draft_cache is not None else None
-    return replace(whole, cache=cache(state.cache), draft_cache=draft_cache)
+    draft_cache = cache(state.draft_cache, draft) if state.draft_cache is not None else None
+    return replace(whole, cache=cache(state.cache, cfg), draft_cache=draft_cache)
 
 
 def bytes_per_device(params: dict) -> list[int]:

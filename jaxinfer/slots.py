@@ -202,7 +202,11 @@ class Slots:
             self.markers,
         )
         mesh = mesh_of(self.params)
-        self._placed = None if mesh is None else state_shardings(jax.eval_shape(self._empty), mesh)
+        self._placed = (
+            None
+            if mesh is None
+            else state_shardings(jax.eval_shape(self._empty), mesh, self.cfg, self.speculation.model)
+        )
 
     def record_logprobs(self) -> None:
         """From now on, record each new token's log-probabilities (`fetch_logprobs`) in every row:

@@ -147,7 +147,7 @@ def read_gguf(
         if isinstance(name, tuple):  # gpt-oss's gate and up: two tensors of the file, one leaf
             how, value = gguf_model.fused_values(file, name, shape, held)
         else:
-            how, value = gguf_model.tensor_values(file, name, shape, heads, held=held)
+            how, value = gguf_model.tensor_values(file, name, shape, heads, held=held, order=weight.order)
         # llama.cpp's converter stored Gemma's and Qwen3.5's 1 + weight (not a DeltaNet's gated norm's,
         # which scales by its weight itself)
         norm = len(weight.shape) == 1 and weight.path[-1].endswith("norm") and weight.path[-1] != "gate_norm"

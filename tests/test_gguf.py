@@ -65,8 +65,9 @@ def test_tokens_are_llama_cpp_s():
 
 @pytest.mark.parametrize("name", FILES)
 def test_every_tensor_is_the_files_own_values(name):
-    """The loaded tree's leaves (q/k rows put back in Hugging Face's order) hold exactly what the
-    gguf package's reference dequantizes from the file; Q8_0/Q4_0 stay in their blocks (q8_0/q4_0)."""
+    """The loaded tree's leaves (q/k rows put back in Hugging Face's order, a DeltaNet's in the
+    table's) hold exactly what the gguf package's reference dequantizes from the file; Q8_0/Q4_0
+    stay in their blocks (q8_0/q4_0)."""
     model = load_model(DATA / name, layout="out_in")
     file = gguf_model.open_gguf(DATA / name)
     table = weights.weight_table(model.config)
@@ -82,6 +83,8 @@ def test_every_tensor_is_the_files_own_values(name):
         values = values.reshape(weight.leaf.shape)
         if path[-1] in ("wq", "wk") and model.config.architecture in gguf_config.PERMUTED:
             values = gguf_model._unpermute(values, model.config.num_heads if path[-1] == "wq" else 2)
+        if weight.order is not None:  # a DeltaNet's rows grouped by key head
+            values = values[np.asarray(weight.order)]
         leaf = model.params
         for key in path:
             leaf = leaf[key]

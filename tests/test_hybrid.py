@@ -8,6 +8,9 @@ ARCHITECTURES include them)."""
 import dataclasses
 import json
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +18,19 @@ import numpy as np
 import openai
 import pytest
 import torch
-from cli_helpers import jaxinfer, jaxinfer_here
+from cli_helpers import assert_one_line_error, jaxinfer_here
 from reference import alone, greedy_reference, our_prompt_logits, reference
 from test_server import WAIT_S, Served
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from jaxinfer import forms
 from jaxinfer.buckets import common_prefix
+from jaxinfer.convert import convert
 from jaxinfer.engine import Engine
 from jaxinfer.generate import Generation
 from jaxinfer.layers import delta_net
 from jaxinfer.loading import load_model
+from jaxinfer.modeldir import LAYOUT_KEY
 from jaxinfer.sampling import Sampling
 from jaxinfer.scheduler import Inbox, Request, Scheduler, _mark_at
 from jaxinfer.slots import Decoding
@@ -281,12 +286,38 @@ def test_a_draft_model_for_a_hybrid_and_a_hybrid_drafting(tiny, drafter):
 
 @pytest.mark.slow
 def test_a_hybrid_over_devices_gives_one_devices_tokens(tiny):
-    """Attention split by heads over 2 CPU devices, the DeltaNet layers and their state whole on each:
-    the tokens one device gives."""
-    path = tiny("qwen3-next")
-    run = ("run", "-m", path, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "The capital of France")
-    tokens = [json.loads(jaxinfer(*run, "--devices", str(n)).stdout)["token_ids"] for n in (1, 2)]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+    """Over 2 CPU devices (in a process of their own: `tests/sharded.py`), attention split by heads and
+    the DeltaNet layers by key heads, their weights and state alike (Qwen3.5's projections reordered at
+    load to lie by key head): a batch that speculates gives one device's greedy text."""
+    path = str(tiny("qwen3.5"))
+    proc = subprocess.run(
+        [sys.executable, Path(__file__).with_name("sharded.py"), "--hybrid", path],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    one, two = json.loads(proc.stdout)[path].values()
+    assert two["text"] == one["text"] and one["text"]
+    # all but the gated norms' weights split in two
+    assert len(two["delta_bytes"]) == 2 and max(two["delta_bytes"]) < 0.51 * one["delta_bytes"][0]
+    assert two["state"] == ["P(None, None, 'tensor')", "P(None, 'tensor')"]
+    assert one["counted"] == one["held"] and two["counted"] == two["held"]  # info's and the memory check's sums
+
+
+def test_a_converted_hybrid_holds_its_rows_by_key_head(tiny, tmp_path):
+    """The orbax copy holds the DeltaNet's rows as the layer does (by key head, reordered once at
+    load): it gives the checkpoint's tokens. A copy converted before that layout (no layout key) is
+    refused in one line, not run with its channels in the wrong places."""
+    path = tiny("qwen3.5")
+    converted = convert(path, tmp_path / "converted")
+    request = Request(0, load_model(path).tokenizer.encode(PROMPT), Sampling(), 8, 0)
+    tokens = [alone(dataclasses.replace(load_model(p), eos_ids=()), request).token_ids for p in (path, converted)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+    config = json.loads((converted / "config.json").read_text())
+    del config[LAYOUT_KEY]
+    (converted / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(jaxinfer_here("run", "-m", converted, "hi"), "earlier jaxinfer", "convert the original again")
 
 
 def test_the_state_is_counted_once_a_step(tiny):

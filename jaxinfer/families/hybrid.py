@@ -16,6 +16,7 @@ from __future__ import annotations
 from jaxinfer.config import ModelConfig, Weight, common_fields, rotary_dim
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import llama, moe
+from jaxinfer.layers import delta_net
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 IGNORED = ("mtp.",)  # checkpoint tensors the model does not use, as transformers skips them
@@ -109,34 +110,36 @@ def config(d: dict, arch: str) -> ModelConfig:
 def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
     """Qwen's mixture table (Llama's names, q_proj with each head's gate, the experts' and shared
     expert's where a layer has them), and on each DeltaNet layer its own leaves
-    (`jaxinfer.layers.delta_net`). Those matrices are whole on every device of a mesh (axes None):
-    the recurrent state is not split over heads yet."""
+    (`jaxinfer.layers.delta_net`), their rows grouped by key head, which a mesh splits ("delta_heads");
+    a GGUF file's value heads tiled over the key heads stay whole (o's inputs keep the file's order)."""
     table = moe.weight_table(cfg) if cfg.num_experts else llama.weight_table(cfg)
     D = cfg.hidden_size
     Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
     keys, values = Hk * dk, Hv * dv
     next_layout = cfg.architecture == "Qwen3NextForCausalLM"  # b and a interleaved in in_proj_ba
+    heads = None if cfg.delta_tiled else "delta_heads"
+    channels, gates, scalars = delta_net.channel_order(cfg), delta_net.value_rows(cfg, dv), delta_net.value_rows(cfg)
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}"
         if cfg.mixer(i) != "delta":
             continue
 
-        def add(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-            table[f"{pre}.linear_attn.{hf_name}"] = Weight(("layers", i, name), shape, (None,) * len(shape))
+        def add(hf_name: str, name: str, shape: tuple[int, ...], axes: tuple, order=None) -> None:
+            table[f"{pre}.linear_attn.{hf_name}"] = Weight(("layers", i, name), shape, axes, order=order)
 
-        if cfg.delta_qkvz:
-            add("in_proj_qkvz.weight", "wqkvz", (2 * keys + 2 * values, D))
+        if cfg.delta_qkvz:  # already per key head
+            add("in_proj_qkvz.weight", "wqkvz", (2 * keys + 2 * values, D), (heads, None))
         else:
-            add("in_proj_qkv.weight", "wmix", (2 * keys + values, D))
-            add("in_proj_z.weight", "wz", (values, D))
+            add("in_proj_qkv.weight", "wmix", (2 * keys + values, D), (heads, None), channels)
+            add("in_proj_z.weight", "wz", (values, D), (heads, None), gates)
         if next_layout:
-            add("in_proj_ba.weight", "wba", (2 * Hv, D))
+            add("in_proj_ba.weight", "wba", (2 * Hv, D), (heads, None))
         else:
-            add("in_proj_b.weight", "wb", (Hv, D))
-            add("in_proj_a.weight", "wa", (Hv, D))
-        add("conv1d.weight", "conv", (2 * keys + values, 1, cfg.delta_conv))
-        add("A_log", "a_log", (Hv,))
-        add("dt_bias", "dt_bias", (Hv,))
-        add("norm.weight", "gate_norm", (dv,))
-        add("out_proj.weight", "wo", (D, values))
+            add("in_proj_b.weight", "wb", (Hv, D), (heads, None), scalars)
+            add("in_proj_a.weight", "wa", (Hv, D), (heads, None), scalars)
+        add("conv1d.weight", "conv", (2 * keys + values, 1, cfg.delta_conv), (heads, None, None), channels)
+        add("A_log", "a_log", (Hv,), (heads,), scalars)
+        add("dt_bias", "dt_bias", (Hv,), (heads,), scalars)
+        add("norm.weight", "gate_norm", (dv,), (None,))
+        add("out_proj.weight", "wo", (D, values), (None, heads))
     return table

@@ -12,9 +12,15 @@ products per chunk and one sequential step per chunk instead of per token.
 
 Leaves of a DeltaNet layer (`jaxinfer.families.hybrid`): the input projections, either Qwen3.5's
 "wmix" [2·Hk·dk + Hv·dv, D] (q, k, v: what the convolution mixes), "wz" [Hv·dv, D] (the output gate),
-"wb", "wa" [Hv, D], or Qwen3-Next's "wqkvz" and "wba" (the same rows, interleaved per key head;
-a GGUF file of it has "wmix", "wz" and "wba");
-"conv" [C, 1, K], "a_log" and "dt_bias" [Hv], "gate_norm" [dv] and "wo" [D, Hv·dv].
+"wb", "wa" [Hv, D], or Qwen3-Next's "wqkvz" and "wba" (per key head, its q, k, v and z rows; its b
+and a; a GGUF file of it has "wmix", "wz" and "wba"); "conv" [C, 1, K], "a_log" and "dt_bias" [Hv],
+"gate_norm" [dv] and "wo" [D, Hv·dv].
+
+The layer holds its channels grouped by key head: key head h's q, its k, then the v of the value
+heads it serves (`channel_order`), whatever order the checkpoint has (all q, all k, all v; a GGUF
+file's value heads tiled over the key heads, `value_order`). Over a mesh a split of those rows by key
+heads (`jaxinfer.sharding`) then gives each device whole heads: its convolution channels, its rule's
+state, its share of the output gate and of o's inputs, nothing crossing devices until o's sum.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.feed_forward import linear
@@ -139,6 +146,40 @@ def conv_channels(cfg: ModelConfig) -> int:
     return 2 * cfg.delta_heads * cfg.delta_key_dim + cfg.delta_value_heads * cfg.delta_value_dim
 
 
+def value_order(cfg: ModelConfig) -> np.ndarray:
+    """The layer's value heads (key head h's r = Hv/Hk: h·r … h·r + r − 1) as indices into the
+    checkpoint's: the same, or tiled over the key heads (`delta_tiled`, a GGUF file's: i·Hk + h)."""
+    Hk, r = cfg.delta_heads, cfg.delta_value_heads // cfg.delta_heads
+    h, i = np.divmod(np.arange(Hk * r), r)
+    return i * Hk + h if cfg.delta_tiled else h * r + i
+
+
+def value_rows(cfg: ModelConfig, size: int = 1) -> tuple[int, ...] | None:
+    """The rows of a tensor with `size` rows a value head (z: dv; b, a, A, dt_bias: 1) as the layer
+    holds them, by their index in the checkpoint's; None where the orders are the same."""
+    if not cfg.delta_tiled:
+        return None
+    return tuple((value_order(cfg)[:, None] * size + np.arange(size)).ravel().tolist())
+
+
+def channel_order(cfg: ModelConfig) -> tuple[int, ...]:
+    """The convolution's channels as the layer holds them, grouped by key head (its q, its k, its
+    value heads' v), by their index in the checkpoint's (every q, every k, every v)."""
+    Hk, dk, dv = cfg.delta_heads, cfg.delta_key_dim, cfg.delta_value_dim
+    heads = value_order(cfg).reshape(Hk, -1)
+    groups = [
+        np.concatenate(
+            [
+                h * dk + np.arange(dk),
+                (Hk + h) * dk + np.arange(dk),
+                2 * Hk * dk + (heads[h, :, None] * dv + np.arange(dv)).ravel(),
+            ]
+        )
+        for h in range(Hk)
+    ]
+    return tuple(np.concatenate(groups).tolist())
+
+
 def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     """One row's state over all DeltaNet layers, in bytes: what a decode step reads and writes (a row
     holds it once more for each of its SNAPSHOTS)."""
@@ -148,15 +189,15 @@ def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 
 def _projections(layer: dict, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    """x [N, D] → the convolution's input [N, C] (q, k, v in that order), the output gate z
-    [N, Hv, dv], and b, a [N, Hv]."""
+    """x [N, D] → the convolution's input [N, C] (grouped by key head: `channel_order`), the output
+    gate z [N, Hv, dv], and b, a [N, Hv]."""
     N = x.shape[0]
     Hk, Hv, dk, dv = cfg.delta_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim
     r = Hv // Hk
     if "wqkvz" in layer:  # Qwen3-Next: per key head, its q, k, then its value heads' v and z
         qkvz = linear(x, layer, "qkvz", cfg).reshape(N, Hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-        mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
+        mixed, z = jnp.split(qkvz, [2 * dk + r * dv], axis=-1)
+        mixed = mixed.reshape(N, -1)
     else:
         mixed, z = linear(x, layer, "mix", cfg), linear(x, layer, "z", cfg)
     if "wba" in layer:  # Qwen3-Next: per key head, its value heads' b, then their a
@@ -292,15 +333,10 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
             before, memory = jnp.where(empty, 0, before), jnp.where(empty[..., None], 0.0, memory)
         start, mixed_in = memory, mixed[here].reshape(R, T, -1)
         convolved, kept = _convolve(mixed_in, before, layer["conv"], live)
-        q, k, v = jnp.split(convolved.astype(jnp.float32), [Hk * dk, 2 * Hk * dk], axis=-1)
-        q, k = _l2norm(q.reshape(R, T, Hk, dk)), _l2norm(k.reshape(R, T, Hk, dk))
-        # each key head serves Hv/Hk value heads: consecutive ones, or every Hk-th (`delta_tiled`)
-        serve = (
-            (lambda t: jnp.tile(t, (1, 1, Hv // Hk, 1)))
-            if cfg.delta_tiled
-            else partial(jnp.repeat, repeats=Hv // Hk, axis=2)
-        )
-        q, k = serve(q * dk**-0.5), serve(k)
+        grouped = convolved.astype(jnp.float32).reshape(R, T, Hk, -1)
+        q, k, v = jnp.split(grouped, [dk, 2 * dk], axis=-1)
+        # each key head serves the Hv/Hk value heads after it
+        q, k = (jnp.repeat(t, Hv // Hk, axis=2) for t in (_l2norm(q) * dk**-0.5, _l2norm(k)))
         v = v.reshape(R, T, Hv, dv)
         bg, bbeta = (jnp.where(live[..., None], t[here].reshape(R, T, Hv), 0.0) for t in (g, beta))
         if T == 1:
@@ -314,6 +350,8 @@ def mix(layer: dict, x: jax.Array, blocks: list, cache, i: int, cfg: ModelConfig
             state = state.write(at_layer, rows, kept, memory)
         outs.append(out.reshape(R * T, Hv, dv))
     out = gated_norm(jnp.concatenate(outs).astype(x.dtype), z, layer["gate_norm"], cfg.rms_norm_eps)
+    if cfg.delta_tiled:  # o's inputs as the checkpoint has them (a k-quant's blocks span two heads: not reordered)
+        out = out.reshape(N, Hk, Hv // Hk, dv).swapaxes(1, 2)
     if cache is not None:
         cache = replace(cache, delta=state)
     return linear(out.reshape(N, Hv * dv), layer, "o", cfg), cache
