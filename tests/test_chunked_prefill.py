@@ -186,8 +186,8 @@ def test_batch_rows_with_a_chunked_admission_equal_run(models):
 
 
 def test_the_step_inside_a_chunk_on_an_int8_cache_equals_run(models):
-    """An int8 cache is attended by XLA's einsums, a block at a time and for decode: the running rows'
-    step riding in a chunk's pass writes and reads its own rows there too, and every row is as alone."""
+    """An int8 cache (its scales beside it, a block at a time and for decode): the running rows' step
+    riding in a chunk's pass writes and reads its own rows there too, and every row is as alone."""
     model, _ = models
     int8 = dataclasses.replace(model, config=dataclasses.replace(model.config, kv_dtype="int8"))
     reqs = [

@@ -200,7 +200,7 @@ def test_a_batch_of_hybrid_rows_gives_what_each_row_gives_alone(tiny):
     """Continuous batching (prompts prefilled in chunks beside running rows, finished rows passed by
     while others step): each row's text as alone."""
     model = dataclasses.replace(load_model(tiny("qwen3.5-moe")), eos_ids=())
-    prompts = ["The capital of France is", "Def fibonacci(n):", PROMPT, "Emoji 🙂 and", "x", "ünïcödé" * 9]
+    prompts = ["The capital of France is", "Def fibonacci(n):", PROMPT, "x"]  # "x": fewer tokens than the convolution
     reqs = [Request(i, model.tokenizer.encode(p), Sampling(), 6 + 5 * (i % 3), i) for i, p in enumerate(prompts)]
     out = []
     Scheduler(model, 3, 256, Decoding(prefill_chunk=16)).run(reqs, out.append, True)
