@@ -89,7 +89,7 @@ class ModelConfig:
     delta_value_dim: int = 0
     delta_conv: int = 0
     delta_qkvz: bool = False  # q, k, v, z interleaved per key head in one matrix (Qwen3-Next's in_proj_qkvz)
-    delta_tiled: bool = False  # value heads tiled over the key heads (h uses key head h % Hk), not grouped
+    delta_tiled: bool = False  # the file lists value heads tiled over the key heads (h uses key head h % Hk)
     attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj also gives each head a sigmoid gate on its output
     # Gemma 4: per layer, its attention's head dim and kv heads (its full layers' heads are wider), and
     # the layer whose K/V it attends over: its own, or (its last `num_kv_shared_layers`) an earlier

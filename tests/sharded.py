@@ -143,7 +143,8 @@ def hybrid(path: str, devices: int) -> dict:
     prompt = model.tokenizer.encode(LONG)
     if devices == 1:
         engine = Engine(model.config, model.params, 256, model.eos_ids, Decoding(CHUNK))
-        text = model.tokenizer.decode([t for chunk in engine.generate(prompt, GREEDY, 12, seed=0) for t in chunk])
+        made = engine.generate(prompt, GREEDY, 12, seed=0, ignore_eos=True)
+        text = model.tokenizer.decode([t for chunk in made for t in chunk])
         state = engine.slots.state.cache.delta
     else:
         requests = [
