@@ -83,6 +83,28 @@ def turns(chat_model):
         assert notices == []
 
 
+def test_a_hybrid_in_the_terminal_carries_its_state_and_resets_it(tiny, tmp_path):
+    """`jaxinfer chat` on Qwen3.5: the second turn takes the first's state (cached tokens), and after
+    /reset the same two messages get the same two replies (no state left over from before)."""
+    child = spawn(with_template(tiny("qwen3.5"), tmp_path / "model"), "-n", "8", "--temp", "0")
+
+    def turn(text: str) -> tuple[str, int]:
+        child.sendline(text)
+        child.expect(FOOTER)
+        shown, cached = child.before, int(child.match.group(2) or 0)  # the line echoed and the reply
+        child.expect_exact(">>> ")
+        return shown, cached
+
+    first = [turn("What is the capital of France?"), turn("And of Italy?")]
+    child.sendline("/reset")
+    child.expect_exact("conversation cleared")
+    child.expect_exact(">>> ")
+    again = [turn("What is the capital of France?"), turn("And of Italy?")]
+    assert [shown for shown, _ in again] == [shown for shown, _ in first]
+    assert first[0][1] == again[0][1] == 0 and first[1][1] == again[1][1] > 0
+    leave(child)
+
+
 def test_context_full_drops_oldest_turns_or_refuses(chat_model):
     model = load_model(chat_model)
     engine = Engine(model.config, model.params, 128, model.eos_ids)
