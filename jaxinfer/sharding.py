@@ -179,12 +179,8 @@ def state_shardings(state, mesh: Mesh, cfg: ModelConfig, draft: ModelConfig | No
     def cache(c, cfg):
         split = jax.tree.map(lambda a: NamedSharding(mesh, cache_spec(a, mesh.size)), c.kv_only)
         conv, recurrent = (NamedSharding(mesh, spec) for spec in delta_specs(cfg, mesh.size))
-        delta = c.delta and replace(
-            c.delta,
-            conv=tuple(conv for _ in c.delta.conv),
-            recurrent=tuple(recurrent for _ in c.delta.recurrent),
-            kept=tuple((tuple(conv for _ in k[0]), tuple(recurrent for _ in k[1])) for k in c.delta.kept),
-        )
+        # every array of the state, now or kept: a convolution's [B, K-1, C] or a rule's [B, Hv, dk, dv]
+        delta = jax.tree.map(lambda a: conv if a.ndim == 3 else recurrent, c.delta)
         read = None if c.experts_read is None else NamedSharding(mesh, PartitionSpec())
         return replace(split, delta=delta, experts_read=read)
 
