@@ -183,7 +183,8 @@ class ModelConfig:
 
 class Weight(NamedTuple):
     """One checkpoint tensor: where it goes in our tree, its shape, and what each of its dimensions
-    indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused", "experts"; None:
+    indexes, by logical name ("vocab", "embed", "heads", "kv_heads", "mlp", "fused", "experts",
+    "expert_mlp": an expert's hidden units; None:
     nothing a mesh splits), from which `jaxinfer.sharding` lays it out over devices. `expert` (e, E):
     the tensor is expert e's slice of a leaf of E stacked along a leading "experts" axis (many
     tensors to one leaf: `leaves_of`); None: the tensor is the whole leaf."""
@@ -215,7 +216,7 @@ class Weight(NamedTuple):
         if "in_out" in self.stored:
             shape, axes = (*shape[:-2], shape[-1], shape[-2]), (*axes[:-2], axes[-1], axes[-2])
         if self.expert is not None:
-            shape, axes = (self.expert[1], *shape), ("experts", *(None,) * len(shape))
+            shape, axes = (self.expert[1], *shape), ("experts", *axes)
         return Weight(self.path, shape, axes)
 
     @property

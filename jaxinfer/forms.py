@@ -194,8 +194,13 @@ class Experts:
         return quant.matmul(x, self.inner.arrays, self.inner.method, experts=experts).astype(dtype)
 
     def axes(self, axes: tuple, blocks: tuple) -> Experts:
-        """Split by experts only (`jaxinfer.sharding`): a mesh holds whole experts."""
-        return jax.tree.map(lambda a: ("experts",), self)
+        """Each array's experts axis first, then one expert's as the inner form holds them (a packed
+        stack whole on every device, as a packed matrix; a quantized one's by `blocks`)."""
+        if isinstance(self.inner, Packed):
+            return Experts(Packed(()))
+        lead = blocks[0] if isinstance(self.inner, Quantized) else axes[0]
+        inner = self.inner.axes(axes[1:], blocks[1:])
+        return Experts(jax.tree.map(lambda a: (lead, *a), inner, is_leaf=lambda a: isinstance(a, tuple)))
 
 
 FORMS = (Plain, Transposed, Packed, Quantized, Experts)

@@ -4,7 +4,8 @@ Each weight's dimensions have logical names in the weight table (`config.Weight.
 names whose size divides the mesh map onto its axis, the others stay whole on every device. That is
 Megatron's split: q/k/v and gate/up by their outputs (heads, the MLP's hidden units), o and down by
 their inputs, the embedding and the head by the vocabulary, and the KV cache by kv heads; a mixture's
-experts by expert, a Gated DeltaNet's rows and recurrent state by key heads. XLA's SPMD
+experts each by its hidden units, as a dense MLP (by expert where those do not divide the mesh:
+`splits`); a Gated DeltaNet's rows and recurrent state by key heads. XLA's SPMD
 partitioner then runs each program on every device over its shards and adds the sums across devices
 (after o and down, for the head's logits). Decode reads 1/N of the weights and of the cache per
 device per step: N devices' bandwidth serves one token stream.
@@ -96,20 +97,24 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
         "experts": cfg.num_experts,
         "delta_heads": cfg.delta_heads,  # a DeltaNet's key heads, each with the value heads it serves
     }
+    if axis == "expert_mlp":  # a mixture's expert's hidden units (`weight_sharding`)
+        return cfg.expert_size % devices == 0
     return axis in counts and counts[axis] % devices == 0
 
 
 def held_axes(cfg: ModelConfig, weight: Weight, quantized: bool, devices: int) -> tuple:
-    """The logical axes a weight can split by as it is stored: the table's; for a matrix quantized
-    in blocks (16 outputs by 32 inputs), only those where each device gets whole blocks, and none
-    where the CPU kernel runs it (its custom call takes whole matrices: XLA would gather them)."""
+    """The logical axes a weight can split by as it is stored: the table's; for a matrix (or a stack
+    of experts' matrices) quantized in blocks (16 outputs by 32 inputs), only those where each device
+    gets whole blocks, and none where the CPU kernel runs it (its custom call takes whole matrices:
+    XLA would gather them)."""
     if not quantized:
         return weight.axes
     if kernel.available():
         return (None,) * len(weight.axes)
-    return tuple(
+    lead = len(weight.axes) - 2  # a stack's experts axis
+    return weight.axes[:lead] + tuple(
         name if size % (block * devices) == 0 else None
-        for name, size, block in zip(weight.axes, weight.shape, (GROUP, BLOCK))
+        for name, size, block in zip(weight.axes[lead:], weight.shape[lead:], (GROUP, BLOCK))
     )
 
 
@@ -117,7 +122,17 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
     """Where a tensor with these logical axes goes (None: no mesh)."""
     if mesh is None:
         return None
-    return NamedSharding(mesh, PartitionSpec(*(AXIS if splits(cfg, name, mesh.size) else None for name in axes)))
+    split = [splits(cfg, name, mesh.size) for name in axes]
+    # A mixture's stack splits inside each expert, by its hidden units (as vLLM's tensor parallelism does),
+    # and by expert only where the units do not divide the mesh or the stack has no such axis (gate and
+    # up fused: `jaxinfer.families.moe.STACK`): a routed expert is a slice of its stack
+    # at an index the router picks in the graph, and XLA's SPMD partitioner gathers a stack split by
+    # experts whole onto every device before slicing it. Read from the compiled decode program of a tiny
+    # Qwen3-MoE over 4 CPU devices: six all-gathers of whole [8, 64, 64] stacks a step split by experts,
+    # none split inside them (each device reads its quarter of the routed experts' bytes).
+    if "experts" in axes and "expert_mlp" in axes and split[axes.index("expert_mlp")]:
+        split[axes.index("experts")] = False
+    return NamedSharding(mesh, PartitionSpec(*(AXIS if s else None for s in split)))
 
 
 def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:

@@ -2,7 +2,7 @@
 tokens through run's engine and batch's runner at --devices 1 and 4, with what each device holds;
 the first model's also with constrained rows, and with -q int8 at 1 and 2 devices (where its blocks
 split: 2 runs nothing else, the suite's time); the second's run alone. With `--hybrid`: hybrids'
-(`hybrid`), at 1 and 2 devices.
+(`hybrid`), at 1 and 2 devices; with `--experts`: mixtures' (`experts`), at 1 and 2.
 Prints one JSON object: {model path: {devices: {"run", "batch", "bytes", "cache", "converted", "int8",
 "constrained", "fits"}}}."""
 
@@ -169,7 +169,26 @@ def hybrid(path: str, devices: int) -> dict:
     }
 
 
-if __name__ == "__main__" and sys.argv[1] == "--hybrid":  # each hybrid at 1 and 2 devices
+def experts(path: str, devices: int) -> dict:
+    """A mixture's greedy tokens of LONG through run's engine, how its first mixture layer's stacks
+    lie (over a mesh), and what each device holds against what info counts."""
+    model = load_model(path, mesh=device_mesh(devices))
+    engine = Engine(model.config, model.params, 256, model.eos_ids, Decoding(CHUNK))
+    made = engine.generate(model.tokenizer.encode(LONG), GREEDY, 12, seed=0, ignore_eos=True)
+    layer = next(layer for layer in model.params["layers"] if "router" in layer)
+    return {
+        "run": [t for chunk in made for t in chunk],
+        "specs": {name: str(layer[name].inner.w.sharding.spec) for name in layer if name.startswith("we_")}
+        if devices > 1
+        else {},
+        "held": max(bytes_per_device(model.params)),
+        "counted": weight_bytes(model.config, Storage.of_params(model.params), devices),
+    }
+
+
+if __name__ == "__main__" and sys.argv[1] == "--experts":  # each mixture at 1 and 2 devices
+    print(json.dumps({path: {n: experts(path, n) for n in (1, 2)} for path in sys.argv[2:]}))
+elif __name__ == "__main__" and sys.argv[1] == "--hybrid":  # each hybrid at 1 and 2 devices
     print(json.dumps({path: {n: hybrid(path, n) for n in (1, 2)} for path in sys.argv[2:]}))
 elif __name__ == "__main__":
     # The first model at 1, 2 and 4 devices; the second (MQA: its one kv head stays whole however

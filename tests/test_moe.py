@@ -6,6 +6,9 @@ orbax copy and a continuous batch. Logits and greedy text against transformers a
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from cli_helpers import jaxinfer
 from reference import alone, assert_close, hf_logits, our_prompt_logits, reference
 
 from jaxinfer import forms, roofline
@@ -234,10 +236,24 @@ def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
 
 
 @pytest.mark.slow
-def test_experts_split_over_devices_give_one_devices_tokens(tiny):
-    """8 experts over 2 and 4 CPU devices (the "experts" axis: each device holds whole experts): the
-    tokens one device gives."""
-    path = tiny("qwen3-moe")
-    run = ("run", "-m", path, "-n", "12", "--temp", "0", "--ignore-eos", "--json", "The capital of France")
-    tokens = [json.loads(jaxinfer(*run, "--devices", str(n)).stdout)["token_ids"] for n in (1, 2, 4)]
-    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 12
+def test_mixtures_over_devices_give_one_devices_tokens(tiny):
+    """Over 2 CPU devices (in a process of their own: `tests/sharded.py`), each expert split by its
+    hidden units as a dense MLP (qwen3-moe's 8 experts, olmoe's 7), Gemma 4's gate and up (fused: no
+    such axis) by expert beside it; its full layers' one kv head whole on each device beside the
+    sliding layers' two split: the tokens one device gives, each device holding what info counts."""
+    paths = [str(tiny("qwen3-moe")), str(tiny("olmoe")), str(tiny("gemma4-moe", init_std=0.05))]
+    script = Path(__file__).with_name("sharded.py")
+    done = subprocess.run([sys.executable, script, "--experts", *paths], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    inside = {
+        "we_gate": "P(None, 'tensor', None)",
+        "we_up": "P(None, 'tensor', None)",
+        "we_down": "P(None, None, 'tensor')",
+    }
+    fused = {"we_gate_up": "P('tensor', None, None)", "we_down": "P(None, None, 'tensor')"}
+    for path, specs in zip(paths, (inside, inside, fused)):
+        one, two = result[path]["1"], result[path]["2"]
+        assert two["run"] == one["run"] and len(set(one["run"])) > 3
+        assert two["specs"] == specs
+        assert two["held"] == two["counted"] < one["held"] == one["counted"]

@@ -182,7 +182,7 @@ def _mixture_table(cfg: ModelConfig, i: int) -> dict[str, Weight]:
         f"{pre}.router.scale": Weight(("layers", i, "router_scale"), (D,), ("embed",)),
         f"{pre}.router.per_expert_scale": Weight(("layers", i, "expert_scale"), (E,), (None,)),
         f"{pre}.experts.gate_up_proj": Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), moe.STACK),
-        f"{pre}.experts.down_proj": Weight(("layers", i, "we_down"), (E, D, F), moe.STACK),
+        f"{pre}.experts.down_proj": Weight(("layers", i, "we_down"), (E, D, F), ("experts", *moe.DOWN)),
     }
     for hf_name, name in (
         ("pre_feedforward_layernorm_2", "mlp_norm_2"),

@@ -50,7 +50,11 @@ DEFAULTS = {
     },
 }
 QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-STACK = ("experts", None, None)  # a whole stack's axes
+# A stack's axes: gate's and up's [E, F, D], down's [E, D, F] (a mesh splits each expert's hidden
+# units, or the experts: `jaxinfer.sharding.splits`); gate and up fused [E, 2F, D] by experts only
+# (an even split of its rows would give one device the gates, another the ups).
+STACK = ("experts", None, None)
+GATE_UP, DOWN = ("expert_mlp", None), (None, "expert_mlp")  # one expert's matrices
 
 # Set in a config.json (by `modeldir.load_config`, kept by `convert`) where the checkpoint holds each
 # mixture layer's experts as two stacks under transformers 5's own names, `mlp.experts.gate_up_proj`
@@ -124,11 +128,11 @@ def weight_table(cfg: ModelConfig) -> dict[str, Weight]:
         table[f"{pre}.gate.weight"] = Weight(("layers", i, "router"), (E, D), (None, "embed"))
         if cfg.fused_experts:
             table[f"{pre}.experts.gate_up_proj"] = Weight(("layers", i, "we_gate_up"), (E, 2 * F, D), STACK)
-            table[f"{pre}.experts.down_proj"] = Weight(("layers", i, "we_down"), (E, D, F), STACK)
+            table[f"{pre}.experts.down_proj"] = Weight(("layers", i, "we_down"), (E, D, F), ("experts", *DOWN))
         for e in range(0 if cfg.fused_experts else E):
-            for part, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            for part, shape, axes in (("gate", (F, D), GATE_UP), ("up", (F, D), GATE_UP), ("down", (D, F), DOWN)):
                 table[f"{pre}.experts.{e}.{names[part]}.weight"] = Weight(
-                    ("layers", i, f"we_{part}"), shape, (None, None), (e, E)
+                    ("layers", i, f"we_{part}"), shape, axes, (e, E)
                 )
         if cfg.shared_expert_size:
             S = cfg.shared_expert_size
