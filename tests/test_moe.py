@@ -18,6 +18,7 @@ import transformers
 from reference import alone, assert_close, hf_logits, our_prompt_logits, reference
 
 from jaxinfer import roofline
+from jaxinfer.constrain import Constraint
 from jaxinfer.convert import convert
 from jaxinfer.errors import JaxinferError
 from jaxinfer.families import config_from_hf
@@ -167,13 +168,20 @@ def test_a_quantized_mixture_stays_close_and_survives_the_orbax_copy(tiny, tmp_p
 @pytest.mark.slow
 def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
     """Continuous batching with rows routed to different experts (the tiles plan: 2 experts × up to 5
-    rows a step) and prompts prefilled beside running rows: each row's text as alone."""
+    rows a step) and prompts prefilled beside running rows, one of them constrained: each free row's
+    text as alone, the constrained one's a choice it was given."""
     model = dataclasses.replace(load_model(tiny("mixtral")), eos_ids=())
     prompts = ["The capital of France is", "Def fibonacci(n):", "東京は日本の", "Emoji 🙂 and", "x", "ünïcödé"]
     reqs = [Request(i, model.tokenizer.encode(p), Sampling(), 6 + 5 * (i % 3), i) for i, p in enumerate(prompts)]
+    choice = Constraint("choice", ("yes", "no", "maybe so"))
+    asked = Request(6, model.tokenizer.encode("Answer:"), Sampling(), 8, 6, constraint=choice)
     out = []
-    Scheduler(model, 5, 128).run(reqs, out.append, True)
-    assert {r["id"]: r["text"] for r in out} == {r.id: alone(model, r).text for r in reqs}
+    scheduler = Scheduler(model, 5, 128)
+    scheduler.slots.constrain(model.tokenizer)
+    scheduler.run([*reqs[:3], asked, *reqs[3:]], out.append, True)
+    texts = {r["id"]: r["text"] for r in out}
+    assert texts.pop(6) in choice.value
+    assert texts == {r.id: alone(model, r).text for r in reqs}
 
 
 @pytest.mark.slow
@@ -181,8 +189,12 @@ def test_mixtures_over_devices_give_one_devices_tokens(tiny):
     """Over 2 CPU devices (in a process of their own: `tests/sharded.py`), each expert split by its
     hidden units as a dense MLP (qwen3-moe's 8 experts, olmoe's 7), Gemma 4's gate and up (fused: no
     such axis) by expert beside it; its full layers' one kv head whole on each device beside the
-    sliding layers' two split: the tokens one device gives, each device holding what info counts."""
-    paths = [str(tiny("qwen3-moe")), str(tiny("olmoe")), str(tiny("gemma4-moe", init_std=0.05))]
+    sliding layers' two split; gpt-oss's stacks (5 experts, gate and up fused) whole beside its heads
+    split with their sinks: the tokens one device gives, each device holding what info counts."""
+    paths = [str(tiny(arch)) for arch in ("qwen3-moe", "olmoe")] + [
+        str(tiny("gemma4-moe", init_std=0.05)),
+        str(tiny("gpt-oss")),
+    ]
     script = Path(__file__).with_name("sharded.py")
     done = subprocess.run([sys.executable, script, "--experts", *paths], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -193,7 +205,8 @@ def test_mixtures_over_devices_give_one_devices_tokens(tiny):
         "we_down": "P(None, None, 'tensor')",
     }
     fused = {"we_gate_up": "P('tensor', None, None)", "we_down": "P(None, None, 'tensor')"}
-    for path, specs in zip(paths, (inside, inside, fused)):
+    whole = {"we_gate_up": "P(None, None, None)", "we_down": "P(None, None, None)"}
+    for path, specs in zip(paths, (inside, inside, fused, whole)):
         one, two = result[path]["1"], result[path]["2"]
         assert two["run"] == one["run"] and len(set(one["run"])) > 3
         assert two["specs"] == specs
