@@ -123,13 +123,13 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
     if mesh is None:
         return None
     split = [splits(cfg, name, mesh.size) for name in axes]
-    # A mixture's stack splits inside each expert, by its hidden units (as vLLM's tensor parallelism does),
-    # and by expert only where the units do not divide the mesh or the stack has no such axis (gate and
-    # up fused: `jaxinfer.families.moe.STACK`): a routed expert is a slice of its stack
-    # at an index the router picks in the graph, and XLA's SPMD partitioner gathers a stack split by
-    # experts whole onto every device before slicing it. Read from the compiled decode program of a tiny
-    # Qwen3-MoE over 4 CPU devices: six all-gathers of whole [8, 64, 64] stacks a step split by experts,
-    # none split inside them (each device reads its quarter of the routed experts' bytes).
+    # A mixture's stack splits inside each expert, by its hidden units (as vLLM's tensor parallelism
+    # does), and by expert only where those do not divide the mesh or the stack has none (gate and up
+    # fused: `jaxinfer.families.moe.STACK`). A routed expert is a slice of its stack at an index the
+    # router picks in the graph, and XLA's SPMD partitioner gathers a stack split by experts whole
+    # onto every device before slicing it: the compiled decode program of a tiny Qwen3-MoE over 4 CPU
+    # devices held six all-gathers of whole [8, 64, 64] stacks a step split by experts, none split
+    # inside them (each device then reads its quarter of the routed experts' bytes).
     if "experts" in axes and "expert_mlp" in axes and split[axes.index("expert_mlp")]:
         split[axes.index("experts")] = False
     return NamedSharding(mesh, PartitionSpec(*(AXIS if s else None for s in split)))

@@ -44,7 +44,7 @@ chroot "$root" /bin/bash -euc '
   cd /src
   export HOME=/root PIP_DISABLE_PIP_VERSION_CHECK=1
   [ -x /venv/bin/python ] || python3 -m venv /venv
-  /venv/bin/pip install -q "setuptools>=77" "jax>=0.10.2" "jaxlib>=0.10.2" pytest hypothesis pexpect
+  /venv/bin/pip install -q "setuptools>=77" "jax>=0.10.2" "jaxlib>=0.10.2" pytest pytest-xdist hypothesis pexpect
   /venv/bin/pip install -q --no-build-isolation -e .
   /venv/bin/python -m pytest -q -p no:cacheprovider "$@"
   QEMU_CPU=cortex-a72 /venv/bin/python -c "
