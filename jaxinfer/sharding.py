@@ -128,8 +128,9 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
     # fused: `jaxinfer.families.moe.STACK`). A routed expert is a slice of its stack at an index the
     # router picks in the graph, and XLA's SPMD partitioner gathers a stack split by experts whole
     # onto every device before slicing it: the compiled decode program of a tiny Qwen3-MoE over 4 CPU
-    # devices held six all-gathers of whole [8, 64, 64] stacks a step split by experts, none split
-    # inside them (each device then reads its quarter of the routed experts' bytes).
+    # devices, split by experts, began with six all-gathers of whole [8, 64, 64] stacks (hoisted out
+    # of the decode loop: each call holds every expert on every device again, and each step reads
+    # the routed experts whole on each); split inside them, none, and each device reads its quarter.
     if "experts" in axes and "expert_mlp" in axes and split[axes.index("expert_mlp")]:
         split[axes.index("experts")] = False
     return NamedSharding(mesh, PartitionSpec(*(AXIS if s else None for s in split)))
