@@ -4,11 +4,11 @@ Each weight's dimensions have logical names in the weight table (`config.Weight.
 names whose size divides the mesh map onto its axis, the others stay whole on every device. That is
 Megatron's split: q/k/v and gate/up by their outputs (heads, the MLP's hidden units), o and down by
 their inputs, the embedding and the head by the vocabulary, and the KV cache by kv heads; a mixture's
-experts each by its hidden units, as a dense MLP (by expert where those do not divide the mesh:
-`splits`); a Gated DeltaNet's rows and recurrent state by key heads. XLA's SPMD
-partitioner then runs each program on every device over its shards and adds the sums across devices
-(after o and down, for the head's logits). Decode reads 1/N of the weights and of the cache per
-device per step: N devices' bandwidth serves one token stream.
+experts each by its hidden units, as a dense MLP (never by expert: `splits`); a Gated DeltaNet's
+rows and recurrent state by key heads. XLA's SPMD partitioner then runs each program on every device
+over its shards and adds the sums across devices (after o and down, for the head's logits). Decode
+reads 1/N of the weights and of the cache per device per step: N devices' bandwidth serves one token
+stream.
 
 What does not divide stays whole: a model whose kv heads do not divide N (MQA: one kv head) keeps the
 whole cache on every device; Phi-3's fused q/k/v and gate/up rows (an even split would mix q with k);
@@ -94,11 +94,17 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
         "heads": cfg.num_heads,
         "kv_heads": cfg.num_kv_heads,
         "mlp": cfg.intermediate_size,
-        "experts": cfg.num_experts,
+        "expert_mlp": cfg.expert_size,  # a mixture's expert's hidden units
         "delta_heads": cfg.delta_heads,  # a DeltaNet's key heads, each with the value heads it serves
     }
-    if axis == "expert_mlp":  # a mixture's expert's hidden units (`weight_sharding`)
-        return cfg.expert_size % devices == 0
+    # A mixture's stack splits inside each expert, by its hidden units (as vLLM's tensor parallelism
+    # does), never by expert: a routed expert is a slice of its stack at an index the router picks in
+    # the graph, and XLA's SPMD partitioner gathers a stack split by experts whole onto every device
+    # before slicing it. The compiled decode program of a tiny Qwen3-MoE over 4 CPU devices, split by
+    # experts, began with six all-gathers of whole [8, 64, 64] stacks, hoisted out of the decode loop:
+    # each call held every expert on every device again (a shard more than whole), and each step read
+    # the routed experts whole on each. Split inside them: none, each device reading its quarter. A
+    # stack with gate and up fused in its rows (no such axis: `jaxinfer.families.moe.STACK`) stays whole.
     return axis in counts and counts[axis] % devices == 0
 
 
@@ -122,18 +128,7 @@ def weight_sharding(cfg: ModelConfig, axes: tuple, mesh: Mesh | None) -> NamedSh
     """Where a tensor with these logical axes goes (None: no mesh)."""
     if mesh is None:
         return None
-    split = [splits(cfg, name, mesh.size) for name in axes]
-    # A mixture's stack splits inside each expert, by its hidden units (as vLLM's tensor parallelism
-    # does), and by expert only where those do not divide the mesh or the stack has none (gate and up
-    # fused: `jaxinfer.families.moe.STACK`). A routed expert is a slice of its stack at an index the
-    # router picks in the graph, and XLA's SPMD partitioner gathers a stack split by experts whole
-    # onto every device before slicing it: the compiled decode program of a tiny Qwen3-MoE over 4 CPU
-    # devices, split by experts, began with six all-gathers of whole [8, 64, 64] stacks (hoisted out
-    # of the decode loop: each call holds every expert on every device again, and each step reads
-    # the routed experts whole on each); split inside them, none, and each device reads its quarter.
-    if "experts" in axes and "expert_mlp" in axes and split[axes.index("expert_mlp")]:
-        split[axes.index("experts")] = False
-    return NamedSharding(mesh, PartitionSpec(*(AXIS if s else None for s in split)))
+    return NamedSharding(mesh, PartitionSpec(*(AXIS if splits(cfg, name, mesh.size) else None for name in axes)))
 
 
 def param_shardings(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:

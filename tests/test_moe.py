@@ -187,10 +187,11 @@ def test_a_batch_of_mixture_rows_gives_what_each_row_gives_alone(tiny):
 @pytest.mark.slow
 def test_mixtures_over_devices_give_one_devices_tokens(tiny):
     """Over 2 CPU devices (in a process of their own: `tests/sharded.py`), each expert split by its
-    hidden units as a dense MLP (qwen3-moe's 8 experts, olmoe's 7), Gemma 4's gate and up (fused: no
-    such axis) by expert beside it; its full layers' one kv head whole on each device beside the
-    sliding layers' two split; gpt-oss's stacks (5 experts, gate and up fused) whole beside its heads
-    split with their sinks: the tokens one device gives, each device holding what info counts."""
+    hidden units as a dense MLP (qwen3-moe's 8 experts, olmoe's 7, never by expert), Gemma 4's gate
+    and up (fused: no such axis) whole beside its down split; its full layers' one kv head whole on
+    each device beside the sliding layers' two split; gpt-oss's stacks whole (its table names no
+    hidden-units axis) beside its heads split with their sinks: the tokens one device gives, each
+    device holding what info counts."""
     paths = [str(tiny(arch)) for arch in ("qwen3-moe", "olmoe")] + [
         str(tiny("gemma4-moe", init_std=0.05)),
         str(tiny("gpt-oss")),
@@ -204,7 +205,7 @@ def test_mixtures_over_devices_give_one_devices_tokens(tiny):
         "we_up": "P(None, 'tensor', None)",
         "we_down": "P(None, None, 'tensor')",
     }
-    fused = {"we_gate_up": "P('tensor', None, None)", "we_down": "P(None, None, 'tensor')"}
+    fused = {"we_gate_up": "P(None, None, None)", "we_down": "P(None, None, 'tensor')"}
     whole = {"we_gate_up": "P(None, None, None)", "we_down": "P(None, None, None)"}
     for path, specs in zip(paths, (inside, inside, fused, whole)):
         one, two = result[path]["1"], result[path]["2"]

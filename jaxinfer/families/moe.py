@@ -51,8 +51,8 @@ DEFAULTS = {
 }
 QWEN = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # A stack's axes: gate's and up's [E, F, D], down's [E, D, F] (a mesh splits each expert's hidden
-# units, or the experts: `jaxinfer.sharding.splits`); gate and up fused [E, 2F, D] by experts only
-# (an even split of its rows would give one device the gates, another the ups).
+# units, never the experts: `jaxinfer.sharding.splits`); gate and up fused [E, 2F, D] whole (an even
+# split of its rows would give one device the gates, another the ups).
 STACK = ("experts", None, None)
 GATE_UP, DOWN = ("expert_mlp", None), (None, "expert_mlp")  # one expert's matrices
 
