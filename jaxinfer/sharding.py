@@ -103,8 +103,9 @@ def splits(cfg: ModelConfig, axis: str | None, devices: int) -> bool:
     # before slicing it. The compiled decode program of a tiny Qwen3-MoE over 4 CPU devices, split by
     # experts, began with six all-gathers of whole [8, 64, 64] stacks, hoisted out of the decode loop:
     # each call held every expert on every device again (a shard more than whole), and each step read
-    # the routed experts whole on each. Split inside them: none, each device reading its quarter. A
-    # stack with gate and up fused in its rows (no such axis: `jaxinfer.families.moe.STACK`) stays whole.
+    # the routed experts whole on each. Split inside them, it gathers none, each device reading its
+    # quarter. A stack with gate and up fused in its rows (no such axis: `jaxinfer.families.moe.STACK`)
+    # stays whole.
     return axis in counts and counts[axis] % devices == 0
 
 
