@@ -191,7 +191,7 @@ def test_the_routed_product_is_the_dense_mixture(kind, rows, isa):
     of that expert only, the others skipped), and choices that leave experts unpicked; in every form,
     on each kernel path. Float forms to float32 rounding; the quantized ones within 6% of Σ|terms|
     (a wrong expert or weight misses by about 100%): the kernel quantizes each product's activations
-    per block (1% a product, test_forms), and the down product's inputs carry the gate and up
+    per block (1% a product: the forms' test above), and the down product's inputs carry the gate and up
     products' error through the activation (3.4% seen at one of 2,560 outputs)."""
     layer = stacks(kind)
     rng = np.random.default_rng(rows)
