@@ -199,7 +199,8 @@ class Experts:
         if isinstance(self.inner, Packed):
             return Experts(Packed(()))
         lead = blocks[0] if isinstance(self.inner, Quantized) else axes[0]
-        inner = self.inner.axes(axes[1:], blocks[1:])
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.inner)  # an expert's arrays
+        inner = one.axes(axes[1:], blocks[1:])
         return Experts(jax.tree.map(lambda a: (lead, *a), inner, is_leaf=lambda a: isinstance(a, tuple)))
 
 

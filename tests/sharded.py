@@ -178,7 +178,7 @@ def experts(path: str, devices: int) -> dict:
     layer = next(layer for layer in model.params["layers"] if "router" in layer)
     return {
         "run": [t for chunk in made for t in chunk],
-        "specs": {name: str(layer[name].inner.w.sharding.spec) for name in layer if name.startswith("we_")}
+        "specs": {name: str(jax.tree.leaves(layer[name])[0].sharding.spec) for name in layer if name.startswith("we_")}
         if devices > 1
         else {},
         "held": max(bytes_per_device(model.params)),
