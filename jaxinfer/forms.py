@@ -194,14 +194,11 @@ class Experts:
         return quant.matmul(x, self.inner.arrays, self.inner.method, experts=experts).astype(dtype)
 
     def axes(self, axes: tuple, blocks: tuple) -> Experts:
-        """Each array's experts axis first, then one expert's as the inner form holds them (a packed
-        stack whole on every device, as a packed matrix; a quantized one's by `blocks`)."""
-        if isinstance(self.inner, Packed):
-            return Experts(Packed(()))
-        lead = blocks[0] if isinstance(self.inner, Quantized) else axes[0]
+        """Each array's experts axis first (which no mesh splits: `sharding.splits`), then one
+        expert's axes as the inner form holds them (packed: whole; quantized: by `blocks`)."""
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.inner)  # an expert's arrays
         inner = one.axes(axes[1:], blocks[1:])
-        return Experts(jax.tree.map(lambda a: (lead, *a), inner, is_leaf=lambda a: isinstance(a, tuple)))
+        return Experts(jax.tree.map(lambda a: (axes[0], *a), inner, is_leaf=lambda a: isinstance(a, tuple)))
 
 
 FORMS = (Plain, Transposed, Packed, Quantized, Experts)
